@@ -1,0 +1,162 @@
+// Package config reads each subcommand's settings from the environment with envconfig and
+// checks them, so that a bad value stops the program at start with one line naming the
+// variable.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"reflect"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/kelseyhightower/envconfig"
+	"github.com/redis/go-redis/v9"
+)
+
+// Redis is the Redis connection shared by asynq and the lock.
+type Redis struct {
+	RedisURL string `envconfig:"REDIS_URL" default:"redis://127.0.0.1:6379/0" desc:"Redis holding asynq's queues and the locks (redis:// or rediss://)"`
+}
+
+// Database is the Postgres database holding the ledger.
+type Database struct {
+	DatabaseURL string `envconfig:"DATABASE_URL" default:"postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable" desc:"Postgres holding the ledger (postgres:// URL or key=value DSN)"`
+}
+
+// Migrate configures `idemq migrate`.
+type Migrate struct {
+	Database
+}
+
+// Worker configures `idemq worker`.
+type Worker struct {
+	Redis
+	Database
+	Concurrency     int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" desc:"tasks one worker runs at once"`
+	Queues          []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, optionally weighted as name:weight"`
+	Lease           time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
+	LockTTL         time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
+	ShutdownTimeout time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
+	MetricsAddr     string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables"`
+	FakepayURL      string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
+	Retention       time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept"`
+	MaxAge          time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
+	LogLevel        string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
+}
+
+// API configures `idemq api`.
+type API struct {
+	Redis
+	Database
+	HTTPAddr          string        `envconfig:"IDEMQ_HTTP_ADDR" default:":8080" desc:"address of the enqueue API, the dashboard, /metrics, /healthz and /readyz"`
+	DashboardUser     string        `envconfig:"IDEMQ_DASHBOARD_USER" desc:"basic-auth user for /monitoring/ and /ledger/"`
+	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password; when set, the dashboard asks for it"`
+	DashboardReadonly bool          `envconfig:"IDEMQ_DASHBOARD_READONLY" default:"true" desc:"forbid dashboard actions (run, delete, archive)"`
+	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for requests in flight"`
+	LogLevel          string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
+}
+
+// Fakepay configures `idemq fakepay`.
+type Fakepay struct {
+	Database
+	Addr      string        `envconfig:"IDEMQ_FAKEPAY_ADDR" default:":8090" desc:"address of the stand-in payment provider"`
+	HonorKeys bool          `envconfig:"IDEMQ_FAKEPAY_HONOR_KEYS" default:"true" desc:"answer a repeated Idempotency-Key with the first charge, like Stripe"`
+	Delay     time.Duration `envconfig:"IDEMQ_FAKEPAY_DELAY" default:"0s" desc:"upper bound of a random delay added to each request"`
+	LogLevel  string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
+}
+
+// Load fills spec (a pointer to one of the structs above) from the environment and checks
+// it. The error is one line naming the variable at fault.
+func Load(spec any) error {
+	if err := envconfig.Process("", spec); err != nil {
+		var pe *envconfig.ParseError
+		if errors.As(err, &pe) {
+			return fmt.Errorf("%s=%q: not a valid %s", pe.KeyName, pe.Value, pe.TypeName)
+		}
+		return err
+	}
+	return check(reflect.ValueOf(spec).Elem())
+}
+
+// check walks the struct and validates each field by its variable name and type.
+func check(v reflect.Value) error {
+	t := v.Type()
+	for i := 0; i < t.NumField(); i++ {
+		f, fv := t.Field(i), v.Field(i)
+		if f.Anonymous {
+			if err := check(fv); err != nil {
+				return err
+			}
+			continue
+		}
+		key := f.Tag.Get("envconfig")
+		if err := checkField(key, fv.Interface()); err != nil {
+			return fmt.Errorf("%s: %w", key, err)
+		}
+	}
+	return nil
+}
+
+func checkField(key string, v any) error {
+	switch x := v.(type) {
+	case time.Duration:
+		if x < 0 {
+			return fmt.Errorf("negative duration %s", x)
+		}
+		if x == 0 && key != "IDEMQ_FAKEPAY_DELAY" {
+			return errors.New("must be greater than zero")
+		}
+	case int:
+		if x <= 0 {
+			return fmt.Errorf("must be greater than zero, got %d", x)
+		}
+	case []string:
+		if len(x) == 0 {
+			return errors.New("must not be empty")
+		}
+		for _, q := range x {
+			if strings.TrimSpace(q) == "" {
+				return errors.New("has an empty entry")
+			}
+		}
+	}
+	switch key {
+	case "REDIS_URL":
+		if _, err := redis.ParseURL(v.(string)); err != nil {
+			return err
+		}
+	case "DATABASE_URL":
+		if _, err := pgx.ParseConfig(v.(string)); err != nil {
+			return errors.New("not a valid Postgres URL or DSN")
+		}
+	case "IDEMQ_FAKEPAY_URL":
+		u, err := url.Parse(v.(string))
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return errors.New("not an absolute http(s) URL")
+		}
+	case "IDEMQ_LOG_LEVEL":
+		switch v.(string) {
+		case "debug", "info", "warn", "error":
+		default:
+			return fmt.Errorf("unknown level %q (debug, info, warn, error)", v)
+		}
+	}
+	return nil
+}
+
+const usageFormat = `{{range .}}  {{usage_key .}}	{{usage_default .}}	{{usage_description .}}
+{{end}}`
+
+// Usage writes one line per variable of spec: name, default, meaning.
+func Usage(w io.Writer, spec any) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	if err := envconfig.Usagef("", spec, tw, usageFormat); err != nil {
+		return err
+	}
+	return tw.Flush()
+}

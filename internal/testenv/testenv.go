@@ -1,0 +1,91 @@
+// Package testenv is the one way idemq's tests reach real servers.
+//
+// Postgres and Redis give a test an isolated view of the shared servers (a fresh migrated
+// schema, a Redis database of its own). StartPostgres and StartRedis start private servers
+// from the installed binaries on a free loopback port, for tests that must kill, stop or
+// pause them. When a shared server does not answer, the test fails with a message saying
+// how to start one: it never skips.
+package testenv
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// DefaultDatabaseURL and DefaultRedisURL are used when neither TEST_DATABASE_URL /
+// DATABASE_URL nor TEST_REDIS_URL / REDIS_URL is set.
+const (
+	DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+	DefaultRedisURL    = "redis://127.0.0.1:6379/0"
+)
+
+func firstEnv(def string, names ...string) string {
+	for _, n := range names {
+		if v := os.Getenv(n); v != "" {
+			return v
+		}
+	}
+	return def
+}
+
+// randomName returns prefix followed by 12 random hex characters.
+func randomName(prefix string) string {
+	b := make([]byte, 6)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return prefix + hex.EncodeToString(b)
+}
+
+// FreePort returns a loopback TCP port that was free a moment ago.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("testenv: find a free port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Context returns a context cancelled when the test ends or after d, whichever is first.
+func Context(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// waitFor calls ok every 20 ms until it returns nil or d has passed; it returns the last error.
+func waitFor(d time.Duration, ok func() error) error {
+	deadline := time.Now().Add(d)
+	for {
+		err := ok()
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func sanitize(name string) string {
+	return strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' {
+			return r
+		}
+		if r >= 'A' && r <= 'Z' {
+			return r + 'a' - 'A'
+		}
+		return '_'
+	}, name)
+}
+
+func fatalf(t testing.TB, format string, args ...any) {
+	t.Helper()
+	t.Fatalf("testenv: "+format, args...)
+}
