@@ -1,0 +1,34 @@
+# idemq — the commands a developer types.
+GO      ?= go
+BIN     ?= bin/idemq
+PKGS    ?= ./...
+
+.PHONY: test build lint migrate up down cover
+
+## test: vet, format check, then every test with the race detector against real Redis and Postgres
+test: lint
+	$(GO) test -race -count=1 $(PKGS)
+
+## build: the idemq binary in bin/
+build:
+	$(GO) build -o $(BIN) ./cmd/idemq
+
+## lint: go vet and a gofmt check
+lint:
+	$(GO) vet $(PKGS)
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+
+## cover: tests with a coverage summary per package
+cover:
+	$(GO) test -race -count=1 -cover $(PKGS)
+
+## migrate: apply migrations to DATABASE_URL
+migrate: build
+	$(BIN) migrate
+
+## up / down: the whole stack with Docker Compose
+up:
+	docker compose up -d --build
+down:
+	docker compose down
