@@ -1,0 +1,245 @@
+// Package tasks defines idemq's example task types: their names, payloads, the keys and
+// lock scopes derived from them, and constructors that set asynq's options.
+//
+// A key comes from intent, never from randomness: charging order 123 is always
+// "charge:123", however often it is enqueued or retried. The key is asynq's TaskID for
+// the first publish, the ledger key and the idempotency key handed to the provider.
+//
+//	t, err := tasks.NewChargeTask(tasks.Charge{OrderID: "123", CustomerID: "42", AmountCents: 1999, Currency: "EUR"})
+//	info, dup, err := tasks.Enqueue(ctx, client, t)
+package tasks
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// Task type names.
+const (
+	TypeCharge = "payment:charge"
+	TypeDebit  = "wallet:debit"
+)
+
+// Queue is the asynq queue both example task types go to.
+const Queue = "default"
+
+// Limits checked before a task is enqueued.
+const (
+	// MaxKeyBytes is the longest idempotency key the ledger accepts.
+	MaxKeyBytes = 255
+	// MaxPayloadBytes is the largest payload a constructor or decoder accepts.
+	MaxPayloadBytes = 64 << 10
+)
+
+// HeaderFirstEnqueued is the task header holding the time (RFC 3339, UTC) the job was
+// first enqueued. It bounds how long a task may keep retrying as "busy"; it is not part of
+// the payload's fingerprint.
+const HeaderFirstEnqueued = "idemq-first-enqueued"
+
+// Default asynq options of the example task types.
+const (
+	DefaultMaxRetry  = 10
+	DefaultRetention = 24 * time.Hour
+	chargeTimeout    = 2 * time.Minute
+	debitTimeout     = 30 * time.Second
+)
+
+// Job is what the idempotency middleware needs of a decoded payload.
+type Job interface {
+	// Key is the idempotency key: the ledger key, the provider's idempotency key and the
+	// TaskID of the first publish.
+	Key() string
+	// LockScope is the Redis lock's scope; it may be wider than the key.
+	LockScope() string
+}
+
+// Charge is the payload of payment:charge: charge a customer for an order, once.
+type Charge struct {
+	OrderID     string `json:"order_id"`
+	CustomerID  string `json:"customer_id"`
+	AmountCents int64  `json:"amount_cents"`
+	Currency    string `json:"currency"`
+}
+
+// Key returns "charge:<order_id>".
+func (c Charge) Key() string { return "charge:" + c.OrderID }
+
+// LockScope returns "customer:<customer_id>", so two charges of one customer never run at
+// the same moment.
+func (c Charge) LockScope() string { return "customer:" + c.CustomerID }
+
+// Validate reports the first invalid field, by its JSON name.
+func (c Charge) Validate() error {
+	if err := checkID("order_id", c.OrderID, len("charge:")); err != nil {
+		return err
+	}
+	if err := checkID("customer_id", c.CustomerID, len("customer:")); err != nil {
+		return err
+	}
+	if c.AmountCents <= 0 {
+		return fmt.Errorf("amount_cents: must be a positive number of cents, got %d", c.AmountCents)
+	}
+	if len(c.Currency) != 3 || strings.ToUpper(c.Currency) != c.Currency || !isLetters(c.Currency) {
+		return fmt.Errorf("currency: must be a three-letter ISO 4217 code in upper case, got %q", c.Currency)
+	}
+	return nil
+}
+
+// Debit is the payload of wallet:debit: take an amount from an account, once per
+// reference.
+type Debit struct {
+	AccountID   string `json:"account_id"`
+	AmountCents int64  `json:"amount_cents"`
+	Reference   string `json:"reference"`
+}
+
+// Key returns "debit:<reference>".
+func (d Debit) Key() string { return "debit:" + d.Reference }
+
+// LockScope returns "account:<account_id>".
+func (d Debit) LockScope() string { return "account:" + d.AccountID }
+
+// Validate reports the first invalid field, by its JSON name.
+func (d Debit) Validate() error {
+	if err := checkID("account_id", d.AccountID, len("account:")); err != nil {
+		return err
+	}
+	if d.AmountCents <= 0 {
+		return fmt.Errorf("amount_cents: must be a positive number of cents, got %d", d.AmountCents)
+	}
+	return checkID("reference", d.Reference, len("debit:"))
+}
+
+// DecodeCharge strictly decodes and validates a payment:charge payload: unknown fields,
+// trailing data, a payload over MaxPayloadBytes and invalid fields are errors that name
+// the problem.
+func DecodeCharge(payload []byte) (Charge, error) {
+	var c Charge
+	if err := decodeStrict(payload, &c); err != nil {
+		return Charge{}, err
+	}
+	return c, c.Validate()
+}
+
+// DecodeDebit strictly decodes and validates a wallet:debit payload, like DecodeCharge.
+func DecodeDebit(payload []byte) (Debit, error) {
+	var d Debit
+	if err := decodeStrict(payload, &d); err != nil {
+		return Debit{}, err
+	}
+	return d, d.Validate()
+}
+
+// NewChargeTask validates c and returns its task: TaskID is c.Key(), queue Queue, and the
+// default retry, timeout and retention, which opts may override.
+func NewChargeTask(c Charge, opts ...asynq.Option) (*asynq.Task, error) {
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("%s: %w", TypeCharge, err)
+	}
+	return newTask(TypeCharge, c, c.Key(), chargeTimeout, opts)
+}
+
+// NewDebitTask validates d and returns its task, like NewChargeTask.
+func NewDebitTask(d Debit, opts ...asynq.Option) (*asynq.Task, error) {
+	if err := d.Validate(); err != nil {
+		return nil, fmt.Errorf("%s: %w", TypeDebit, err)
+	}
+	return newTask(TypeDebit, d, d.Key(), debitTimeout, opts)
+}
+
+func newTask(typ string, payload any, key string, timeout time.Duration, opts []asynq.Option) (*asynq.Task, error) {
+	b, err := json.Marshal(payload)
+	if err != nil {
+		return nil, fmt.Errorf("%s: encode payload: %w", typ, err)
+	}
+	all := append([]asynq.Option{
+		asynq.TaskID(key),
+		asynq.Queue(Queue),
+		asynq.MaxRetry(DefaultMaxRetry),
+		asynq.Timeout(timeout),
+		asynq.Retention(DefaultRetention),
+	}, opts...)
+	headers := map[string]string{HeaderFirstEnqueued: time.Now().UTC().Format(time.RFC3339Nano)}
+	return asynq.NewTaskWithHeaders(typ, b, headers, all...), nil
+}
+
+// FirstEnqueued returns the time a task was first enqueued, from its header; ok is false
+// when the header is missing or unreadable.
+func FirstEnqueued(headers map[string]string) (t time.Time, ok bool) {
+	v, found := headers[HeaderFirstEnqueued]
+	if !found {
+		return time.Time{}, false
+	}
+	t, err := time.Parse(time.RFC3339Nano, v)
+	return t, err == nil
+}
+
+// Enqueuer is the part of *asynq.Client that Enqueue needs.
+type Enqueuer interface {
+	EnqueueContext(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error)
+}
+
+var _ Enqueuer = (*asynq.Client)(nil)
+
+// Enqueue enqueues task. A task whose TaskID is already taken is not an error: it returns
+// duplicate true and a nil info, since the job is already enqueued (or done and retained).
+// Other errors come back from asynq unchanged.
+func Enqueue(ctx context.Context, c Enqueuer, task *asynq.Task, opts ...asynq.Option) (info *asynq.TaskInfo, duplicate bool, err error) {
+	info, err = c.EnqueueContext(ctx, task, opts...)
+	if errors.Is(err, asynq.ErrTaskIDConflict) {
+		return nil, true, nil
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	return info, false, nil
+}
+
+func decodeStrict(payload []byte, v any) error {
+	if len(payload) > MaxPayloadBytes {
+		return fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), MaxPayloadBytes)
+	}
+	dec := json.NewDecoder(bytes.NewReader(payload))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("malformed payload: %w", err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return errors.New("malformed payload: data after the JSON object")
+	}
+	return nil
+}
+
+// checkID checks an identifier that becomes part of a key or scope with a prefix of
+// prefixLen bytes: printable ASCII without spaces, and the whole key within MaxKeyBytes.
+func checkID(field, v string, prefixLen int) error {
+	if v == "" {
+		return fmt.Errorf("%s: required", field)
+	}
+	if max := MaxKeyBytes - prefixLen; len(v) > max {
+		return fmt.Errorf("%s: %d bytes; the limit is %d (keys are at most %d bytes)", field, len(v), max, MaxKeyBytes)
+	}
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; c < 0x21 || c > 0x7e {
+			return fmt.Errorf("%s: byte %d is %q; only printable ASCII without spaces is allowed", field, i, c)
+		}
+	}
+	return nil
+}
+
+func isLetters(s string) bool {
+	for _, r := range s {
+		if r < 'A' || r > 'Z' {
+			return false
+		}
+	}
+	return true
+}
