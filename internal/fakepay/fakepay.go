@@ -1,0 +1,223 @@
+// Package fakepay is a stand-in payment provider for idemq's example domain and tests.
+//
+// It records every request in fakepay_requests and every charge it creates in
+// fakepay_charges. Like Stripe, it honours the Idempotency-Key header (when HonorKeys is
+// set): a repeated key returns the first charge, a key reused with other parameters is
+// refused with 400, and a request whose key is still being processed gets 409. With
+// HonorKeys off it creates a charge per request, to show what the ledger alone prevents.
+package fakepay
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/tasks"
+)
+
+// ChargeRequest is the body of POST /v1/charges.
+type ChargeRequest struct {
+	OrderID     string `json:"order_id"`
+	CustomerID  string `json:"customer_id"`
+	AmountCents int64  `json:"amount_cents"`
+	Currency    string `json:"currency"`
+}
+
+// Charge is a created charge, the body of a successful answer.
+type Charge struct {
+	ID             string    `json:"id"`
+	IdempotencyKey string    `json:"idempotency_key,omitempty"`
+	OrderID        string    `json:"order_id"`
+	CustomerID     string    `json:"customer_id"`
+	AmountCents    int64     `json:"amount_cents"`
+	Currency       string    `json:"currency"`
+	CreatedAt      time.Time `json:"created_at"`
+	// Replayed is true when the answer repeats an earlier request's charge.
+	Replayed bool `json:"replayed"`
+}
+
+// Config configures the provider.
+type Config struct {
+	// HonorKeys makes a repeated Idempotency-Key return the first charge.
+	HonorKeys bool
+	// Delay is the upper bound of a random delay added to each charge request (0: none).
+	Delay time.Duration
+	// Logger receives one line per request; nil discards.
+	Logger *slog.Logger
+}
+
+// Server is the provider's HTTP handler. It is safe for concurrent use.
+type Server struct {
+	pool *pgxpool.Pool
+	cfg  Config
+	mux  *http.ServeMux
+}
+
+// New returns the provider on pool, whose schema must be migrated.
+func New(pool *pgxpool.Pool, cfg Config) *Server {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{pool: pool, cfg: cfg, mux: http.NewServeMux()}
+	s.mux.HandleFunc("POST /v1/charges", s.createCharge)
+	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
+	return s
+}
+
+// ServeHTTP serves POST /v1/charges and GET /healthz.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+// errInFlight answers a request whose key another request is still processing.
+var errInFlight = errors.New("a request with this Idempotency-Key is in progress; retry later")
+
+// errKeyReused answers a key seen before with other parameters.
+var errKeyReused = errors.New("Idempotency-Key was used before with different parameters")
+
+func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	key := r.Header.Get("Idempotency-Key")
+	var req ChargeRequest
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))
+	dec.DisallowUnknownFields()
+	err := dec.Decode(&req)
+	if err == nil {
+		err = tasks.Charge(req).Validate()
+	}
+	if err != nil {
+		s.answer(ctx, w, key, req, nil, http.StatusBadRequest, err)
+		return
+	}
+	var ch *Charge
+	if s.cfg.HonorKeys && key != "" {
+		ch, err = s.chargeOnce(ctx, key, req)
+	} else if err = s.work(ctx); err == nil {
+		ch, err = s.insertCharge(ctx, s.pool, key, req)
+	}
+	switch {
+	case errors.Is(err, errInFlight):
+		s.answer(ctx, w, key, req, nil, http.StatusConflict, err)
+	case errors.Is(err, errKeyReused):
+		s.answer(ctx, w, key, req, nil, http.StatusBadRequest, err)
+	case err != nil:
+		s.answer(ctx, w, key, req, nil, http.StatusInternalServerError, err)
+	case ch.Replayed:
+		s.answer(ctx, w, key, req, ch, http.StatusOK, nil)
+	default:
+		s.answer(ctx, w, key, req, ch, http.StatusCreated, nil)
+	}
+}
+
+// chargeOnce creates the key's charge or returns the one it created before. A transaction-
+// scoped advisory lock on the key marks it in flight for the whole request, so a
+// concurrent same-key request gets errInFlight instead of waiting.
+func (s *Server) chargeOnce(ctx context.Context, key string, req ChargeRequest) (*Charge, error) {
+	var ch *Charge
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		var got bool
+		if err := tx.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock(hashtextextended('fakepay:' || $1, 0))`, key).Scan(&got); err != nil {
+			return err
+		}
+		if !got {
+			return errInFlight
+		}
+		prev, err := scanCharge(tx.QueryRow(ctx, selectByKey, key))
+		if err == nil {
+			if prev.OrderID != req.OrderID || prev.CustomerID != req.CustomerID || prev.AmountCents != req.AmountCents || prev.Currency != req.Currency {
+				return errKeyReused
+			}
+			prev.Replayed = true
+			ch = prev
+			return nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return err
+		}
+		if err := s.work(ctx); err != nil {
+			return err
+		}
+		ch, err = s.insertCharge(ctx, tx, key, req)
+		return err
+	})
+	return ch, err
+}
+
+// work stands for the provider's processing time: a random pause up to Config.Delay.
+func (s *Server) work(ctx context.Context) error {
+	if s.cfg.Delay <= 0 {
+		return nil
+	}
+	select {
+	case <-time.After(rand.N(s.cfg.Delay)):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+const selectByKey = `SELECT id, coalesce(idempotency_key, ''), order_id, customer_id, amount_cents, currency, created_at
+	FROM fakepay_charges WHERE idempotency_key = $1 AND honored`
+
+const insertCharge = `INSERT INTO fakepay_charges (id, idempotency_key, order_id, customer_id, amount_cents, currency, honored)
+	VALUES ($1, nullif($2, ''), $3, $4, $5, $6, $7)
+	RETURNING id, coalesce(idempotency_key, ''), order_id, customer_id, amount_cents, currency, created_at`
+
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+func (s *Server) insertCharge(ctx context.Context, q querier, key string, req ChargeRequest) (*Charge, error) {
+	honored := s.cfg.HonorKeys && key != ""
+	return scanCharge(q.QueryRow(ctx, insertCharge, newChargeID(), key, req.OrderID, req.CustomerID, req.AmountCents, req.Currency, honored))
+}
+
+func scanCharge(row pgx.Row) (*Charge, error) {
+	var c Charge
+	if err := row.Scan(&c.ID, &c.IdempotencyKey, &c.OrderID, &c.CustomerID, &c.AmountCents, &c.Currency, &c.CreatedAt); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+// answer records the request and writes the response. Recording uses its own context:
+// a client that hung up still leaves a trace.
+func (s *Server) answer(ctx context.Context, w http.ResponseWriter, key string, req ChargeRequest, ch *Charge, code int, cause error) {
+	body, _ := json.Marshal(req)
+	var chargeID *string
+	replayed := false
+	if ch != nil {
+		chargeID, replayed = &ch.ID, ch.Replayed
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if _, err := s.pool.Exec(rctx, `INSERT INTO fakepay_requests (idempotency_key, order_id, body, status_code, charge_id, replayed)
+		VALUES (nullif($1, ''), nullif($2, ''), $3, $4, $5, $6)`, key, req.OrderID, body, code, chargeID, replayed); err != nil {
+		s.cfg.Logger.Error("record request", "err", err)
+	}
+	s.cfg.Logger.Info("charge request", "key", key, "order_id", req.OrderID, "status", code, "replayed", replayed)
+
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	if cause != nil {
+		json.NewEncoder(w).Encode(map[string]string{"error": cause.Error()})
+		return
+	}
+	json.NewEncoder(w).Encode(ch)
+}
+
+func newChargeID() string {
+	b := make([]byte, 12)
+	if _, err := crand.Read(b); err != nil {
+		panic(fmt.Sprintf("fakepay: crypto/rand: %v", err))
+	}
+	return "ch_" + hex.EncodeToString(b)
+}
