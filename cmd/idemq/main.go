@@ -38,6 +38,7 @@ type command struct {
 func commands() []command {
 	return []command{
 		migrateCommand(),
+		fakepayCommand(),
 	}
 }
 

@@ -1,0 +1,38 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/fakepay"
+	"github.com/idemq/idemq/internal/httpserver"
+)
+
+func fakepayCommand() command {
+	return command{
+		name:    "fakepay",
+		usage:   "fakepay",
+		summary: "run the stand-in payment provider that payment:charge calls (honours Idempotency-Key like Stripe)",
+		spec:    func() any { return &config.Fakepay{} },
+		run: func(ctx context.Context, spec any, args []string, _, stderr io.Writer) error {
+			cfg := spec.(*config.Fakepay)
+			if len(args) > 0 {
+				return fmt.Errorf("fakepay: unexpected arguments %q", args)
+			}
+			log := newLogger(stderr, cfg.LogLevel).With("cmd", "fakepay")
+			pool, err := openPool(ctx, cfg.DatabaseURL, 0)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			if err := requireSchema(ctx, pool); err != nil {
+				return err
+			}
+			srv := fakepay.New(pool, fakepay.Config{HonorKeys: cfg.HonorKeys, Delay: cfg.Delay, Logger: log})
+			log.Info("fakepay starting", "honor_keys", cfg.HonorKeys, "delay", cfg.Delay)
+			return httpserver.Serve(ctx, cfg.Addr, srv, defaultShutdown, log, nil)
+		},
+	}
+}
