@@ -70,13 +70,21 @@ type Fakepay struct {
 	LogLevel  string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 }
 
+// kinds names envconfig's type names for people.
+var kinds = map[string]string{
+	"time.Duration": "duration (such as 500ms, 30s, 5m, 24h)",
+	"bool":          "boolean (true or false)",
+	"int":           "whole number",
+	"string":        "string",
+}
+
 // Load fills spec (a pointer to one of the structs above) from the environment and checks
 // it. The error is one line naming the variable at fault.
 func Load(spec any) error {
 	if err := envconfig.Process("", spec); err != nil {
 		var pe *envconfig.ParseError
 		if errors.As(err, &pe) {
-			return fmt.Errorf("%s=%q: not a valid %s", pe.KeyName, pe.Value, pe.TypeName)
+			return fmt.Errorf("%s=%q: not a valid %s", pe.KeyName, pe.Value, kinds[pe.TypeName])
 		}
 		return err
 	}

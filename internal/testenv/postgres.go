@@ -24,7 +24,13 @@ const postgresHint = "start one with `pg_ctlcluster --skip-systemctl-redirect $(
 // TEST_DATABASE_URL, then DATABASE_URL, then DefaultDatabaseURL.
 func PostgresURL(t testing.TB) string {
 	t.Helper()
-	return schemaURL(t, firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL"))
+	return schemaURL(t, firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL"), true)
+}
+
+// EmptyPostgresURL is PostgresURL without the migrations: the schema is empty.
+func EmptyPostgresURL(t testing.TB) string {
+	t.Helper()
+	return schemaURL(t, firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL"), false)
 }
 
 // Postgres returns a pool on a fresh migrated schema of its own (see PostgresURL), closed
@@ -47,9 +53,9 @@ func Pool(t testing.TB, dsn string) *pgxpool.Pool {
 	return pool
 }
 
-// schemaURL makes a migrated schema on the database at base and returns base with
-// search_path pointing at it.
-func schemaURL(t testing.TB, base string) string {
+// schemaURL makes a schema (migrated if migrate is set) on the database at base and
+// returns base with search_path pointing at it.
+func schemaURL(t testing.TB, base string, migrate bool) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -81,6 +87,9 @@ func schemaURL(t testing.TB, base string) string {
 	dsn, err := withSearchPath(base, schema)
 	if err != nil {
 		fatalf(t, "%v", err)
+	}
+	if !migrate {
+		return dsn
 	}
 	if err := Migrate(ctx, dsn); err != nil {
 		fatalf(t, "migrate schema %s: %v", schema, err)

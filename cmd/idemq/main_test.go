@@ -1,0 +1,143 @@
+package main
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+// binary is the idemq binary built once for the tests that run it as a process.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "idemq-bin-")
+	if err != nil {
+		panic(err)
+	}
+	binary = filepath.Join(dir, "idemq")
+	if out, err := exec.Command("go", "build", "-race", "-o", binary, ".").CombinedOutput(); err != nil {
+		os.RemoveAll(dir)
+		panic("build idemq: " + err.Error() + "\n" + string(out))
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// idemq runs the binary with env added to a clean environment and returns its output.
+func idemq(t *testing.T, env []string, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
+	var o, e strings.Builder
+	cmd.Stdout, cmd.Stderr = &o, &e
+	err = cmd.Run()
+	return o.String(), e.String(), err
+}
+
+func envNames(t reflect.Type) []string {
+	var names []string
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		if f.Anonymous {
+			names = append(names, envNames(f.Type)...)
+			continue
+		}
+		names = append(names, f.Tag.Get("envconfig"))
+	}
+	return names
+}
+
+func TestHelpListsEveryVariable(t *testing.T) {
+	t.Parallel()
+	out, _, err := idemq(t, nil, "help")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, spec := range []any{config.Migrate{}, config.Fakepay{}} {
+		for _, name := range envNames(reflect.TypeOf(spec)) {
+			if !strings.Contains(out, name) {
+				t.Errorf("idemq help does not mention %s", name)
+			}
+		}
+	}
+	sub, _, err := idemq(t, nil, "migrate", "-h")
+	if err != nil || !strings.Contains(sub, "DATABASE_URL") {
+		t.Fatalf("idemq migrate -h: %v\n%s", err, sub)
+	}
+}
+
+func TestBadValueStopsWithOneLine(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ env, want string }{
+		{"DATABASE_URL=http://nope", "DATABASE_URL: not a valid Postgres URL"},
+		{"IDEMQ_FAKEPAY_DELAY=-1s", "IDEMQ_FAKEPAY_DELAY: negative duration"},
+		{"IDEMQ_FAKEPAY_DELAY=soon", `IDEMQ_FAKEPAY_DELAY="soon": not a valid duration (such as`},
+		{"IDEMQ_FAKEPAY_HONOR_KEYS=maybe", "IDEMQ_FAKEPAY_HONOR_KEYS"},
+	} {
+		_, stderr, err := idemq(t, []string{tc.env}, "fakepay")
+		if err == nil {
+			t.Fatalf("%s: exit 0, want a failure", tc.env)
+		}
+		lines := strings.Split(strings.TrimSpace(stderr), "\n")
+		if len(lines) != 1 || !strings.Contains(lines[0], tc.want) {
+			t.Errorf("%s: stderr %q, want one line containing %q", tc.env, stderr, tc.want)
+		}
+	}
+}
+
+func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
+	t.Parallel()
+	dsn := testenv.EmptyPostgresURL(t)
+	env := []string{"DATABASE_URL=" + dsn}
+
+	var wg sync.WaitGroup
+	outs := make([]string, 2)
+	errs := make([]error, 2)
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[i], _, errs[i] = idemq(t, env, "migrate")
+		}()
+	}
+	wg.Wait()
+	for i := range 2 {
+		if errs[i] != nil {
+			t.Fatalf("concurrent migrate %d: %v\n%s", i, errs[i], outs[i])
+		}
+	}
+	if n := strings.Count(outs[0]+outs[1], "applied 00001_processed_jobs.sql"); n != 1 {
+		t.Fatalf("00001 applied %d times across two concurrent runs, want 1:\n%s\n%s", n, outs[0], outs[1])
+	}
+	again, _, err := idemq(t, env, "migrate")
+	if err != nil || !strings.Contains(again, "nothing to apply") {
+		t.Fatalf("third migrate: %v\n%s", err, again)
+	}
+
+	pool := testenv.Pool(t, dsn)
+	var rows, versions int
+	ctx := testenv.Context(t, 10*time.Second)
+	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT version_id) FROM goose_db_version WHERE version_id > 0`).Scan(&rows, &versions); err != nil {
+		t.Fatal(err)
+	}
+	files, _ := filepath.Glob("../../migrations/*.sql")
+	if rows != len(files) || versions != len(files) {
+		t.Fatalf("goose_db_version has %d rows, %d versions; want %d each", rows, versions, len(files))
+	}
+	status, _, err := idemq(t, env, "migrate", "status")
+	if err != nil || strings.Count(status, "applied") != len(files) {
+		t.Fatalf("migrate status: %v\n%s", err, status)
+	}
+}
