@@ -57,7 +57,9 @@ func (l *Lock) Watch(ctx context.Context, opts *WatchOptions) (context.Context, 
 	workCtx, cancelWork := context.WithCancelCause(ctx)
 	refreshCtx, cancelRefresh := context.WithCancel(context.WithoutCancel(ctx))
 	w := &watchdog{lock: l, opts: o, ctx: refreshCtx, cancelWork: cancelWork}
+	w.mu.Lock() // the timer may fire at once
 	w.expiry = time.AfterFunc(time.Until(until), w.expired)
+	w.mu.Unlock()
 	go w.run()
 
 	stop := func() error {

@@ -1,0 +1,203 @@
+package lock_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/lock"
+)
+
+// TestFaultRedisRestartedMidHold: Redis without persistence is killed and restarted
+// while a lock is held; the holder learns at its next refresh that the lock is gone
+// (ErrLockLost itself, not the TTL deadline).
+func TestFaultRedisRestartedMidHold(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	srv := testenv.StartRedis(t, testenv.PersistNone)
+	rdb := testenv.RedisClient(t, srv.URL)
+	locker := lock.New(rdb, nil)
+	const ttl = 6 * time.Second
+	const interval = 500 * time.Millisecond
+
+	lk, err := locker.Obtain(ctx, "restart", ttl, nil)
+	if err != nil {
+		t.Fatalf("Obtain: %v", err)
+	}
+	workCtx, stop := lk.Watch(ctx, &lock.WatchOptions{Interval: interval})
+	defer stop()
+	time.Sleep(2 * interval) // a refresh or two succeed
+
+	if err := srv.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	restarted := time.Now()
+	select {
+	case <-workCtx.Done():
+	case <-time.After(ttl):
+		t.Fatalf("work not cancelled %v after the restart", ttl)
+	}
+	t.Logf("cancelled %v after the restart", time.Since(restarted))
+	if cause := context.Cause(workCtx); cause != lock.ErrLockLost {
+		t.Errorf("context.Cause = %v, want ErrLockLost from a refresh", cause)
+	}
+	if err := lk.Release(ctx); !errors.Is(err, lock.ErrLockLost) {
+		t.Errorf("Release after restart: %v, want ErrLockLost", err)
+	}
+	// The restarted, empty server is free for a new holder.
+	if _, err := locker.Obtain(ctx, "restart", ttl, nil); err != nil {
+		t.Errorf("Obtain after restart: %v", err)
+	}
+}
+
+// TestFaultRedisPausedPastTTL: Redis is paused (SIGSTOP) past the lock's TTL; the
+// watchdog cancels the work by its own deadline, without waiting for Redis; stop does
+// not hang; after Redis resumes, the lock is gone.
+func TestFaultRedisPausedPastTTL(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	srv := testenv.StartRedis(t, testenv.PersistNone)
+	rdb := testenv.RedisClient(t, srv.URL) // default timeouts: ReadTimeout 3s, context deadlines ignored
+	locker := lock.New(rdb, nil)
+	const ttl = 900 * time.Millisecond
+
+	lk, err := locker.Obtain(ctx, "paused", ttl, nil)
+	if err != nil {
+		t.Fatalf("Obtain: %v", err)
+	}
+	workCtx, stop := lk.Watch(ctx, nil)
+	defer stop()
+	time.Sleep(ttl / 2)
+
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	paused := time.Now()
+	resumed := false
+	defer func() {
+		if !resumed {
+			srv.Resume()
+		}
+	}()
+	select {
+	case <-workCtx.Done():
+	case <-time.After(10 * ttl):
+		t.Fatalf("work not cancelled %v after Redis was paused", 10*ttl)
+	}
+	took := time.Since(paused)
+	t.Logf("cancelled %v after the pause", took)
+	if took > ttl+ttl/2 {
+		t.Errorf("cancelled %v after the pause, want by the TTL (%v) plus slack", took, ttl)
+	}
+	cause := context.Cause(workCtx)
+	if !errors.Is(cause, lock.ErrLockLost) || cause == lock.ErrLockLost {
+		t.Errorf("context.Cause = %v, want an error wrapping ErrLockLost for a TTL that ran out", cause)
+	}
+	start := time.Now()
+	if err := stop(); !errors.Is(err, lock.ErrLockLost) {
+		t.Errorf("stop() = %v, want the loss", err)
+	}
+	if d := time.Since(start); d > 100*time.Millisecond {
+		t.Errorf("stop took %v with Redis paused, want it not to wait for Redis", d)
+	}
+
+	time.Sleep(ttl) // well past the TTL by Redis's clock too
+	if err := srv.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	resumed = true
+	if _, err := lk.TTL(ctx); !errors.Is(err, lock.ErrLockLost) {
+		t.Errorf("TTL after resume: %v, want ErrLockLost", err)
+	}
+}
+
+// TestFaultObtainWhilePaused: a client that honours context deadlines returns from
+// Obtain against a paused Redis with the context's error.
+func TestFaultObtainWhilePaused(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	srv := testenv.StartRedis(t, testenv.PersistNone)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true})
+	t.Cleanup(func() { rdb.Close() })
+	locker := lock.New(rdb, nil)
+	if err := rdb.Ping(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Resume()
+	c, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := locker.Obtain(c, "k", time.Second, nil)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Obtain = %v, want a wrapped DeadlineExceeded", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("Obtain returned after %v, want promptly after 300ms", d)
+	}
+}
+
+// TestScriptsLoadedOnce: Release and Refresh use EVALSHA; the script text is sent
+// (EVAL) only when the server does not know it yet, never SCRIPT LOAD per call.
+func TestScriptsLoadedOnce(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	srv := testenv.StartRedis(t, testenv.PersistNone)
+	rdb := testenv.RedisClient(t, srv.URL)
+	locker := lock.New(rdb, nil)
+	if err := rdb.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	const n = 50
+	for range n {
+		lk, err := locker.Obtain(ctx, "k", time.Second, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Refresh(ctx, time.Second); err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stats, err := rdb.InfoMap(ctx, "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := stats["Commandstats"]
+	calls := func(cmd string) string {
+		return cs["cmdstat_"+cmd]
+	}
+	t.Logf("evalsha: %s; eval: %s; script: %s", calls("evalsha"), calls("eval"), calls("script|load"))
+	evals := parseCalls(calls("eval"))
+	if evals != 2 { // one per script, after the first NOSCRIPT
+		t.Errorf("EVAL called %d times, want 2 (once per script)", evals)
+	}
+	if got := parseCalls(calls("evalsha")); got != 2*n {
+		t.Errorf("EVALSHA called %d times, want %d", got, 2*n)
+	}
+	if got := parseCalls(calls("script|load")); got != 0 {
+		t.Errorf("SCRIPT LOAD called %d times, want 0", got)
+	}
+}
+
+// parseCalls reads calls=N out of an INFO commandstats value.
+func parseCalls(v string) int {
+	var n int
+	fmt.Sscanf(v, "calls=%d", &n)
+	return n
+}
