@@ -1,0 +1,108 @@
+package lock_test
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/lock"
+)
+
+// exampleClient connects to REDIS_URL (default redis://127.0.0.1:6379/0). The examples
+// use random keys under their own prefix and release them.
+func exampleClient() *redis.Client {
+	url := os.Getenv("REDIS_URL")
+	if url == "" {
+		url = "redis://127.0.0.1:6379/0"
+	}
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		panic(err)
+	}
+	return redis.NewClient(opt)
+}
+
+func Example() {
+	ctx := context.Background()
+	rdb := exampleClient()
+	defer rdb.Close()
+	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
+	key := "customer:" + rand.Text()
+
+	lk, err := locker.Obtain(ctx, key, 10*time.Second, nil)
+	if err != nil {
+		fmt.Println("obtain:", err)
+		return
+	}
+	fmt.Println("obtained")
+
+	// A second worker finds the key busy (no retries by default).
+	_, err = locker.Obtain(ctx, key, 10*time.Second, nil)
+	fmt.Println("second worker:", err, errors.Is(err, lock.ErrNotObtained))
+
+	if err := lk.Refresh(ctx, 20*time.Second); err != nil {
+		fmt.Println("refresh:", err)
+	}
+	ttl, _ := lk.TTL(ctx)
+	fmt.Println("ttl above 10s:", ttl > 10*time.Second)
+
+	fmt.Println("release:", lk.Release(ctx))
+	fmt.Println("release again:", lk.Release(ctx))
+	// Output:
+	// obtained
+	// second worker: lock: not obtained true
+	// ttl above 10s: true
+	// release: <nil>
+	// release again: lock: lost
+}
+
+func ExampleLocker_Hold() {
+	ctx := context.Background()
+	rdb := exampleClient()
+	defer rdb.Close()
+	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
+	key := "report:" + rand.Text()
+
+	// Hold retries for a while, keeps the lock alive (refreshing every TTL/3) while the
+	// function runs, and releases it afterwards.
+	err := locker.Hold(ctx, key, 300*time.Millisecond,
+		&lock.Options{Retry: lock.ExponentialBackoff(10*time.Millisecond, time.Second, 5)}, nil,
+		func(ctx context.Context) error {
+			time.Sleep(time.Second) // long work: more than 3× the TTL
+			return ctx.Err()
+		})
+	fmt.Println("hold:", err)
+	// Output:
+	// hold: <nil>
+}
+
+func ExampleLock_Watch() {
+	ctx := context.Background()
+	rdb := exampleClient()
+	defer rdb.Close()
+	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
+	key := "report:" + rand.Text()
+
+	lk, err := locker.Obtain(ctx, key, time.Second, nil)
+	if err != nil {
+		fmt.Println("obtain:", err)
+		return
+	}
+	workCtx, stop := lk.Watch(ctx, &lock.WatchOptions{Interval: 50 * time.Millisecond})
+	defer stop()
+
+	// Somebody deletes the key behind our back: the watchdog notices at its next
+	// refresh and cancels the work.
+	rdb.Del(ctx, locker.RedisKey(key))
+	<-workCtx.Done()
+	fmt.Println("cause:", context.Cause(workCtx))
+	fmt.Println("stop:", stop())
+	// Output:
+	// cause: lock: lost
+	// stop: lock: lost
+}
