@@ -19,6 +19,9 @@ CREATE TABLE processed_jobs (
     locked_until    timestamptz,
     created_at      timestamptz NOT NULL DEFAULT now(),
     updated_at      timestamptz NOT NULL DEFAULT now(),
+    -- When the current generation first ran: set by the first claim and by an operator
+    -- re-run, kept by takeovers. The maximum age of an in-progress row counts from here.
+    started_at      timestamptz NOT NULL DEFAULT now(),
     completed_at    timestamptz,
 
     -- 1..255 bytes of printable ASCII without spaces; idempotency.ValidateKey says the same.
@@ -45,9 +48,9 @@ CREATE TABLE processed_jobs (
 CREATE INDEX processed_jobs_terminal_idx
     ON processed_jobs (completed_at) WHERE status IN ('completed', 'failed');
 
--- Rows stuck in progress past the maximum age are found by their creation time.
+-- Rows stuck in progress past the maximum age are found by the start of their generation.
 CREATE INDEX processed_jobs_in_progress_idx
-    ON processed_jobs (created_at) WHERE status = 'in_progress';
+    ON processed_jobs (started_at) WHERE status = 'in_progress';
 
 -- +goose Down
 DROP TABLE processed_jobs;

@@ -1,0 +1,534 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Claim is a live claim on a key: its identity (fence and owner) makes every later write
+// conditional on still holding the key. A Claim is used by one goroutine at a time (Do
+// heartbeats from a second goroutine but never at the same time as Complete or Fail).
+type Claim struct {
+	Key      string
+	TaskType string
+	// Fence is drawn from a global sequence for this claim; it is never handed out twice.
+	Fence int64
+	// Owner is a random id (a UUID) for this claim.
+	Owner string
+	// Attempt counts the claims of the key so far, this one included.
+	Attempt int
+	// Generation is bumped by each operator re-run.
+	Generation int
+	// LeaseUntil is when the lease ends, by the database clock, as of the claim.
+	LeaseUntil time.Time
+
+	owner    pgtype.UUID
+	deadline time.Time
+	sentAt   time.Time     // local (monotonic) time the claim was sent
+	lease    time.Duration // the lease asked for at the claim
+	xid      string        // DoTx: the claiming transaction's id
+}
+
+// ClaimResult is the outcome of a successful Ledger.Claim: exactly one field is set.
+type ClaimResult struct {
+	// Claim is set when this call took the key: run the work, then Complete or Fail.
+	Claim *Claim
+	// Completed is set when the key was already completed: its stored result, Cached.
+	Completed *Result
+}
+
+// Result is what a completed key returned.
+type Result struct {
+	Key string
+	// Result is the stored JSON (nil when the work returned none). When the work's result
+	// could not be stored, it is an error marker: {"idemq_error":"..."}.
+	Result json.RawMessage
+	// Cached is true when the result was stored by an earlier run, not this call's.
+	Cached bool
+	// Fence is the fence of the claim that completed the key (this call's claim when not
+	// Cached; the one that ran when Cached).
+	Fence int64
+	// Attempts counts the claims of the key.
+	Attempts int
+	// Generation is the generation that completed.
+	Generation int
+	// CompletedAt is when the completion committed, by the database clock.
+	CompletedAt time.Time
+}
+
+// setClaimSessionSQL makes the claim's (implicit, pipelined) transaction durable on
+// commit and bounds its wait for another session's row lock. Sent in the same batch, so
+// the same round trip, as claimSQL.
+const setClaimSessionSQL = `SELECT set_config('synchronous_commit', 'on', true), set_config('lock_timeout', $1, true)`
+
+// claimSQL claims a key in one statement. cur is a plain read of the row; gate says
+// whether the row is absent or claimable (in progress, lease expired, younger than the
+// maximum age, same fingerprint). Only then is the upsert attempted: a completed key is
+// answered by the read without locking the row and without drawing a fence. The upsert
+// re-checks everything on the newest row version (ON CONFLICT reads past the snapshot), so
+// when it returns nothing the caller reads again. $7 asks for the transaction id (DoTx).
+const claimSQL = `
+WITH cur AS (
+	SELECT status, fence, owner, payload_sha256, result, attempts, last_error,
+	       locked_until, started_at, completed_at, generation
+	FROM processed_jobs WHERE idempotency_key = $1
+), gate AS (
+	SELECT NOT EXISTS (
+		SELECT 1 FROM cur
+		WHERE NOT (status = 'in_progress' AND locked_until < now()
+		           AND started_at >= now() - $6::bigint * interval '1 microsecond'
+		           AND (payload_sha256 IS NULL OR $4::bytea IS NULL OR payload_sha256 = $4::bytea))
+	) AS open
+), up AS (
+	INSERT INTO processed_jobs AS p
+		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until)
+	SELECT $1, $2, 'in_progress', nextval('processed_jobs_fence_seq'), $3, $4::bytea, 1,
+	       now() + $5::bigint * interval '1 microsecond'
+	FROM gate WHERE gate.open
+	ON CONFLICT (idempotency_key) DO UPDATE
+	SET fence = excluded.fence, owner = excluded.owner, attempts = p.attempts + 1,
+	    locked_until = excluded.locked_until, updated_at = now(),
+	    payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
+	WHERE p.status = 'in_progress' AND p.locked_until < now()
+	  AND p.started_at >= now() - $6::bigint * interval '1 microsecond'
+	  AND (p.payload_sha256 IS NULL OR excluded.payload_sha256 IS NULL
+	       OR p.payload_sha256 = excluded.payload_sha256)
+	RETURNING p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
+	          p.locked_until, p.started_at, p.completed_at, p.generation
+)
+SELECT true, true, up.*, now(), CASE WHEN $7::bool THEN pg_current_xact_id()::text END FROM up
+UNION ALL
+SELECT false, gate.open, cur.*, now(), NULL FROM gate LEFT JOIN cur ON true
+WHERE NOT EXISTS (SELECT 1 FROM up)`
+
+// readRowSQL reads a row for a claim that lost a race, in the shape claimSQL returns.
+const readRowSQL = `
+SELECT false, false, status, fence, owner, payload_sha256, result, attempts, last_error,
+       locked_until, started_at, completed_at, generation, now(), NULL::text
+FROM processed_jobs WHERE idempotency_key = $1`
+
+// markStuckOneSQL turns one expired, too old in-progress claim into needs_attention.
+const markStuckOneSQL = `
+UPDATE processed_jobs SET status = 'needs_attention', updated_at = now()
+WHERE idempotency_key = $1 AND fence = $2 AND status = 'in_progress' AND locked_until < now()`
+
+type claimRow struct {
+	claimed, attempted bool
+	status             pgtype.Text
+	fence              pgtype.Int8
+	owner              pgtype.UUID
+	fingerprint        []byte
+	result             []byte
+	attempts           pgtype.Int4
+	lastError          pgtype.Text
+	lockedUntil        pgtype.Timestamptz
+	startedAt          pgtype.Timestamptz
+	completedAt        pgtype.Timestamptz
+	generation         pgtype.Int4
+	dbNow              time.Time
+	xid                pgtype.Text
+}
+
+func (r *claimRow) scan(row pgx.Row) error {
+	return row.Scan(&r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
+		&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
+		&r.generation, &r.dbNow, &r.xid)
+}
+
+// maxClaimRounds bounds the re-reads after lost races; past it the key is reported busy.
+const maxClaimRounds = 5
+
+// Claim tries to take req.Key. On success exactly one of the result's fields is set: a
+// new *Claim (run the work, then Complete or Fail it; Do does all of this), or the stored
+// Result of a completed key. Otherwise the error is a *BusyError (ErrBusy: another claim
+// holds the key, retry when it ends), a *FailedError (ErrFailed), a *MismatchError
+// (ErrMismatch), or wraps ErrNeedsAttention, ErrInvalidKey, ErrInvalidRequest, a context
+// error or a database error. A claim commits before Claim returns. Safe for concurrent
+// use.
+func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
+	if err := req.validate(); err != nil {
+		return ClaimResult{}, err
+	}
+	for round := 0; ; round++ {
+		c, args, err := l.newClaim(req, false)
+		if err != nil {
+			return ClaimResult{}, err
+		}
+		var r claimRow
+		b := &pgx.Batch{}
+		b.Queue(setClaimSessionSQL, l.lockTimeoutSQL)
+		b.Queue(claimSQL, args...)
+		br := l.pool.SendBatch(ctx, b)
+		_, err = br.Exec()
+		if err == nil {
+			err = r.scan(br.QueryRow())
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return ClaimResult{}, l.claimError(req, err)
+		}
+		if !r.claimed && r.attempted {
+			// Lost a race with a concurrent change: look again with a fresh snapshot.
+			if err := r.scan(l.pool.QueryRow(ctx, readRowSQL, req.Key)); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+				return ClaimResult{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
+			} else if err != nil {
+				continue // deleted meanwhile: claim again
+			}
+		}
+		res, stuck, again, err := l.decide(req, c, &r, round)
+		if stuck != 0 {
+			l.markStuckOne(ctx, req, stuck)
+		}
+		if again {
+			continue
+		}
+		return res, err
+	}
+}
+
+// newClaim makes the identity of a claim attempt and the claimSQL arguments.
+func (l *Ledger) newClaim(req Request, wantXID bool) (*Claim, []any, error) {
+	lease := l.leaseFor(req.Deadline)
+	if lease <= 0 {
+		return nil, nil, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", req.Key, context.DeadlineExceeded)
+	}
+	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease}
+	if _, err := rand.Read(c.owner.Bytes[:]); err != nil {
+		return nil, nil, fmt.Errorf("idempotency: owner id: %w", err)
+	}
+	c.owner.Bytes[6] = c.owner.Bytes[6]&0x0f | 0x40 // version 4
+	c.owner.Bytes[8] = c.owner.Bytes[8]&0x3f | 0x80 // RFC 4122 variant
+	c.owner.Valid = true
+	c.Owner = formatUUID(c.owner.Bytes)
+	c.sentAt = time.Now()
+	var fp any
+	if req.Fingerprint != nil {
+		fp = req.Fingerprint
+	}
+	return c, []any{req.Key, req.TaskType, c.owner, fp, lease.Microseconds(), l.cfg.MaxAge.Microseconds(), wantXID}, nil
+}
+
+// leaseFor is the lease to ask for: Config.Lease, cut to the time left before deadline.
+func (l *Ledger) leaseFor(deadline time.Time) time.Duration {
+	lease := l.cfg.Lease
+	if !deadline.IsZero() {
+		if left := time.Until(deadline); left < lease {
+			lease = max(left, 0)
+		}
+	}
+	return lease
+}
+
+// decide turns a claimSQL row into an outcome. stuck is a fence to mark needs_attention
+// (after any transaction ends); again asks for another claim round.
+func (l *Ledger) decide(req Request, c *Claim, r *claimRow, round int) (res ClaimResult, stuck int64, again bool, err error) {
+	if r.claimed {
+		c.Fence = r.fence.Int64
+		c.Attempt = int(r.attempts.Int32)
+		c.Generation = int(r.generation.Int32)
+		c.LeaseUntil = r.lockedUntil.Time
+		c.xid = r.xid.String
+		if c.Attempt > 1 {
+			l.observe(EventTakeover, req.TaskType)
+			l.log.Info("idempotency: took over an expired lease", "task_type", req.TaskType, "key", req.Key, "fence", c.Fence, "attempt", c.Attempt)
+		} else {
+			l.observe(EventClaimed, req.TaskType)
+		}
+		return ClaimResult{Claim: c}, 0, false, nil
+	}
+	if !r.status.Valid { // no row visible, yet the insert conflicted: a race
+		return l.raceOrBusy(req, round)
+	}
+	if r.fingerprint != nil && req.Fingerprint != nil && !bytes.Equal(r.fingerprint, req.Fingerprint) {
+		l.observe(EventMismatch, req.TaskType)
+		return ClaimResult{}, 0, false, &MismatchError{Key: req.Key}
+	}
+	switch r.status.String {
+	case StatusCompleted:
+		l.observe(EventCacheHit, req.TaskType)
+		return ClaimResult{Completed: &Result{
+			Key: req.Key, Result: json.RawMessage(r.result), Cached: true, Fence: r.fence.Int64,
+			Attempts: int(r.attempts.Int32), Generation: int(r.generation.Int32), CompletedAt: r.completedAt.Time,
+		}}, 0, false, nil
+	case StatusFailed:
+		l.observe(EventFailedKey, req.TaskType)
+		return ClaimResult{}, 0, false, &FailedError{Key: req.Key, LastError: r.lastError.String}
+	case StatusNeedsAttention:
+		l.observe(EventNeedsAttention, req.TaskType)
+		return ClaimResult{}, 0, false, fmt.Errorf("%w: key %q", ErrNeedsAttention, req.Key)
+	}
+	// in progress
+	if !r.lockedUntil.Time.Before(r.dbNow) {
+		l.observe(EventBusy, req.TaskType)
+		return ClaimResult{}, 0, false, &BusyError{Key: req.Key, Owner: formatUUID(r.owner.Bytes), Fence: r.fence.Int64, Until: r.lockedUntil.Time}
+	}
+	if r.startedAt.Time.Before(r.dbNow.Add(-l.cfg.MaxAge)) {
+		l.observe(EventNeedsAttention, req.TaskType)
+		return ClaimResult{}, r.fence.Int64, false, fmt.Errorf("%w: key %q in progress since %s, longer than the maximum age %s",
+			ErrNeedsAttention, req.Key, r.startedAt.Time.UTC().Format(time.RFC3339), l.cfg.MaxAge)
+	}
+	return l.raceOrBusy(req, round)
+}
+
+func (l *Ledger) raceOrBusy(req Request, round int) (ClaimResult, int64, bool, error) {
+	if round+1 < maxClaimRounds {
+		return ClaimResult{}, 0, true, nil
+	}
+	l.observe(EventBusy, req.TaskType)
+	return ClaimResult{}, 0, false, &BusyError{Key: req.Key}
+}
+
+func (l *Ledger) markStuckOne(ctx context.Context, req Request, fence int64) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+	defer cancel()
+	if _, err := l.pool.Exec(ctx, markStuckOneSQL, req.Key, fence); err != nil {
+		l.log.Warn("idempotency: mark needs_attention", "task_type", req.TaskType, "key", req.Key, "fence", fence, "err", err)
+		return
+	}
+	l.log.Warn("idempotency: in progress past the maximum age; needs attention", "task_type", req.TaskType, "key", req.Key, "fence", fence)
+}
+
+// claimError translates a claim's database error: lock, serialization and deadlock
+// failures mean another session holds the key.
+func (l *Ledger) claimError(req Request, err error) error {
+	if isRetryable(err) {
+		l.observe(EventBusy, req.TaskType)
+		return fmt.Errorf("%w: %w", &BusyError{Key: req.Key}, err)
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "23514" && pgErr.ConstraintName == "processed_jobs_key_check" {
+		return fmt.Errorf("%w: %w", ErrInvalidKey, err)
+	}
+	return fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
+}
+
+// isRetryable reports serialization failures, deadlocks and lock timeouts.
+func isRetryable(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "40001", "40P01", "55P03":
+		return true
+	}
+	return false
+}
+
+const heartbeatSQL = `
+UPDATE processed_jobs
+SET locked_until = greatest(locked_until, now() + $4::bigint * interval '1 microsecond'), updated_at = now()
+WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
+RETURNING locked_until`
+
+// Heartbeat extends c's lease by Config.Lease from now (database clock), never past the
+// request's Deadline and never shortening it, on the heartbeat pool. It returns the new
+// lease end. ErrLeaseLost means the claim no longer holds the key: stop the work. Other
+// errors (the database unreachable) leave the lease as it was. Safe for concurrent use,
+// but not concurrently with Complete or Fail on the same claim.
+func (l *Ledger) Heartbeat(ctx context.Context, c *Claim) (time.Time, error) {
+	lease := l.leaseFor(c.deadline)
+	var until time.Time
+	err := l.hbPool.QueryRow(ctx, heartbeatSQL, c.Key, c.Fence, c.owner, lease.Microseconds()).Scan(&until)
+	if errors.Is(err, pgx.ErrNoRows) {
+		l.leaseLost(c, "heartbeat")
+		return time.Time{}, fmt.Errorf("%w: heartbeat of key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+	}
+	if err != nil {
+		return time.Time{}, fmt.Errorf("idempotency: heartbeat %s: %w", c.Key, err)
+	}
+	return until, nil
+}
+
+func (l *Ledger) leaseLost(c *Claim, what string) {
+	l.observe(EventLeaseLost, c.TaskType)
+	l.log.Warn("idempotency: lease lost; "+what+" refused", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
+}
+
+// The fenced updates that end a claim ($1 key, $2 fence, $3 owner). Leased mode returns
+// the transaction id (returningXID) before committing; DoTx wraps them in fencedInTx.
+const (
+	completeUpdate = `
+UPDATE processed_jobs
+SET status = 'completed', result = $4, last_error = coalesce($5, last_error), completed_at = now(), updated_at = now()
+WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
+	failRetryUpdate = `
+UPDATE processed_jobs SET locked_until = now(), last_error = $4, updated_at = now()
+WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
+	failPermanentUpdate = `
+UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
+WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
+
+	returningXID = ` RETURNING pg_current_xact_id()::text`
+
+	completeSQL      = completeUpdate + returningXID
+	failRetrySQL     = failRetryUpdate + returningXID
+	failPermanentSQL = failPermanentUpdate + returningXID
+)
+
+// Complete records result for c's key, durably (synchronous_commit on), if c still holds
+// it; it returns an error wrapping ErrLeaseLost when it does not, and then nothing was
+// recorded. A result that is not valid JSON jsonb accepts, or is larger than
+// Config.MaxResultBytes, is replaced by an error marker ({"idemq_error":"..."}, also in
+// last_error): the key still completes and never runs again. It runs detached from ctx's
+// cancellation, bounded by Config.WriteTimeout. If the connection drops while committing,
+// the outcome is learned from the transaction id; ErrCommitUnknown when it cannot be.
+func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+	defer cancel()
+	stored, lastErr := l.checkResult(c, result)
+	err := l.finish(ctx, c, completeSQL, stored, lastErr)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && lastErr == nil {
+		// The database refused the value after all (a data exception): store a marker.
+		stored, lastErr = l.markResult(c, "result refused by the database: "+pgErr.Message)
+		err = l.finish(ctx, c, completeSQL, stored, lastErr)
+	}
+	if err == nil {
+		l.observe(EventCompleted, c.TaskType)
+	}
+	return err
+}
+
+// Fail records cause for c's key. If IsPermanent(cause), the key becomes failed, a
+// terminal state no delivery reopens (only Rerun does). Otherwise the lease ends at once
+// (locked_until = now()), so the next delivery takes over with a new fence without
+// waiting. attempts and last_error are kept. It returns an error wrapping ErrLeaseLost
+// when c no longer holds the key. Like Complete it runs detached from ctx's cancellation,
+// bounded by Config.WriteTimeout, and commits durably.
+func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+	defer cancel()
+	if cause == nil {
+		cause = errors.New("unknown error")
+	}
+	msg := cleanText(cause.Error())
+	q, ev := failRetrySQL, EventRetry
+	if IsPermanent(cause) {
+		q, ev = failPermanentSQL, EventFailed
+	}
+	if err := l.finish(ctx, c, q, msg); err != nil {
+		return err
+	}
+	l.observe(ev, c.TaskType)
+	return nil
+}
+
+// finish runs one fenced update (key, fence, owner, args...) that returns the transaction
+// id, in an explicit transaction with synchronous_commit on: BEGIN, the setting and the
+// update go in one round trip, COMMIT in the next. The transaction id, known before the
+// COMMIT is sent, resolves a commit whose answer was lost.
+func (l *Ledger) finish(ctx context.Context, c *Claim, q string, args ...any) error {
+	conn, err := l.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
+	}
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue(`SELECT set_config('synchronous_commit', 'on', true)`)
+	b.Queue(q, append([]any{c.Key, c.Fence, c.owner}, args...)...)
+	br := conn.SendBatch(ctx, b)
+	var xid string
+	_, err = br.Exec()
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil {
+		err = br.QueryRow().Scan(&xid)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		if conn.Conn().PgConn().TxStatus() != 'I' {
+			conn.Exec(ctx, "ROLLBACK") // a broken connection is closed by the pool anyway
+		}
+		if errors.Is(err, pgx.ErrNoRows) {
+			l.leaseLost(c, "write")
+			return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+		}
+		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
+	}
+	if _, err := conn.Exec(ctx, "COMMIT"); err != nil {
+		return l.commitLost(ctx, c, xid, err)
+	}
+	return nil
+}
+
+// commitLost decides what a failed COMMIT did, from the transaction id.
+func (l *Ledger) commitLost(ctx context.Context, c *Claim, xid string, cerr error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(cerr, &pgErr) {
+		// The server answered: the transaction did not commit.
+		return fmt.Errorf("idempotency: commit %s: %w", c.Key, cerr)
+	}
+	committed, err := l.resolveXact(ctx, xid)
+	if err != nil {
+		return fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)
+	}
+	l.observe(EventCommitResolved, c.TaskType)
+	l.log.Warn("idempotency: commit outcome resolved by transaction id", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "xid", xid, "committed", committed)
+	if !committed {
+		return fmt.Errorf("idempotency: commit %s aborted: %w", c.Key, cerr)
+	}
+	return nil
+}
+
+const xactStatusSQL = `SELECT pg_xact_status($1::text::xid8)`
+
+// resolveXact asks, on fresh connections, whether transaction xid committed, until it is
+// no longer in progress or ctx ends.
+func (l *Ledger) resolveXact(ctx context.Context, xid string) (bool, error) {
+	wait := 20 * time.Millisecond
+	var lastErr error
+	for {
+		var status pgtype.Text
+		err := l.pool.QueryRow(ctx, xactStatusSQL, xid).Scan(&status)
+		switch {
+		case err == nil && status.String == "committed":
+			return true, nil
+		case err == nil && status.String == "aborted":
+			return false, nil
+		case err == nil && !status.Valid:
+			return false, fmt.Errorf("transaction %s is unknown to the server (too old or never assigned)", xid)
+		case err != nil:
+			lastErr = err
+		}
+		select {
+		case <-ctx.Done():
+			if lastErr == nil {
+				lastErr = errors.New("still in progress")
+			}
+			return false, fmt.Errorf("%w (last: %v)", context.Cause(ctx), lastErr)
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+	}
+}
+
+func formatUUID(b [16]byte) string {
+	var s [36]byte
+	hex.Encode(s[0:8], b[0:4])
+	s[8] = '-'
+	hex.Encode(s[9:13], b[4:6])
+	s[13] = '-'
+	hex.Encode(s[14:18], b[6:8])
+	s[18] = '-'
+	hex.Encode(s[19:23], b[8:10])
+	s[23] = '-'
+	hex.Encode(s[24:], b[10:])
+	return string(s[:])
+}

@@ -1,0 +1,230 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// afterClaimSQL restores the session's lock_timeout (saved by the BEGIN), so fn's own
+// waits are not cut short by the claim's bound, and sets the savepoint a permanent
+// failure rolls back to. Sent in the claim's round trip.
+const (
+	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
+	savepointSQL          = `SAVEPOINT idemq_claimed`
+	rollbackSavepointSQL  = `ROLLBACK TO SAVEPOINT idemq_claimed`
+)
+
+// fencedInTx wraps a fenced update for DoTx: the division fails (SQLSTATE 22012) when the
+// update matched no row, which aborts the transaction, so the COMMIT pipelined after it
+// cannot commit the effect without its completion.
+func fencedInTx(update string) string {
+	return "WITH u AS (" + update + " RETURNING 1) SELECT 1 / count(*) FROM u"
+}
+
+var (
+	completeTxSQL      = fencedInTx(completeUpdate)
+	failPermanentTxSQL = fencedInTx(failPermanentUpdate)
+)
+
+// beginSQL starts a DoTx transaction in one round trip: READ COMMITTED (the claim relies
+// on it), durable commit, a bounded wait for the claim's row lock (the session's own
+// lock_timeout is saved, to be restored after the claim), and an idle timeout below the
+// delivery deadline so that a frozen worker's locks end.
+func (l *Ledger) beginSQL(deadline time.Time) string {
+	idle := l.cfg.SessionTimeout
+	if !deadline.IsZero() {
+		idle = max(min(idle, time.Until(deadline)), time.Millisecond)
+	}
+	return "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT " +
+		"set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), " +
+		"set_config('lock_timeout', '" + l.lockTimeoutSQL + "', true), " +
+		"set_config('synchronous_commit', 'on', true), " +
+		"set_config('idle_in_transaction_session_timeout', '" + strconv.FormatInt(max(1, idle.Milliseconds()), 10) + "ms', true)"
+}
+
+// DoTx runs fn at most once per completed key, in transactional mode: for effects in this
+// database. The claim, fn's writes through tx and the completion commit in one
+// transaction, so a crash or an error anywhere leaves no trace and a database effect
+// happens exactly once. The transaction runs at READ COMMITTED, with synchronous_commit
+// on and idle_in_transaction_session_timeout at Config.SessionTimeout (cut to
+// req.Deadline). The row lock is the lease: no heartbeat.
+//
+// fn must use only tx (never commit or roll it back) and must do no external I/O: the
+// transaction may still roll back after it. A concurrent duplicate waits up to
+// Config.ClaimLockTimeout for the row and then gets a *BusyError, or sees the committed
+// result (Result.Cached). The other claim outcomes come back as Claim's errors.
+//
+// When fn returns an error, the transaction rolls back (effect and claim) and DoTx
+// returns fn's error; if IsPermanent(err), the key is then recorded as failed in the same
+// transaction (fn's writes rolled back to a savepoint), so no delivery runs it again.
+// When fn panics, the transaction rolls back and DoTx panics again with the same value.
+// A result that cannot be stored completes the key with an error marker, as in Complete.
+// If the connection drops during the commit, the outcome is learned from the transaction
+// id (ErrCommitUnknown when it cannot be). Safe for concurrent use.
+func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
+	if err := req.validate(); err != nil {
+		return Result{}, err
+	}
+	for round := 0; ; round++ {
+		res, again, err := l.doTxOnce(ctx, req, fn, round)
+		if !again {
+			return res, err
+		}
+	}
+}
+
+func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error), round int) (res Result, again bool, err error) {
+	c, args, err := l.newClaim(req, true)
+	if err != nil {
+		return Result{}, false, err
+	}
+	conn, err := l.pool.Acquire(ctx)
+	if err != nil {
+		return Result{}, false, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
+	}
+	defer conn.Release()
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: l.beginSQL(req.Deadline)})
+	if err != nil {
+		return Result{}, false, fmt.Errorf("idempotency: claim %s: begin: %w", req.Key, err)
+	}
+	done := false
+	rollback := func() {
+		if done {
+			return
+		}
+		done = true
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+		defer cancel()
+		tx.Rollback(rctx) // on failure the connection is closed, which rolls back too
+	}
+	defer rollback()
+
+	var r claimRow
+	b := &pgx.Batch{}
+	b.Queue(claimSQL, args...)
+	b.Queue(restoreLockTimeoutSQL)
+	b.Queue(savepointSQL)
+	br := tx.SendBatch(ctx, b)
+	err = r.scan(br.QueryRow())
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return Result{}, false, l.claimError(req, err)
+	}
+	if !r.claimed && r.attempted {
+		if err := r.scan(tx.QueryRow(ctx, readRowSQL, req.Key)); errors.Is(err, pgx.ErrNoRows) {
+			return Result{}, round+1 < maxClaimRounds, &BusyError{Key: req.Key}
+		} else if err != nil {
+			return Result{}, false, l.claimError(req, err)
+		}
+	}
+	cr, stuck, again, err := l.decide(req, c, &r, round)
+	if cr.Claim == nil {
+		rollback()
+		if stuck != 0 {
+			l.markStuckOne(ctx, req, stuck)
+		}
+		if cr.Completed != nil {
+			return *cr.Completed, false, nil
+		}
+		return Result{}, again, err
+	}
+
+	out, ferr, panicked, pval := runTxFn(withClaim(ctx, c.Key, c.Fence), tx, fn)
+	if panicked {
+		rollback()
+		panic(pval)
+	}
+	if st := conn.Conn().PgConn().TxStatus(); ferr == nil && st != 'T' {
+		ferr = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
+	}
+	if ferr != nil {
+		if !IsPermanent(ferr) {
+			return Result{}, false, ferr
+		}
+		if err := l.commitTx(ctx, tx, c, rollbackSavepointSQL, failPermanentTxSQL, c.Key, c.Fence, c.owner, cleanText(ferr.Error())); err != nil {
+			return Result{}, false, errors.Join(ferr, err)
+		}
+		done = true
+		l.observe(EventFailed, c.TaskType)
+		return Result{}, false, ferr
+	}
+
+	stored, lastErr := l.checkResult(c, out)
+	err = l.commitTx(ctx, tx, c, "", completeTxSQL, c.Key, c.Fence, c.owner, stored, lastErr)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && pgErr.Code != "22012" {
+		// The database refused the result after all (a data exception), which aborted the
+		// transaction and fn's effect with it: record that nothing happened, for good.
+		ferr = Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
+		if err := l.commitTx(ctx, tx, c, rollbackSavepointSQL, failPermanentTxSQL, c.Key, c.Fence, c.owner, cleanText(ferr.Error())); err != nil {
+			return Result{}, false, errors.Join(ferr, err)
+		}
+		done = true
+		l.observe(EventFailed, c.TaskType)
+		return Result{}, false, ferr
+	}
+	if err != nil {
+		return Result{}, false, err
+	}
+	done = true
+	l.observe(EventCompleted, c.TaskType)
+	return Result{Key: c.Key, Result: storedForm(out, l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}, false, nil
+}
+
+// commitTx sends [pre], the fenced statement q and COMMIT in one round trip. A lost
+// connection is resolved with the transaction id taken at the claim.
+func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q string, args ...any) error {
+	b := &pgx.Batch{}
+	if pre != "" {
+		b.Queue(pre)
+	}
+	b.Queue(q, args...)
+	b.Queue("COMMIT")
+	br := tx.SendBatch(ctx, b)
+	var err error
+	for range b.Len() {
+		if _, err = br.Exec(); err != nil {
+			break
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		if pgErr.Code == "22012" {
+			l.leaseLost(c, "completion")
+			return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+		}
+		return fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
+	}
+	if ctx.Err() != nil {
+		// Cancelled before an answer: resolve on a context of our own.
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+		defer cancel()
+	}
+	return l.commitLost(ctx, c, c.xid, err)
+}
+
+func runTxFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {
+	defer func() {
+		if r := recover(); r != nil {
+			panicked, pval = true, r
+		}
+	}()
+	out, err = fn(ctx, tx)
+	return out, err, false, nil
+}

@@ -1,0 +1,232 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Statuses of a ledger row (the status column).
+const (
+	StatusInProgress     = "in_progress"
+	StatusCompleted      = "completed"
+	StatusFailed         = "failed"
+	StatusNeedsAttention = "needs_attention"
+)
+
+// Event names what happened to a key, for counters (see Config.Observe).
+type Event string
+
+// Events passed to Config.Observe.
+const (
+	EventClaimed        Event = "claimed"         // a new key was claimed
+	EventTakeover       Event = "takeover"        // an expired lease was taken over
+	EventCacheHit       Event = "cache_hit"       // a completed key answered with its stored result
+	EventBusy           Event = "busy"            // another claim holds the key
+	EventMismatch       Event = "mismatch"        // the key was claimed with another fingerprint
+	EventFailedKey      Event = "failed_key"      // the key is terminal failed; not run again
+	EventNeedsAttention Event = "needs_attention" // the key is (or was just marked) needs_attention
+	EventCompleted      Event = "completed"       // a completion was recorded
+	EventRetry          Event = "retry"           // a retryable failure ended the lease
+	EventFailed         Event = "failed"          // a permanent failure was recorded
+	EventLeaseLost      Event = "lease_lost"      // a fenced write matched no row (ErrLeaseLost)
+	EventSelfFenced     Event = "self_fenced"     // no heartbeat reached the database in time
+	EventBadResult      Event = "bad_result"      // a result was replaced by an error marker
+	EventCommitResolved Event = "commit_resolved" // a commit outcome was learned from its transaction id
+)
+
+// Config tunes a Ledger. The zero value of each field means its default.
+type Config struct {
+	// Lease is how long a claim holds a key without a heartbeat, by the database clock.
+	// Do heartbeats every Lease/3. Default 30s.
+	Lease time.Duration
+	// HeartbeatPool serves heartbeats, so that pressure on the main pool cannot starve
+	// them. Default: a pool of at most 2 connections the Ledger opens with the main pool's
+	// configuration, closed by Ledger.Close.
+	HeartbeatPool *pgxpool.Pool
+	// ClaimLockTimeout bounds how long a claim waits for another session's row lock
+	// (SET LOCAL lock_timeout) before reporting busy. Default 2s.
+	ClaimLockTimeout time.Duration
+	// SessionTimeout is the idle_in_transaction_session_timeout of DoTx transactions (cut
+	// further to the request's deadline), so a frozen worker's row lock ends. Default 30s.
+	SessionTimeout time.Duration
+	// MaxResultBytes caps a stored result. Default 1 MiB.
+	MaxResultBytes int
+	// MaxAge is how long a key may stay in progress: an expired lease older than this is
+	// marked needs_attention instead of being taken over. Default 24h.
+	MaxAge time.Duration
+	// SelfFenceMargin is subtracted from the lease when Do decides that it can no longer
+	// be sure to hold it: the handler is cancelled at (send time of the last successful
+	// heartbeat + lease - margin), on the local monotonic clock. Default Lease/10.
+	SelfFenceMargin time.Duration
+	// WriteTimeout bounds Complete and Fail, which run detached from the caller's
+	// cancellation (context.WithoutCancel) so a cancelled delivery can still record what
+	// happened. Default 10s.
+	WriteTimeout time.Duration
+	// Logger receives lease losses, self-fencing and replaced results. Default: discard.
+	Logger *slog.Logger
+	// Observe, if set, is called for each Event with the request's task type, for
+	// metrics. It must be fast and safe for concurrent use.
+	Observe func(ev Event, taskType string)
+}
+
+// Ledger records, per idempotency key, whether a piece of work is claimed, completed or
+// failed, in the processed_jobs table. It is safe for concurrent use.
+type Ledger struct {
+	pool      *pgxpool.Pool
+	hbPool    *pgxpool.Pool
+	ownHBPool bool
+	cfg       Config
+	log       *slog.Logger
+
+	lockTimeoutSQL string // set_config value for lock_timeout, e.g. "2000ms"
+}
+
+// New returns a Ledger on pool, whose connections must see the processed_jobs table
+// (search_path). A nil cfg means all defaults. Call Close when done with it.
+func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
+	l := &Ledger{pool: pool}
+	if cfg != nil {
+		l.cfg = *cfg
+	}
+	c := &l.cfg
+	if c.Lease <= 0 {
+		c.Lease = 30 * time.Second
+	}
+	if c.ClaimLockTimeout <= 0 {
+		c.ClaimLockTimeout = 2 * time.Second
+	}
+	if c.SessionTimeout <= 0 {
+		c.SessionTimeout = 30 * time.Second
+	}
+	if c.MaxResultBytes <= 0 {
+		c.MaxResultBytes = 1 << 20
+	}
+	if c.MaxAge <= 0 {
+		c.MaxAge = 24 * time.Hour
+	}
+	if c.SelfFenceMargin <= 0 {
+		c.SelfFenceMargin = c.Lease / 10
+	}
+	if c.WriteTimeout <= 0 {
+		c.WriteTimeout = 10 * time.Second
+	}
+	l.log = c.Logger
+	if l.log == nil {
+		l.log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	l.hbPool = c.HeartbeatPool
+	if l.hbPool == nil {
+		pc := pool.Config()
+		pc.MaxConns = 2
+		pc.MinConns = 0
+		if p, err := pgxpool.NewWithConfig(context.Background(), pc); err == nil {
+			l.hbPool, l.ownHBPool = p, true
+		} else {
+			// Cannot happen with a configuration taken from a working pool; fall back to it.
+			l.log.Error("idempotency: open heartbeat pool; heartbeats share the main pool", "err", err)
+			l.hbPool = pool
+		}
+	}
+	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
+	return l
+}
+
+// Close closes the heartbeat pool the Ledger opened, if it opened one. It does not close
+// the pools passed in. Do not use the Ledger after Close.
+func (l *Ledger) Close() {
+	if l.ownHBPool {
+		l.hbPool.Close()
+	}
+}
+
+func (l *Ledger) observe(ev Event, taskType string) {
+	if l.cfg.Observe != nil {
+		l.cfg.Observe(ev, taskType)
+	}
+}
+
+// Request names one piece of work to claim.
+type Request struct {
+	// Key is the idempotency key, derived from intent (charge:order-123). See ValidateKey.
+	Key string
+	// TaskType is the task's type name, 1..255 bytes.
+	TaskType string
+	// Fingerprint identifies the payload: nil, or 32 bytes (see Fingerprint). When both
+	// the stored and the requested fingerprint are set and differ, the claim fails with
+	// a *MismatchError. A nil fingerprint is not compared.
+	Fingerprint []byte
+	// Deadline is the delivery's own deadline (zero: none). A lease is never extended
+	// past it.
+	Deadline time.Time
+}
+
+func (r *Request) validate() error {
+	if err := ValidateKey(r.Key); err != nil {
+		return err
+	}
+	if n := len(r.TaskType); n < 1 || n > 255 {
+		return fmt.Errorf("%w: task type is %d bytes, must be 1..255", ErrInvalidRequest, n)
+	}
+	if r.Fingerprint != nil && len(r.Fingerprint) != sha256.Size {
+		return fmt.Errorf("%w: fingerprint is %d bytes, must be %d or none", ErrInvalidRequest, len(r.Fingerprint), sha256.Size)
+	}
+	return nil
+}
+
+// MaxKeyBytes is the longest valid key, in bytes.
+const MaxKeyBytes = 255
+
+// ValidateKey reports whether key can be an idempotency key: 1..255 bytes, each printable
+// ASCII other than space (0x21..0x7E). It checks what the processed_jobs CHECK constraint
+// checks. The error wraps ErrInvalidKey and names the limit broken.
+func ValidateKey(key string) error {
+	if len(key) == 0 {
+		return fmt.Errorf("%w: empty, must be 1..%d bytes", ErrInvalidKey, MaxKeyBytes)
+	}
+	if len(key) > MaxKeyBytes {
+		return fmt.Errorf("%w: %d bytes, must be 1..%d bytes", ErrInvalidKey, len(key), MaxKeyBytes)
+	}
+	for i := 0; i < len(key); i++ {
+		if c := key[i]; c < 0x21 || c > 0x7e {
+			return fmt.Errorf("%w: byte 0x%02x at offset %d, must be printable ASCII 0x21..0x7E (no space, control or non-ASCII)",
+				ErrInvalidKey, c, i)
+		}
+	}
+	return nil
+}
+
+// Fingerprint returns sha256(taskType || 0x00 || canonicalPayload), the value for
+// Request.Fingerprint. canonicalPayload should be json.Marshal of the strictly decoded
+// payload, so that equal payloads give equal fingerprints.
+func Fingerprint(taskType string, canonicalPayload []byte) []byte {
+	h := sha256.New()
+	h.Write([]byte(taskType))
+	h.Write([]byte{0})
+	h.Write(canonicalPayload)
+	return h.Sum(nil)
+}
+
+type ctxKey struct{}
+
+type ctxClaim struct {
+	key   string
+	fence int64
+}
+
+func withClaim(ctx context.Context, key string, fence int64) context.Context {
+	return context.WithValue(ctx, ctxKey{}, ctxClaim{key, fence})
+}
+
+// FromContext returns the key and fence of the claim a Do or DoTx handler runs under.
+// Pass the key (never key+fence) to external providers as their idempotency key. ok is
+// false outside such a handler.
+func FromContext(ctx context.Context) (key string, fence int64, ok bool) {
+	c, ok := ctx.Value(ctxKey{}).(ctxClaim)
+	return c.key, c.fence, ok
+}

@@ -1,0 +1,220 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Record is a ledger row, for operators (Get, List). Times are the database clock's; a
+// zero time means NULL.
+type Record struct {
+	Key         string
+	TaskType    string
+	Status      string // StatusInProgress, StatusCompleted, StatusFailed or StatusNeedsAttention
+	Fence       int64
+	Owner       string // the UUID of the latest claim ("" if none)
+	Generation  int
+	Fingerprint []byte
+	Result      json.RawMessage
+	Attempts    int
+	LastError   string
+	LockedUntil time.Time
+	CreatedAt   time.Time
+	UpdatedAt   time.Time
+	StartedAt   time.Time
+	CompletedAt time.Time
+}
+
+const recordColumns = `idempotency_key, task_type, status, fence, owner, generation, payload_sha256,
+	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at`
+
+func scanRecord(row pgx.Row) (Record, error) {
+	var (
+		r                                   Record
+		owner                               pgtype.UUID
+		gen, attempts                       int32
+		lastError                           pgtype.Text
+		lockedUntil, completedAt            pgtype.Timestamptz
+		result                              []byte
+		createdAt, updatedAt, startedAtTime time.Time
+	)
+	err := row.Scan(&r.Key, &r.TaskType, &r.Status, &r.Fence, &owner, &gen, &r.Fingerprint,
+		&result, &attempts, &lastError, &lockedUntil, &createdAt, &updatedAt, &startedAtTime, &completedAt)
+	if err != nil {
+		return Record{}, err
+	}
+	if owner.Valid {
+		r.Owner = formatUUID(owner.Bytes)
+	}
+	if result != nil {
+		r.Result = json.RawMessage(result)
+	}
+	r.Generation, r.Attempts, r.LastError = int(gen), int(attempts), lastError.String
+	r.LockedUntil, r.CompletedAt = lockedUntil.Time, completedAt.Time
+	r.CreatedAt, r.UpdatedAt, r.StartedAt = createdAt, updatedAt, startedAtTime
+	return r, nil
+}
+
+const getSQL = `SELECT ` + recordColumns + ` FROM processed_jobs WHERE idempotency_key = $1`
+
+// Get returns key's row, or an error wrapping ErrNotFound. Safe for concurrent use.
+func (l *Ledger) Get(ctx context.Context, key string) (*Record, error) {
+	r, err := scanRecord(l.pool.QueryRow(ctx, getSQL, key))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%w: %q", ErrNotFound, key)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: get %s: %w", key, err)
+	}
+	return &r, nil
+}
+
+const listSQL = `SELECT ` + recordColumns + ` FROM processed_jobs
+WHERE $1 = '' OR status = $1 ORDER BY updated_at DESC, idempotency_key LIMIT $2`
+
+// List returns up to limit rows (all when limit <= 0) with the given status, or of every
+// status when status is "", most recently updated first. It scans the table; it is meant
+// for operators, not for hot paths. Safe for concurrent use.
+func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, error) {
+	switch status {
+	case "", StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:
+	default:
+		return nil, fmt.Errorf("%w: unknown status %q", ErrInvalidRequest, status)
+	}
+	var lim any
+	if limit > 0 {
+		lim = limit
+	}
+	rows, err := l.pool.Query(ctx, listSQL, status, lim)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: list: %w", err)
+	}
+	recs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) { return scanRecord(row) })
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: list: %w", err)
+	}
+	return recs, nil
+}
+
+// releaseSQL ends a lease and fences its holder out: a new fence and an owner nobody
+// holds, so the holder's heartbeat and completion fail with ErrLeaseLost.
+const releaseSQL = `
+UPDATE processed_jobs
+SET fence = nextval('processed_jobs_fence_seq'), owner = gen_random_uuid(), locked_until = now(), updated_at = now()
+WHERE idempotency_key = $1 AND status = 'in_progress'`
+
+// Release forces key's in-progress lease to end now: the next delivery takes the key
+// over at once, and the current holder can no longer heartbeat or complete
+// (ErrLeaseLost). For a leased effect that may already have happened, the next run calls
+// the provider again with the same key. It waits for a DoTx transaction holding the row.
+// It returns an error wrapping ErrNotFound, or ErrNotInProgress for a row in another
+// status. Safe for concurrent use.
+func (l *Ledger) Release(ctx context.Context, key string) error {
+	tag, err := l.pool.Exec(ctx, releaseSQL, key)
+	if err != nil {
+		return fmt.Errorf("idempotency: release %s: %w", key, err)
+	}
+	if tag.RowsAffected() == 1 {
+		return nil
+	}
+	return l.statusError(ctx, key, ErrNotInProgress)
+}
+
+// rerunSQL reopens a terminal row as a new generation whose lease has already ended, so
+// the next delivery claims it with a new fence.
+const rerunSQL = `
+UPDATE processed_jobs
+SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
+    owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
+    result = NULL, completed_at = NULL
+WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
+RETURNING generation`
+
+// Rerun reopens key, which must be completed, failed or needs_attention, as a new
+// generation: the next delivery of the key runs the work again (the stored result is
+// dropped; attempts and last_error are kept). It is the only way a terminal key runs
+// again, and it does not enqueue anything itself. It returns the new generation, or an
+// error wrapping ErrNotFound or ErrNotTerminal. Safe for concurrent use.
+func (l *Ledger) Rerun(ctx context.Context, key string) (int, error) {
+	var gen int32
+	err := l.pool.QueryRow(ctx, rerunSQL, key).Scan(&gen)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, l.statusError(ctx, key, ErrNotTerminal)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("idempotency: rerun %s: %w", key, err)
+	}
+	l.log.Info("idempotency: key reopened by an operator", "key", key, "generation", gen)
+	return int(gen), nil
+}
+
+// statusError explains why an operator update matched no row.
+func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error {
+	r, err := l.Get(ctx, key)
+	if err != nil {
+		return err
+	}
+	return fmt.Errorf("%w: %q is %s", wrong, key, r.Status)
+}
+
+// purgeSQL deletes one batch of terminal rows older than the window. The outer
+// conditions are checked again on the row version it deletes, so a row re-run meanwhile
+// stays.
+const purgeSQL = `
+DELETE FROM processed_jobs
+WHERE idempotency_key IN (
+	SELECT idempotency_key FROM processed_jobs
+	WHERE status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+	LIMIT $2 FOR UPDATE SKIP LOCKED)
+  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'`
+
+// Purge deletes completed and failed rows that completed more than olderThan ago, in
+// transactions of at most batch rows (default 1000 when batch <= 0), until none is left
+// or ctx ends. In-progress and needs_attention rows are never purged. It returns how many
+// rows it deleted. A key delivered again after its row is purged runs again: keep the
+// window longer than anything can still deliver the key. Safe for concurrent use.
+func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) (int64, error) {
+	if olderThan < 0 {
+		return 0, fmt.Errorf("%w: negative purge window %s", ErrInvalidRequest, olderThan)
+	}
+	if batch <= 0 {
+		batch = 1000
+	}
+	var total int64
+	for {
+		tag, err := l.pool.Exec(ctx, purgeSQL, olderThan.Microseconds(), batch)
+		if err != nil {
+			return total, fmt.Errorf("idempotency: purge: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(batch) {
+			return total, nil
+		}
+	}
+}
+
+const markStuckSQL = `
+UPDATE processed_jobs SET status = 'needs_attention', updated_at = now()
+WHERE status = 'in_progress' AND locked_until < now()
+  AND started_at < now() - $1::bigint * interval '1 microsecond'`
+
+// MarkStuck turns every in-progress row whose lease has ended and whose generation
+// started more than Config.MaxAge ago into needs_attention, and returns how many it
+// changed. Claim does the same for the key it meets; MarkStuck finds the ones no delivery
+// comes back for. Safe for concurrent use.
+func (l *Ledger) MarkStuck(ctx context.Context) (int64, error) {
+	tag, err := l.pool.Exec(ctx, markStuckSQL, l.cfg.MaxAge.Microseconds())
+	if err != nil {
+		return 0, fmt.Errorf("idempotency: mark stuck: %w", err)
+	}
+	if n := tag.RowsAffected(); n > 0 {
+		l.log.Warn("idempotency: in-progress rows past the maximum age need attention", "count", n)
+	}
+	return tag.RowsAffected(), nil
+}

@@ -1,0 +1,113 @@
+package idempotency
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Sentinel errors. Compare with errors.Is: the errors returned by the Ledger wrap them,
+// usually with the key.
+var (
+	// ErrLeaseLost means a fenced write (Heartbeat, Complete, Fail) matched no row: another
+	// claim took the key over, an operator released it, or the lease was given up because
+	// no heartbeat reached the database in time. The caller's result was not recorded.
+	ErrLeaseLost = errors.New("idempotency: lease lost")
+	// ErrBusy means another claim holds a live lease on the key (or an uncommitted
+	// transaction holds its row). It is not a failure: retry when the lease ends. The
+	// returned error is a *BusyError.
+	ErrBusy = errors.New("idempotency: key busy")
+	// ErrFailed means the key ended in the terminal state failed. Deliveries never run it
+	// again; only Ledger.Rerun does. The returned error is a *FailedError.
+	ErrFailed = errors.New("idempotency: key failed permanently")
+	// ErrMismatch means the key was first claimed with another fingerprint (another
+	// payload). It is permanent; no result is served. The returned error is a
+	// *MismatchError.
+	ErrMismatch = errors.New("idempotency: payload fingerprint mismatch")
+	// ErrNeedsAttention means the key was in progress for longer than Config.MaxAge without
+	// completing. It is not run again (an effect that old may be outside a provider's
+	// idempotency window); an operator decides, with Ledger.Rerun.
+	ErrNeedsAttention = errors.New("idempotency: key needs attention")
+	// ErrNotFound means the ledger has no row for the key.
+	ErrNotFound = errors.New("idempotency: key not found")
+	// ErrInvalidKey means a key is not 1..255 bytes of printable ASCII without spaces.
+	ErrInvalidKey = errors.New("idempotency: invalid key")
+	// ErrInvalidRequest means a Request field other than the key is invalid (task type
+	// empty or longer than 255 bytes, fingerprint not 32 bytes).
+	ErrInvalidRequest = errors.New("idempotency: invalid request")
+	// ErrNotInProgress is returned by Ledger.Release for a key that is not in progress.
+	ErrNotInProgress = errors.New("idempotency: key not in progress")
+	// ErrNotTerminal is returned by Ledger.Rerun for a key that is still in progress.
+	ErrNotTerminal = errors.New("idempotency: key not terminal")
+	// ErrCommitUnknown means the connection was lost while a completion committed and the
+	// outcome could not be learned from the transaction id before the context ended.
+	ErrCommitUnknown = errors.New("idempotency: commit outcome unknown")
+)
+
+// BusyError reports a key held by another claim. Owner, Fence and Until are zero when
+// the holder is an uncommitted transaction (DoTx) or when a lock or serialization wait
+// was cut short (SQLSTATE 55P03, 40001, 40P01).
+type BusyError struct {
+	Key   string
+	Owner string    // the holder's owner id (a UUID)
+	Fence int64     // the holder's fence
+	Until time.Time // when the holder's lease ends, by the database clock
+}
+
+func (e *BusyError) Error() string {
+	if e.Fence == 0 {
+		return fmt.Sprintf("idempotency: key %q busy (held by a transaction)", e.Key)
+	}
+	return fmt.Sprintf("idempotency: key %q busy: owner %s fence %d until %s",
+		e.Key, e.Owner, e.Fence, e.Until.UTC().Format(time.RFC3339Nano))
+}
+
+// Is reports whether target is ErrBusy.
+func (e *BusyError) Is(target error) bool { return target == ErrBusy }
+
+// FailedError reports a key in the terminal state failed, with the error recorded when it
+// failed.
+type FailedError struct {
+	Key       string
+	LastError string
+}
+
+func (e *FailedError) Error() string {
+	return fmt.Sprintf("idempotency: key %q failed permanently: %s", e.Key, e.LastError)
+}
+
+// Is reports whether target is ErrFailed.
+func (e *FailedError) Is(target error) bool { return target == ErrFailed }
+
+// MismatchError reports a key whose stored fingerprint differs from the request's.
+type MismatchError struct {
+	Key string
+}
+
+func (e *MismatchError) Error() string {
+	return fmt.Sprintf("idempotency: key %q was claimed with another payload", e.Key)
+}
+
+// Is reports whether target is ErrMismatch.
+func (e *MismatchError) Is(target error) bool { return target == ErrMismatch }
+
+// permanentError marks a handler error as permanent.
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as permanent: Fail (and Do, DoTx) record the key as failed, a
+// terminal state, instead of ending the lease for a retry. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+// IsPermanent reports whether err, or an error it wraps, was marked with Permanent.
+func IsPermanent(err error) bool {
+	var p *permanentError
+	return errors.As(err, &p)
+}

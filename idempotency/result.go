@@ -1,0 +1,109 @@
+package idempotency
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"unicode/utf8"
+)
+
+// maxLastErrorBytes caps last_error.
+const maxLastErrorBytes = 4096
+
+// ValidateResult reports why result cannot be stored in a jsonb column within maxBytes:
+// too large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an
+// unpaired surrogate). An empty result is valid (stored as NULL).
+func ValidateResult(result json.RawMessage, maxBytes int) error {
+	if len(result) == 0 {
+		return nil
+	}
+	if len(result) > maxBytes {
+		return fmt.Errorf("result too large: %d bytes > limit %d", len(result), maxBytes)
+	}
+	if !utf8.Valid(result) || !json.Valid(result) {
+		return fmt.Errorf("result is not valid JSON (%d bytes)", len(result))
+	}
+	return checkEscapes(result)
+}
+
+// checkEscapes finds \u escapes in valid JSON that jsonb refuses. In valid JSON a
+// backslash only occurs inside strings, starting an escape.
+func checkEscapes(b []byte) error {
+	for i := 0; i < len(b); i++ {
+		if b[i] != '\\' {
+			continue
+		}
+		i++
+		if b[i] != 'u' {
+			continue
+		}
+		r := hexRune(b[i+1 : i+5])
+		i += 4
+		switch {
+		case r == 0:
+			return fmt.Errorf("result holds \\u0000, which jsonb cannot store")
+		case r >= 0xD800 && r <= 0xDBFF:
+			if i+6 < len(b) && b[i+1] == '\\' && b[i+2] == 'u' {
+				if lo := hexRune(b[i+3 : i+7]); lo >= 0xDC00 && lo <= 0xDFFF {
+					i += 6
+					continue
+				}
+			}
+			return fmt.Errorf("result holds an unpaired surrogate escape, which jsonb cannot store")
+		case r >= 0xDC00 && r <= 0xDFFF:
+			return fmt.Errorf("result holds an unpaired surrogate escape, which jsonb cannot store")
+		}
+	}
+	return nil
+}
+
+func hexRune(h []byte) rune {
+	var r rune
+	for _, c := range h {
+		r <<= 4
+		switch {
+		case c >= '0' && c <= '9':
+			r |= rune(c - '0')
+		case c >= 'a' && c <= 'f':
+			r |= rune(c - 'a' + 10)
+		case c >= 'A' && c <= 'F':
+			r |= rune(c - 'A' + 10)
+		}
+	}
+	return r
+}
+
+// checkResult returns what to store for result and the last_error to record (nil: none).
+func (l *Ledger) checkResult(c *Claim, result json.RawMessage) (any, any) {
+	if len(result) == 0 {
+		return nil, nil
+	}
+	if err := ValidateResult(result, l.cfg.MaxResultBytes); err != nil {
+		return l.markResult(c, err.Error())
+	}
+	return string(result), nil
+}
+
+// markResult builds the error marker stored instead of a result that cannot be stored.
+func (l *Ledger) markResult(c *Claim, msg string) (any, any) {
+	msg = cleanText(msg)
+	l.observe(EventBadResult, c.TaskType)
+	l.log.Error("idempotency: result replaced by an error marker; the key completes", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", msg)
+	b, _ := json.Marshal(map[string]string{"idemq_error": msg})
+	return string(b), msg
+}
+
+// cleanText makes s storable in a text column: valid UTF-8, no NUL, at most
+// maxLastErrorBytes.
+func cleanText(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\\x00")
+	if len(s) > maxLastErrorBytes {
+		cut := maxLastErrorBytes
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
+}
