@@ -1,9 +1,13 @@
 package lock_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -200,4 +204,71 @@ func parseCalls(v string) int {
 	var n int
 	fmt.Sscanf(v, "calls=%d", &n)
 	return n
+}
+
+// TestFaultRedisOutageShorterThanTTL: with an append-only file, Redis crashes and comes
+// back within the TTL; the watchdog keeps retrying through the errors, logs them, and
+// the work goes on holding the lock.
+func TestFaultRedisOutageShorterThanTTL(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	srv := testenv.StartRedis(t, testenv.PersistAOFAlways)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, MaxRetries: -1, DialTimeout: time.Second})
+	t.Cleanup(func() { rdb.Close() })
+	var logs syncBuffer
+	locker := lock.New(rdb, &lock.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	const ttl = 6 * time.Second
+	const interval = 300 * time.Millisecond
+
+	lk, err := locker.Obtain(ctx, "outage", ttl, nil)
+	if err != nil {
+		t.Fatalf("Obtain: %v", err)
+	}
+	workCtx, stop := lk.Watch(ctx, &lock.WatchOptions{Interval: interval})
+	defer stop()
+
+	if err := srv.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * interval) // refreshes fail meanwhile
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * interval) // and succeed again
+	if err := workCtx.Err(); err != nil {
+		t.Fatalf("work cancelled during an outage shorter than the TTL: %v", context.Cause(workCtx))
+	}
+	d, err := lk.TTL(ctx)
+	if err != nil {
+		t.Fatalf("TTL after the outage: %v", err)
+	}
+	if d < ttl-3*interval {
+		t.Errorf("TTL after the outage = %v, want refreshed to about %v", d, ttl)
+	}
+	if err := stop(); err != nil {
+		t.Errorf("stop() = %v, want nil", err)
+	}
+	if !strings.Contains(logs.String(), "lock refresh failed") {
+		t.Errorf("log = %q, want the failed refreshes logged", logs.String())
+	}
+	if err := lk.Release(ctx); err != nil {
+		t.Errorf("Release: %v", err)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
