@@ -13,7 +13,8 @@ import (
 type WatchOptions struct {
 	// Interval is the time between refreshes. Each refresh resets the TTL the lock was
 	// last obtained or refreshed with. Default: a third of that TTL. After a Redis error
-	// the watchdog retries sooner, every Interval/4.
+	// the watchdog retries sooner, every Interval/4. Keep it well below the TTL: the
+	// watchdog declares the lock lost once the TTL runs out without a successful refresh.
 	Interval time.Duration
 
 	// IgnoreLoss keeps the watchdog's context alive when the lock is lost: the work goes

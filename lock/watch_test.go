@@ -211,7 +211,7 @@ func TestHold(t *testing.T) {
 
 	t.Run("ttl ran out without a watchdog refresh", func(t *testing.T) {
 		// An interval longer than the TTL: the watchdog's own deadline fires first.
-		err := locker.Hold(ctx, "held", 100*time.Millisecond, nil, &lock.WatchOptions{Interval: time.Hour},
+		err := locker.Hold(ctx, "expires", 100*time.Millisecond, nil, &lock.WatchOptions{Interval: time.Hour},
 			func(ctx context.Context) error {
 				<-ctx.Done()
 				return nil
