@@ -180,13 +180,16 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 	return Result{Key: c.Key, Result: storedForm(out, l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}, false, nil
 }
 
-// commitTx sends [pre], the fenced statement q and COMMIT in one round trip. A lost
-// connection is resolved with the transaction id taken at the claim.
+// commitTx sends the fenced statement q and COMMIT in one round trip, after pre (a
+// rollback to the savepoint, which must run before q can be prepared in an aborted
+// transaction). A lost connection is resolved with the transaction id taken at the claim.
 func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q string, args ...any) error {
-	b := &pgx.Batch{}
 	if pre != "" {
-		b.Queue(pre)
+		if _, err := tx.Exec(ctx, pre); err != nil {
+			return fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
+		}
 	}
+	b := &pgx.Batch{}
 	b.Queue(q, args...)
 	b.Queue("COMMIT")
 	br := tx.SendBatch(ctx, b)
