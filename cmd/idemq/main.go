@@ -38,6 +38,9 @@ type command struct {
 func commands() []command {
 	return []command{
 		migrateCommand(),
+		workerCommand(),
+		enqueueCommand(),
+		ledgerCommand(),
 		fakepayCommand(),
 		healthcheckCommand(),
 	}

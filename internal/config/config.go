@@ -33,6 +33,16 @@ type Migrate struct {
 	Database
 }
 
+// Enqueue configures `idemq enqueue`.
+type Enqueue struct {
+	Redis
+}
+
+// Ledger configures `idemq ledger`.
+type Ledger struct {
+	Database
+}
+
 // Worker configures `idemq worker`.
 type Worker struct {
 	Redis

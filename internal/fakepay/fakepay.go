@@ -84,7 +84,9 @@ var errInFlight = errors.New("a request with this Idempotency-Key is in progress
 var errKeyReused = errors.New("Idempotency-Key was used before with different parameters")
 
 func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
-	ctx := r.Context()
+	// Like a real provider, finish what was asked even if the caller hangs up: the charge
+	// exists whether or not the caller hears about it (the crash window idemq guards).
+	ctx := context.WithoutCancel(r.Context())
 	key := r.Header.Get("Idempotency-Key")
 	var req ChargeRequest
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))

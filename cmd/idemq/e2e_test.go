@@ -1,0 +1,381 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+// proc is an idemq process started by a test, stopped when the test ends.
+type proc struct {
+	t    *testing.T
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+}
+
+// startIdemq starts `idemq args...` with env added to a clean environment.
+func startIdemq(t *testing.T, name string, env []string, args ...string) *proc {
+	t.Helper()
+	log := filepath.Join(t.TempDir(), name+".log")
+	f, err := os.Create(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(binary, args...)
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{t: t, name: name, cmd: cmd, log: log, done: make(chan struct{})}
+	go func() { cmd.Wait(); f.Close(); close(p.done) }()
+	t.Cleanup(func() {
+		p.signal(syscall.SIGKILL)
+		<-p.done
+		if t.Failed() {
+			t.Logf("--- %s log (tail) ---\n%s", name, p.tail(3000))
+		}
+	})
+	return p
+}
+
+func (p *proc) signal(sig syscall.Signal) { p.cmd.Process.Signal(sig) }
+
+func (p *proc) tail(n int) string {
+	b, _ := os.ReadFile(p.log)
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+// waitHTTP waits until url answers 200.
+func waitHTTP(t *testing.T, url string, d time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(url); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("%s did not answer 200 within %s", url, d)
+}
+
+// metricSum adds up the samples of a counter whose labels contain every one of match.
+func metricSum(t *testing.T, url, name string, match ...string) float64 {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("scrape %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name+"{") {
+			continue
+		}
+		ok := true
+		for _, m := range match {
+			ok = ok && strings.Contains(line, m)
+		}
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+		if err == nil {
+			sum += v
+		}
+	}
+	return sum
+}
+
+// stack is fakepay plus worker processes on a private schema and Redis database.
+type stack struct {
+	dsn, redisURL, fakepayURL string
+	pool                      *pgxpool.Pool
+	client                    *asynq.Client
+	insp                      *asynq.Inspector
+	workers                   []*proc
+	metrics                   []string
+	workerEnv                 []string
+}
+
+func startStack(t *testing.T, workers int, fakepayEnv, workerEnv []string) *stack {
+	t.Helper()
+	s := &stack{dsn: testenv.PostgresURL(t), redisURL: testenv.RedisURL(t)}
+	s.pool = testenv.Pool(t, s.dsn)
+	rdb := testenv.RedisClient(t, s.redisURL)
+	s.client = asynq.NewClientFromRedisClient(rdb)
+	s.insp = asynq.NewInspectorFromRedisClient(rdb)
+
+	fp := testenv.FreePort(t)
+	s.fakepayURL = fmt.Sprintf("http://127.0.0.1:%d", fp)
+	startIdemq(t, "fakepay", append([]string{"DATABASE_URL=" + s.dsn, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp)}, fakepayEnv...), "fakepay")
+	waitHTTP(t, s.fakepayURL+"/healthz", 20*time.Second)
+
+	s.workerEnv = append([]string{
+		"DATABASE_URL=" + s.dsn, "REDIS_URL=" + s.redisURL, "IDEMQ_FAKEPAY_URL=" + s.fakepayURL,
+		"IDEMQ_CONCURRENCY=10", "IDEMQ_LEASE=2s", "IDEMQ_LOCK_TTL=2s", "IDEMQ_SHUTDOWN_TIMEOUT=5s",
+	}, workerEnv...)
+	for i := range workers {
+		s.startWorker(t, i)
+	}
+	return s
+}
+
+func (s *stack) startWorker(t *testing.T, i int) *proc {
+	t.Helper()
+	port := testenv.FreePort(t)
+	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	w := startIdemq(t, fmt.Sprintf("worker%d", i), append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port)}, s.workerEnv...), "worker")
+	waitHTTP(t, url+"/readyz", 30*time.Second)
+	if i < len(s.workers) {
+		s.workers[i], s.metrics[i] = w, url+"/metrics"
+	} else {
+		s.workers, s.metrics = append(s.workers, w), append(s.metrics, url+"/metrics")
+	}
+	return w
+}
+
+// sum adds a counter up across the workers still answering.
+func (s *stack) sum(t *testing.T, name string, match ...string) float64 {
+	var total float64
+	for _, m := range s.metrics {
+		total += metricSum(t, m, name, match...)
+	}
+	return total
+}
+
+// waitLedger waits until n rows are completed, or fails after d.
+func (s *stack) waitCompleted(t *testing.T, n int, d time.Duration) {
+	t.Helper()
+	ctx := testenv.Context(t, d+10*time.Second)
+	deadline := time.Now().Add(d)
+	var got int
+	for time.Now().Before(deadline) {
+		if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE status = 'completed'`).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got >= n {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatalf("%d of %d keys completed after %s", got, n, d)
+}
+
+func (s *stack) enqueue(t *testing.T, task *asynq.Task, opts ...asynq.Option) {
+	t.Helper()
+	if _, err := s.client.Enqueue(task, opts...); err != nil {
+		t.Fatalf("enqueue: %v", err)
+	}
+}
+
+func TestEndToEndDuplicatesTakeEffectOnce(t *testing.T) {
+	t.Parallel()
+	const orders, debits, copies = 300, 300, 3
+	s := startStack(t, 3, []string{"IDEMQ_FAKEPAY_HONOR_KEYS=false"}, nil)
+	start := time.Now()
+
+	for i := range max(orders, debits) {
+		for c := range copies {
+			id := asynq.TaskID(fmt.Sprintf("copy%d-%d", c, i)) // a different TaskID per copy: all reach workers
+			if i < orders {
+				task, err := tasks.NewChargeTask(tasks.Charge{OrderID: fmt.Sprintf("o-%d", i), CustomerID: fmt.Sprintf("c-%d", i%30), AmountCents: int64(100 + i), Currency: "EUR"})
+				if err != nil {
+					t.Fatal(err)
+				}
+				s.enqueue(t, task, id)
+			}
+			if i < debits {
+				task, err := tasks.NewDebitTask(tasks.Debit{AccountID: fmt.Sprintf("a-%d", i%30), AmountCents: int64(10 + i), Reference: fmt.Sprintf("r-%d", i)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				s.enqueue(t, task, asynq.TaskID(fmt.Sprintf("d%d-%d", c, i)))
+			}
+		}
+	}
+	s.waitCompleted(t, orders+debits, 150*time.Second)
+	// Every delivery ends: wait until no task is pending, active, scheduled or retrying.
+	ctx := testenv.Context(t, 2*time.Minute)
+	var q *asynq.QueueInfo
+	for {
+		var err error
+		if q, err = s.insp.GetQueueInfo(tasks.Queue); err != nil {
+			t.Fatal(err)
+		}
+		if q.Pending+q.Active+q.Scheduled+q.Retry == 0 || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	elapsed := time.Since(start)
+
+	var perOrder, perRef, charges, entries int
+	s.pool.QueryRow(ctx, `SELECT coalesce(max(n), 0), coalesce(sum(n), 0) FROM (SELECT count(*) n FROM fakepay_charges GROUP BY order_id) x`).Scan(&perOrder, &charges)
+	s.pool.QueryRow(ctx, `SELECT coalesce(max(n), 0), coalesce(sum(n), 0) FROM (SELECT count(*) n FROM wallet_entries GROUP BY reference) x`).Scan(&perRef, &entries)
+	if charges != orders || perOrder != 1 {
+		t.Errorf("fakepay charges = %d (max per order %d), want %d, one per order", charges, perOrder, orders)
+	}
+	if entries != debits || perRef != 1 {
+		t.Errorf("wallet entries = %d (max per reference %d), want %d, one per reference", entries, perRef, debits)
+	}
+	var mismatched int
+	s.pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs p
+		LEFT JOIN fakepay_charges c ON c.id = p.result->>'charge_id'
+		LEFT JOIN wallet_entries w ON w.id = (p.result->>'entry_id')::bigint
+		WHERE c.id IS NULL AND w.id IS NULL`).Scan(&mismatched)
+	if mismatched != 0 {
+		t.Errorf("%d completed keys whose result names no existing charge or wallet entry", mismatched)
+	}
+	if q.Archived != 0 || q.Retry != 0 || q.FailedTotal != 0 {
+		t.Errorf("asynq queue: archived %d, retry %d, failed %d; want 0 (busy must not count as a failure)", q.Archived, q.Retry, q.FailedTotal)
+	}
+	deliveries := q.ProcessedTotal
+	hits := s.sum(t, "idemq_ledger_events_total", `event="cache_hit"`)
+	ledgerBusy := s.sum(t, "idemq_ledger_events_total", `event="busy"`)
+	lockBusy := s.sum(t, "idemq_lock_events_total", `event="busy"`)
+	claimed := s.sum(t, "idemq_ledger_events_total", `event="claimed"`)
+	t.Logf("e2e: %d jobs × %d copies in %s: %d deliveries processed; %v keys claimed; suppressed by the ledger (cached result) %v, busy retries: lock %v, ledger %v; charges per order %d, entries per reference %d",
+		orders+debits, copies, elapsed.Round(time.Millisecond), deliveries, claimed, hits, lockBusy, ledgerBusy, perOrder, perRef)
+	if int(hits) != (orders+debits)*(copies-1) {
+		t.Errorf("cached-result answers = %v, want %d (every copy after the first)", hits, (orders+debits)*(copies-1))
+	}
+}
+
+func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
+	t.Parallel()
+	s := startStack(t, 1, nil, nil)
+	long := strings.Repeat("x", 300)
+	bad := map[string]*asynq.Task{
+		"malformed JSON":  asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":`)),
+		"missing fields":  asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a"}`)),
+		"negative amount": asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":"o","customer_id":"c","amount_cents":-1,"currency":"EUR"}`)),
+		"300-byte key":    asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"`+long+`"}`)),
+		"unknown field":   asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"r","extra":1}`)),
+	}
+	want := map[string]string{
+		"malformed JSON": "malformed payload", "missing fields": "amount_cents", "negative amount": "amount_cents",
+		"300-byte key": "the limit is", "unknown field": `unknown field "extra"`,
+	}
+	for name, task := range bad {
+		s.enqueue(t, task, asynq.TaskID("bad-"+strings.ReplaceAll(name, " ", "-")), asynq.MaxRetry(5))
+	}
+	ok, _ := tasks.NewDebitTask(tasks.Debit{AccountID: "a", AmountCents: 5, Reference: "good-after-bad"})
+	s.enqueue(t, ok)
+	s.waitCompleted(t, 1, 60*time.Second)
+
+	deadline := time.Now().Add(60 * time.Second)
+	var archived []*asynq.TaskInfo
+	for time.Now().Before(deadline) {
+		archived, _ = s.insp.ListArchivedTasks(tasks.Queue)
+		if len(archived) == len(bad) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if len(archived) != len(bad) {
+		t.Fatalf("%d archived tasks, want %d", len(archived), len(bad))
+	}
+	for _, info := range archived {
+		name := strings.ReplaceAll(strings.TrimPrefix(info.ID, "bad-"), "-", " ")
+		if !strings.Contains(info.LastErr, want[name]) || !strings.Contains(info.LastErr, "bad payload") || info.Retried != 0 {
+			t.Errorf("%s: archived after %d retries with %q; want no retry and a reason containing %q", name, info.Retried, info.LastErr, want[name])
+		}
+	}
+	var rows int
+	s.pool.QueryRow(testenv.Context(t, 5*time.Second), `SELECT count(*) FROM processed_jobs`).Scan(&rows)
+	if rows != 1 {
+		t.Errorf("ledger rows = %d, want 1 (bad payloads leave none)", rows)
+	}
+}
+
+// holdAnswers is a proxy in front of the provider that holds each answer for hold after the
+// provider has answered: the effect exists, the worker has not heard of it yet.
+func holdAnswers(t *testing.T, target string, hold time.Duration) string {
+	t.Helper()
+	u, _ := url.Parse(target)
+	rp := httputil.NewSingleHostReverseProxy(u)
+	rp.ModifyResponse = func(*http.Response) error { time.Sleep(hold); return nil }
+	srv := httptest.NewServer(rp)
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+func TestEndToEndWorkerKilledMidCharge(t *testing.T) {
+	t.Parallel()
+	s := startStack(t, 0, []string{"IDEMQ_FAKEPAY_HONOR_KEYS=true"}, nil)
+	proxy := holdAnswers(t, s.fakepayURL, 4*time.Second)
+	s.workerEnv = append(s.workerEnv, "IDEMQ_FAKEPAY_URL="+proxy) // the later value wins
+	s.startWorker(t, 0)
+
+	ctx := testenv.Context(t, 2*time.Minute)
+	charge := tasks.Charge{OrderID: "killed-1", CustomerID: "c-k", AmountCents: 4200, Currency: "EUR"}
+	task, _ := tasks.NewChargeTask(charge)
+	s.enqueue(t, task)
+
+	// Kill the worker once the provider has made the charge, before the worker hears of it.
+	for {
+		var n int
+		s.pool.QueryRow(ctx, `SELECT count(*) FROM fakepay_charges WHERE order_id = $1`, charge.OrderID).Scan(&n)
+		if n > 0 {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatal("the provider never made the charge")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	s.workers[0].signal(syscall.SIGKILL)
+	<-s.workers[0].done
+	var status string
+	s.pool.QueryRow(ctx, `SELECT status FROM processed_jobs WHERE idempotency_key = $1`, charge.Key()).Scan(&status)
+	if status != "in_progress" {
+		t.Fatalf("after the kill the key is %q, want in_progress (killed between effect and completion)", status)
+	}
+
+	// asynq would redeliver only after its own recovery (60–120 s); a duplicate delivery
+	// under another TaskID forces the takeover once our 2 s lease has run out.
+	s.startWorker(t, 0)
+	dup, _ := tasks.NewChargeTask(charge)
+	s.enqueue(t, dup, asynq.TaskID(charge.Key()+"#dup"))
+	s.waitCompleted(t, 1, 60*time.Second)
+
+	var charges, attempts, requests int
+	var chargeID, resultID string
+	s.pool.QueryRow(ctx, `SELECT count(*), min(id) FROM fakepay_charges WHERE order_id = $1`, charge.OrderID).Scan(&charges, &chargeID)
+	s.pool.QueryRow(ctx, `SELECT result->>'charge_id', attempts FROM processed_jobs WHERE idempotency_key = $1`, charge.Key()).Scan(&resultID, &attempts)
+	s.pool.QueryRow(ctx, `SELECT count(*) FROM fakepay_requests WHERE idempotency_key = $1`, charge.Key()).Scan(&requests)
+	if charges != 1 || resultID != chargeID || attempts < 2 || requests < 2 {
+		t.Fatalf("charges %d, ledger result names %q, provider made %q, attempts %d, provider requests %d; want one charge named by the result after a takeover that called the provider again", charges, resultID, chargeID, attempts, requests)
+	}
+	t.Logf("killed mid-charge: %d provider requests with the key, %d charge (%s), ledger attempts %d", requests, charges, chargeID, attempts)
+}

@@ -1,0 +1,82 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+
+	"github.com/hibiken/asynq"
+
+	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/tasks"
+)
+
+func enqueueCommand() command {
+	return command{
+		name:    "enqueue",
+		usage:   "enqueue charge --order-id ID --customer-id ID --amount-cents N [--currency EUR] | enqueue debit --account-id ID --amount-cents N --reference REF",
+		summary: "enqueue one example task; prints its key and whether it was new or a duplicate",
+		spec:    func() any { return &config.Enqueue{} },
+		run: func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error {
+			cfg := spec.(*config.Enqueue)
+			if len(args) == 0 {
+				return fmt.Errorf("enqueue: say what: charge or debit")
+			}
+			fs := flag.NewFlagSet("enqueue "+args[0], flag.ContinueOnError)
+			fs.SetOutput(stderr)
+			var (
+				task *asynq.Task
+				err  error
+				key  string
+			)
+			switch args[0] {
+			case "charge":
+				var c tasks.Charge
+				fs.StringVar(&c.OrderID, "order-id", "", "order to charge (the key is charge:<order-id>)")
+				fs.StringVar(&c.CustomerID, "customer-id", "", "customer charged (lock scope customer:<customer-id>)")
+				fs.Int64Var(&c.AmountCents, "amount-cents", 0, "amount in cents, > 0")
+				fs.StringVar(&c.Currency, "currency", "EUR", "ISO 4217 currency code")
+				if err := fs.Parse(args[1:]); err != nil {
+					return err
+				}
+				task, err = tasks.NewChargeTask(c)
+				key = c.Key()
+			case "debit":
+				var d tasks.Debit
+				fs.StringVar(&d.AccountID, "account-id", "", "account debited (lock scope account:<account-id>)")
+				fs.Int64Var(&d.AmountCents, "amount-cents", 0, "amount in cents, > 0")
+				fs.StringVar(&d.Reference, "reference", "", "debit reference (the key is debit:<reference>)")
+				if err := fs.Parse(args[1:]); err != nil {
+					return err
+				}
+				task, err = tasks.NewDebitTask(d)
+				key = d.Key()
+			default:
+				return fmt.Errorf("enqueue: unknown task %q (charge or debit)", args[0])
+			}
+			if err != nil {
+				return err
+			}
+			if fs.NArg() > 0 {
+				return fmt.Errorf("enqueue %s: unexpected arguments %q", args[0], fs.Args())
+			}
+			rdb, err := openRedis(ctx, cfg.RedisURL)
+			if err != nil {
+				return err
+			}
+			defer rdb.Close()
+			client := asynq.NewClientFromRedisClient(rdb)
+			_, dup, err := tasks.Enqueue(ctx, client, task)
+			if err != nil {
+				return fmt.Errorf("enqueue %s: %w", key, err)
+			}
+			if dup {
+				fmt.Fprintf(stdout, "%s\tduplicate (already enqueued)\n", key)
+			} else {
+				fmt.Fprintf(stdout, "%s\tenqueued\n", key)
+			}
+			return nil
+		},
+	}
+}

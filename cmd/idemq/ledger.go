@@ -1,0 +1,194 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/config"
+)
+
+func ledgerCommand() command {
+	return command{
+		name:    "ledger",
+		usage:   "ledger show KEY | list [--status S] [--limit N] | release KEY | rerun KEY | purge --older-than D   [--json]",
+		summary: "inspect and operate the ledger: show or list rows, end a lease, re-run a terminal key, purge old rows",
+		spec:    func() any { return &config.Ledger{} },
+		run: func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error {
+			cfg := spec.(*config.Ledger)
+			if len(args) == 0 {
+				return errors.New("ledger: say what: show, list, release, rerun or purge")
+			}
+			fs := flag.NewFlagSet("ledger "+args[0], flag.ContinueOnError)
+			fs.SetOutput(stderr)
+			asJSON := fs.Bool("json", false, "print JSON instead of a table")
+			status := fs.String("status", "", "list: only rows in this status (in_progress, completed, failed, needs_attention)")
+			limit := fs.Int("limit", 50, "list: at most this many rows, newest first")
+			olderThan := fs.Duration("older-than", 0, "purge: remove completed and failed rows that completed longer ago than this (e.g. 720h)")
+			if err := fs.Parse(args[1:]); err != nil {
+				return err
+			}
+			op, rest := args[0], fs.Args()
+			wantArgs := map[string]int{"show": 1, "release": 1, "rerun": 1, "list": 0, "purge": 0}
+			n, ok := wantArgs[op]
+			if !ok {
+				return fmt.Errorf("ledger: unknown operation %q (show, list, release, rerun, purge)", op)
+			}
+			if len(rest) != n {
+				return fmt.Errorf("ledger %s: want %d argument(s), got %q", op, n, rest)
+			}
+
+			pool, err := openPool(ctx, cfg.DatabaseURL, 4)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			if err := requireSchema(ctx, pool); err != nil {
+				return err
+			}
+			ledger := idempotency.New(pool, &idempotency.Config{HeartbeatPool: pool})
+			defer ledger.Close()
+
+			switch op {
+			case "show":
+				r, err := ledger.Get(ctx, rest[0])
+				if err != nil {
+					return explain(err, rest[0])
+				}
+				return printRecords(stdout, []idempotency.Record{*r}, *asJSON, true)
+			case "list":
+				rs, err := ledger.List(ctx, *status, *limit)
+				if err != nil {
+					return err
+				}
+				return printRecords(stdout, rs, *asJSON, false)
+			case "release":
+				if err := ledger.Release(ctx, rest[0]); err != nil {
+					return explain(err, rest[0])
+				}
+				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "released": true},
+					"released %s: its lease has ended; the next delivery takes it over", rest[0])
+			case "rerun":
+				gen, err := ledger.Rerun(ctx, rest[0])
+				if err != nil {
+					return explain(err, rest[0])
+				}
+				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": gen},
+					"reopened %s as generation %d: the next delivery of the key runs it again (enqueue one if none is pending)", rest[0], gen)
+			default: // purge
+				if *olderThan <= 0 {
+					return errors.New("ledger purge: --older-than is required and must be positive (e.g. --older-than 720h)")
+				}
+				n, err := ledger.Purge(ctx, *olderThan, 1000)
+				if err != nil {
+					return err
+				}
+				return printDone(stdout, *asJSON, map[string]any{"purged": n, "older_than": olderThan.String()},
+					"purged %d completed or failed rows older than %s", n, *olderThan)
+			}
+		},
+	}
+}
+
+func explain(err error, key string) error {
+	switch {
+	case errors.Is(err, idempotency.ErrNotFound):
+		return fmt.Errorf("no ledger row for key %q (never claimed, or purged)", key)
+	case errors.Is(err, idempotency.ErrNotInProgress):
+		return fmt.Errorf("key %q is not in progress: nothing to release", key)
+	case errors.Is(err, idempotency.ErrNotTerminal):
+		return fmt.Errorf("key %q is still in progress: only completed, failed or needs_attention keys can be re-run", key)
+	}
+	return err
+}
+
+func printDone(w io.Writer, asJSON bool, v any, format string, args ...any) error {
+	if asJSON {
+		return json.NewEncoder(w).Encode(v)
+	}
+	_, err := fmt.Fprintf(w, format+"\n", args...)
+	return err
+}
+
+// recordJSON is a ledger row as the CLI and the API print it.
+type recordJSON struct {
+	Key         string          `json:"key"`
+	Type        string          `json:"type"`
+	Status      string          `json:"status"`
+	Fence       int64           `json:"fence"`
+	Owner       string          `json:"owner,omitempty"`
+	Generation  int             `json:"generation"`
+	Attempts    int             `json:"attempts"`
+	LastError   string          `json:"last_error,omitempty"`
+	Result      json.RawMessage `json:"result,omitempty"`
+	LockedUntil *time.Time      `json:"locked_until,omitempty"`
+	CreatedAt   time.Time       `json:"created_at"`
+	UpdatedAt   time.Time       `json:"updated_at"`
+	CompletedAt *time.Time      `json:"completed_at,omitempty"`
+}
+
+func toJSON(r idempotency.Record) recordJSON {
+	opt := func(t time.Time) *time.Time {
+		if t.IsZero() {
+			return nil
+		}
+		return &t
+	}
+	return recordJSON{Key: r.Key, Type: r.TaskType, Status: r.Status, Fence: r.Fence, Owner: r.Owner,
+		Generation: r.Generation, Attempts: r.Attempts, LastError: r.LastError, Result: r.Result,
+		LockedUntil: opt(r.LockedUntil), CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt)}
+}
+
+func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error {
+	if asJSON {
+		if one {
+			return json.NewEncoder(w).Encode(toJSON(rs[0]))
+		}
+		out := make([]recordJSON, len(rs))
+		for i, r := range rs {
+			out[i] = toJSON(r)
+		}
+		return json.NewEncoder(w).Encode(out)
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	if one {
+		r := rs[0]
+		for _, kv := range [][2]string{
+			{"key", r.Key}, {"type", r.TaskType}, {"status", r.Status},
+			{"fence", fmt.Sprint(r.Fence)}, {"owner", r.Owner}, {"generation", fmt.Sprint(r.Generation)},
+			{"attempts", fmt.Sprint(r.Attempts)}, {"last error", r.LastError},
+			{"lease until", stamp(r.LockedUntil)}, {"created", stamp(r.CreatedAt)},
+			{"updated", stamp(r.UpdatedAt)}, {"completed", stamp(r.CompletedAt)},
+			{"result", string(r.Result)},
+		} {
+			fmt.Fprintf(tw, "%s\t%s\n", kv[0], kv[1])
+		}
+		return tw.Flush()
+	}
+	fmt.Fprintln(tw, "KEY\tTYPE\tSTATUS\tFENCE\tATTEMPTS\tLEASE UNTIL\tUPDATED\tRESULT")
+	for _, r := range rs {
+		res := string(r.Result)
+		if len(res) > 60 {
+			res = res[:57] + "..."
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.Key, r.TaskType, r.Status, r.Fence, r.Attempts,
+			stamp(r.LockedUntil), stamp(r.UpdatedAt), res)
+	}
+	if len(rs) == 0 {
+		fmt.Fprintln(tw, "(no rows)")
+	}
+	return tw.Flush()
+}
+
+func stamp(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05.000Z")
+}

@@ -1,0 +1,242 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/handlers"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/httpserver"
+	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/lock"
+	"github.com/idemq/idemq/tasks"
+)
+
+func workerCommand() command {
+	return command{
+		name:    "worker",
+		usage:   "worker",
+		summary: "run one worker replica: asynq deliveries through the Redis lock and the ledger (SIGTERM drains)",
+		spec:    func() any { return &config.Worker{} },
+		run: func(ctx context.Context, spec any, args []string, _, stderr io.Writer) error {
+			if len(args) > 0 {
+				return fmt.Errorf("worker: unexpected arguments %q", args)
+			}
+			return runWorker(ctx, spec.(*config.Worker), newLogger(stderr, spec.(*config.Worker).LogLevel).With("cmd", "worker"))
+		},
+	}
+}
+
+// purgeInterval is how often one replica (whichever takes the purge lock) purges expired
+// ledger rows and marks stuck ones.
+const purgeInterval = time.Hour
+
+func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error {
+	queues, err := parseQueues(cfg.Queues)
+	if err != nil {
+		return fmt.Errorf("IDEMQ_QUEUES: %w", err)
+	}
+	busyBudget := max(2*cfg.Lease, 15*time.Minute)
+	if min := minRetention(busyBudget); cfg.Retention < min {
+		return fmt.Errorf("IDEMQ_RETENTION=%s is shorter than asynq's task retention plus the longest retry horizon (%s): a retried task could run again after its key was purged", cfg.Retention, min.Round(time.Hour))
+	}
+
+	rdb, err := openRedis(ctx, cfg.RedisURL)
+	if err != nil {
+		return err
+	}
+	defer rdb.Close()
+	pool, err := openPool(ctx, cfg.DatabaseURL, int32(cfg.Concurrency)+4)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireSchema(ctx, pool); err != nil {
+		return err
+	}
+
+	m := metrics.New()
+	ledger := idempotency.New(pool, &idempotency.Config{
+		Lease:  cfg.Lease,
+		MaxAge: cfg.MaxAge,
+		Logger: log,
+		Observe: func(ev idempotency.Event, taskType string) {
+			m.LedgerEvents.WithLabelValues(string(ev), taskType).Inc()
+		},
+	})
+	defer ledger.Close()
+	locker := lock.New(rdb, &lock.Config{Logger: log})
+	w := idempotency.NewWorker(ledger, locker, &idempotency.WorkerConfig{
+		LockTTL:    cfg.LockTTL,
+		BusyBudget: busyBudget,
+		Logger:     log,
+		ObserveLock: func(ev idempotency.Event, taskType string) {
+			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
+		},
+		ObserveHandler: func(taskType, outcome string, d time.Duration) {
+			m.HandlerDuration.WithLabelValues(taskType, outcome).Observe(d.Seconds())
+		},
+	})
+
+	charger := handlers.NewCharger(cfg.FakepayURL, nil)
+	mux := asynq.NewServeMux()
+	mux.Handle(tasks.TypeCharge, idempotency.Leased(w, tasks.TypeCharge, tasks.DecodeCharge,
+		func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+			return charger.Charge(ctx, c.Key(), c)
+		}))
+	mux.Handle(tasks.TypeDebit, idempotency.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, handlers.Debit))
+
+	acfg := asynq.Config{
+		Concurrency:     cfg.Concurrency,
+		Queues:          queues,
+		ShutdownTimeout: cfg.ShutdownTimeout,
+		// Busy tasks come back within a second or two: move due retries often.
+		DelayedTaskCheckInterval: time.Second,
+		Logger:                   asynqLogger{log.With("component", "asynq")},
+		LogLevel:                 asynqLevel(cfg.LogLevel),
+		ErrorHandler: asynq.ErrorHandlerFunc(func(ctx context.Context, t *asynq.Task, err error) {
+			if idempotency.IsFailure(err) {
+				log.Warn("task failed", "task_type", t.Type(), "err", err)
+			} else {
+				log.Debug("task busy; retrying soon", "task_type", t.Type(), "err", err)
+			}
+		}),
+	}
+	idempotency.Configure(&acfg)
+	srv := asynq.NewServerFromRedisClient(rdb, acfg)
+	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
+
+	if err := srv.Start(mux); err != nil {
+		return fmt.Errorf("start asynq server: %w", err)
+	}
+	log.Info("worker started", "concurrency", cfg.Concurrency, "queues", cfg.Queues, "lease", cfg.Lease, "lock_ttl", cfg.LockTTL)
+
+	httpErr := make(chan error, 1)
+	if cfg.MetricsAddr != "" {
+		h := m.Handler(map[string]metrics.Check{
+			"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
+			"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
+		})
+		go func() { httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, 5*time.Second, log, nil) }()
+	}
+	go purgeLoop(ctx, ledger, locker, cfg.Retention, log)
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-httpErr:
+		runErr = fmt.Errorf("metrics server: %w", runErr)
+	}
+	log.Info("draining", "shutdown_timeout", cfg.ShutdownTimeout)
+	srv.Shutdown()
+	log.Info("worker stopped")
+	return runErr
+}
+
+// purgeLoop purges terminal ledger rows older than retention and marks stuck rows, once
+// per purgeInterval across all replicas: the replica that takes the purge lock does it and
+// leaves the lock to expire, so the others skip that interval.
+func purgeLoop(ctx context.Context, ledger *idempotency.Ledger, locker *lock.Locker, retention time.Duration, log *slog.Logger) {
+	t := time.NewTicker(time.Minute)
+	defer t.Stop()
+	for {
+		if _, err := locker.Obtain(ctx, "idemq:purge", purgeInterval, nil); err == nil {
+			n, err := ledger.Purge(ctx, retention, 1000)
+			stuck, err2 := ledger.MarkStuck(ctx)
+			if err = errors.Join(err, err2); err != nil && ctx.Err() == nil {
+				log.Warn("retention purge", "err", err)
+			} else {
+				log.Info("retention purge", "purged", n, "needs_attention", stuck, "older_than", retention)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// minRetention is asynq's task retention of the example tasks plus their longest retry
+// horizon (asynq's default backoff at its worst) plus the busy budget.
+func minRetention(busyBudget time.Duration) time.Duration {
+	var horizon time.Duration
+	for n := 0; n < tasks.DefaultMaxRetry; n++ {
+		// asynq.DefaultRetryDelayFunc: n^4 + 15 + rand(30)*(n+1) seconds.
+		horizon += time.Duration(n*n*n*n+15+29*(n+1)) * time.Second
+	}
+	return tasks.DefaultRetention + horizon + busyBudget
+}
+
+// parseQueues reads "default,critical:6,low:1" into asynq's weights (weight 1 when
+// omitted).
+func parseQueues(list []string) (map[string]int, error) {
+	qs := make(map[string]int, len(list))
+	for _, q := range list {
+		name, w, found := strings.Cut(strings.TrimSpace(q), ":")
+		weight := 1
+		if found {
+			n, err := strconv.Atoi(w)
+			if err != nil || n <= 0 {
+				return nil, fmt.Errorf("queue %q: weight must be a positive whole number", q)
+			}
+			weight = n
+		}
+		if name == "" {
+			return nil, fmt.Errorf("queue %q: empty name", q)
+		}
+		qs[name] = weight
+	}
+	return qs, nil
+}
+
+func openRedis(ctx context.Context, url string) (*redis.Client, error) {
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("REDIS_URL: %w", err)
+	}
+	// Let contexts bound every command, so a paused or partitioned Redis cannot hang a
+	// delivery past its deadline.
+	opt.ContextTimeoutEnabled = true
+	rdb := redis.NewClient(opt)
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := rdb.Ping(pctx).Err(); err != nil {
+		rdb.Close()
+		return nil, fmt.Errorf("connect to Redis (REDIS_URL): %w", err)
+	}
+	return rdb, nil
+}
+
+// asynqLogger feeds asynq's log lines to slog.
+type asynqLogger struct{ l *slog.Logger }
+
+func (a asynqLogger) Debug(args ...any) { a.l.Debug(fmt.Sprint(args...)) }
+func (a asynqLogger) Info(args ...any)  { a.l.Info(fmt.Sprint(args...)) }
+func (a asynqLogger) Warn(args ...any)  { a.l.Warn(fmt.Sprint(args...)) }
+func (a asynqLogger) Error(args ...any) { a.l.Error(fmt.Sprint(args...)) }
+func (a asynqLogger) Fatal(args ...any) { a.l.Error(fmt.Sprint(args...)); os.Exit(1) }
+
+func asynqLevel(level string) asynq.LogLevel {
+	switch level {
+	case "debug":
+		return asynq.DebugLevel
+	case "warn":
+		return asynq.WarnLevel
+	case "error":
+		return asynq.ErrorLevel
+	}
+	return asynq.InfoLevel
+}

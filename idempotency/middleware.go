@@ -1,0 +1,347 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/lock"
+	"github.com/idemq/idemq/tasks"
+)
+
+// MaxResultWriteBytes caps what the middleware writes to a task's ResultWriter (what the
+// asynqmon dashboard shows); the ledger keeps the whole result.
+const MaxResultWriteBytes = 64 << 10
+
+// ErrLockBusy reports that another delivery holds the Redis lock of the task's scope. Like
+// ErrBusy, it is not a failure: IsFailure returns false and RetryDelay retries soon.
+var ErrLockBusy = errors.New("idempotency: lock busy")
+
+// Job is a decoded payload: what the middleware needs to know of it.
+type Job = tasks.Job
+
+// WorkerConfig configures a Worker. The zero value (or nil) gives the defaults.
+type WorkerConfig struct {
+	// LockTTL is the Redis lock's TTL; a watchdog refreshes it every LockTTL/3 while the
+	// handler runs. Default: 30s.
+	LockTTL time.Duration
+
+	// BusyBudget bounds how long a task may keep retrying as busy, counted from its
+	// first enqueue (the tasks.HeaderFirstEnqueued header); past it, busy is a counted
+	// failure naming the owner, fence and age. Default: max(2 × the ledger's lease, 15m).
+	BusyBudget time.Duration
+
+	// Logger receives a line per notable outcome. Default: discard.
+	Logger *slog.Logger
+
+	// ObserveLock, if set, is called with each lock outcome (EventLockObtained,
+	// EventLockBusy, EventLockLost, EventLockError) and the task type, for metrics. It must
+	// be fast and safe for concurrent use.
+	ObserveLock func(ev Event, taskType string)
+
+	// ObserveHandler, if set, is called once per delivery with the task type, its outcome
+	// (OutcomeCompleted, OutcomeCached, OutcomeBusy, OutcomeError, OutcomeRejected) and how
+	// long it took. It must be fast and safe for concurrent use.
+	ObserveHandler func(taskType, outcome string, d time.Duration)
+}
+
+// Lock outcomes passed to WorkerConfig.ObserveLock.
+const (
+	EventLockObtained Event = "obtained" // the scope's lock was taken
+	EventLockBusy     Event = "busy"     // another delivery holds it: retried soon
+	EventLockLost     Event = "lost"     // it expired or was taken while the handler ran
+	EventLockError    Event = "error"    // Redis failed; the ledger alone guarded the work
+)
+
+// Delivery outcomes passed to WorkerConfig.ObserveHandler.
+const (
+	OutcomeCompleted = "completed" // the handler ran and its completion is durable
+	OutcomeCached    = "cached"    // the key was already completed: answered from the ledger
+	OutcomeBusy      = "busy"      // lock or lease busy: retried, not a failure
+	OutcomeError     = "error"     // the handler or the ledger failed: retried or archived
+	OutcomeRejected  = "rejected"  // bad payload, mismatch, terminal key: archived
+)
+
+// Worker composes the Redis lock and the ledger around asynq handlers, in the order
+// decode → lock → claim → handler → complete → result → release. It is safe for
+// concurrent use; build handlers for it with Leased and Transactional.
+type Worker struct {
+	ledger *Ledger
+	locker *lock.Locker
+	cfg    WorkerConfig
+	log    *slog.Logger
+}
+
+// NewWorker returns a Worker using ledger and locker (locker may be nil: no Redis lock,
+// the ledger alone guards the work).
+func NewWorker(ledger *Ledger, locker *lock.Locker, cfg *WorkerConfig) *Worker {
+	w := &Worker{ledger: ledger, locker: locker}
+	if cfg != nil {
+		w.cfg = *cfg
+	}
+	if w.cfg.LockTTL <= 0 {
+		w.cfg.LockTTL = 30 * time.Second
+	}
+	if w.cfg.BusyBudget <= 0 {
+		w.cfg.BusyBudget = max(2*ledger.cfg.Lease, 15*time.Minute)
+	}
+	w.log = w.cfg.Logger
+	if w.log == nil {
+		w.log = slog.New(slog.DiscardHandler)
+	}
+	return w
+}
+
+// Leased returns the handler of a task type whose effect is external (a provider call, an
+// email): fn runs under a heartbeated ledger lease, with the key and fence in its context
+// (FromContext) to pass downstream as the provider's idempotency key. decode must decode
+// strictly and validate; its error archives the task with the reason.
+func Leased[T Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, job T) (json.RawMessage, error)) asynq.Handler {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req Request, job T) (Result, error) {
+		return w.ledger.Do(ctx, req, func(ctx context.Context) (json.RawMessage, error) {
+			return permanentIfSkip(fn(ctx, job))
+		})
+	}}
+}
+
+// Transactional returns the handler of a task type whose effect lives in the ledger's
+// Postgres: fn's writes and the completion commit in one transaction. fn must not do
+// external I/O. decode as for Leased.
+func Transactional[T Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req Request, job T) (Result, error) {
+		return w.ledger.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			return permanentIfSkip(fn(ctx, tx, job))
+		})
+	}}
+}
+
+// permanentIfSkip makes a handler's asynq.SkipRetry a permanent failure in the ledger.
+func permanentIfSkip(out json.RawMessage, err error) (json.RawMessage, error) {
+	if errors.Is(err, asynq.SkipRetry) && !IsPermanent(err) {
+		return out, Permanent(err)
+	}
+	return out, err
+}
+
+type handler[T Job] struct {
+	w        *Worker
+	taskType string
+	decode   func([]byte) (T, error)
+	run      func(ctx context.Context, req Request, job T) (Result, error)
+}
+
+var _ asynq.Handler = (*handler[tasks.Charge])(nil)
+
+// ProcessTask handles one delivery.
+func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
+	start := time.Now()
+	outcome, err := h.process(ctx, t)
+	if h.w.cfg.ObserveHandler != nil {
+		h.w.cfg.ObserveHandler(h.taskType, outcome, time.Since(start))
+	}
+	return err
+}
+
+func (h *handler[T]) observeLock(ev Event) {
+	if h.w.cfg.ObserveLock != nil {
+		h.w.cfg.ObserveLock(ev, h.taskType)
+	}
+}
+
+func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string, _ error) {
+	if t.Type() != h.taskType {
+		return OutcomeRejected, fmt.Errorf("%s: handler got a task of type %q: %w", h.taskType, t.Type(), asynq.SkipRetry)
+	}
+	job, err := h.decode(t.Payload())
+	if err != nil {
+		return OutcomeRejected, fmt.Errorf("%s: bad payload: %v: %w", h.taskType, err, asynq.SkipRetry)
+	}
+	key := job.Key()
+	if err := ValidateKey(key); err != nil {
+		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %.64q: %v: %w", h.taskType, key, err, asynq.SkipRetry)
+	}
+	canonical, err := json.Marshal(job)
+	if err != nil {
+		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %s: encode: %v: %w", h.taskType, key, err, asynq.SkipRetry)
+	}
+	log := h.w.log.With("task_type", h.taskType, "key", key)
+	if n, ok := asynq.GetRetryCount(ctx); ok {
+		log = log.With("attempt", n)
+	}
+
+	scope := job.LockScope()
+	if scope == "" {
+		scope = key
+	}
+	runCtx := ctx
+	if h.w.locker != nil {
+		lk, err := h.w.locker.Obtain(ctx, scope, h.w.cfg.LockTTL, nil)
+		switch {
+		case errors.Is(err, lock.ErrNotObtained):
+			h.observeLock(EventLockBusy)
+			return OutcomeBusy, fmt.Errorf("%s: key %s: lock %s held by another delivery: %w", h.taskType, key, scope, ErrLockBusy)
+		case err != nil && ctx.Err() != nil:
+			return OutcomeError, err
+		case err != nil:
+			// Redis is a fast path: without it the ledger still guards the work.
+			h.observeLock(EventLockError)
+			log.Warn("lock unavailable; relying on the ledger", "scope", scope, "err", err)
+		default:
+			h.observeLock(EventLockObtained)
+			watched, stop := lk.Watch(ctx, &lock.WatchOptions{
+				// When the scope is the key, the ledger's fence guards the work:
+				// losing the lock must not cancel it.
+				IgnoreLoss: scope == key,
+				OnLost: func(cause error) {
+					h.observeLock(EventLockLost)
+					log.Warn("lock lost while running", "scope", scope, "err", cause)
+				},
+			})
+			runCtx = watched
+			defer func() {
+				stop()
+				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+				defer cancel()
+				if err := lk.Release(rctx); err != nil && !errors.Is(err, lock.ErrLockLost) {
+					log.Warn("release lock", "scope", scope, "err", err)
+				}
+			}()
+		}
+	}
+
+	req := Request{Key: key, TaskType: h.taskType, Fingerprint: Fingerprint(h.taskType, canonical)}
+	if d, ok := ctx.Deadline(); ok {
+		req.Deadline = d
+	}
+	for {
+		res, err := h.run(runCtx, req, job)
+		if err == nil {
+			h.writeResult(ctx, t, res.Result, log)
+			if res.Cached {
+				return OutcomeCached, nil
+			}
+			return OutcomeCompleted, nil
+		}
+		var busy *BusyError
+		if !errors.As(err, &busy) {
+			return h.mapError(err, key)
+		}
+		age, known := taskAge(t)
+		if !known || age > h.w.cfg.BusyBudget {
+			return OutcomeError, &BusyTooLongError{Key: key, Owner: busy.Owner, Fence: busy.Fence, Age: age}
+		}
+		if !lastAttempt(ctx) {
+			return OutcomeBusy, err
+		}
+		// On the last attempt a busy answer would archive the task: wait for the lease to
+		// end instead (bounded by the delivery's deadline), then claim again.
+		wait := time.Until(busy.Until) + 50*time.Millisecond
+		log.Info("last attempt finds the key busy; waiting for the lease to end", "owner", busy.Owner, "fence", busy.Fence, "wait", wait)
+		select {
+		case <-runCtx.Done():
+			return OutcomeError, fmt.Errorf("%s: key %s: waiting for lease of fence %d: %w", h.taskType, key, busy.Fence, context.Cause(runCtx))
+		case <-time.After(max(wait, 50*time.Millisecond)):
+		}
+	}
+}
+
+func (h *handler[T]) mapError(err error, key string) (string, error) {
+	switch {
+	case errors.Is(err, ErrMismatch), errors.Is(err, ErrFailed), errors.Is(err, ErrNeedsAttention),
+		errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidRequest):
+		return OutcomeRejected, fmt.Errorf("%s: key %s: %w: %w", h.taskType, key, err, asynq.SkipRetry)
+	case errors.Is(err, asynq.SkipRetry):
+		return OutcomeError, fmt.Errorf("%s: key %s: %w", h.taskType, key, err)
+	case IsPermanent(err):
+		return OutcomeError, fmt.Errorf("%s: key %s: %w: %w", h.taskType, key, err, asynq.SkipRetry)
+	}
+	return OutcomeError, fmt.Errorf("%s: key %s: %w", h.taskType, key, err)
+}
+
+// writeResult shows the result in asynq (the dashboard) after the durable completion,
+// while the delivery is still live, when it fits; errors are only logged.
+func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json.RawMessage, log *slog.Logger) {
+	w := t.ResultWriter()
+	if w == nil || len(result) == 0 || ctx.Err() != nil {
+		return
+	}
+	if len(result) > MaxResultWriteBytes {
+		log.Debug("result too large for the task's result", "bytes", len(result))
+		return
+	}
+	if _, err := w.Write(result); err != nil {
+		log.Debug("write task result", "err", err)
+	}
+}
+
+// BusyTooLongError reports a key that stayed busy past the busy budget (or a task without
+// the first-enqueue header): unlike ErrBusy, it is a counted failure.
+type BusyTooLongError struct {
+	Key   string
+	Owner string
+	Fence int64
+	Age   time.Duration // 0 when the first-enqueue time is unknown
+}
+
+func (e *BusyTooLongError) Error() string {
+	if e.Age == 0 {
+		return fmt.Sprintf("idempotency: key %s busy (owner %s, fence %d) and the task has no %s header", e.Key, e.Owner, e.Fence, tasks.HeaderFirstEnqueued)
+	}
+	return fmt.Sprintf("idempotency: key %s still busy after %s (owner %s, fence %d)", e.Key, e.Age.Round(time.Second), e.Owner, e.Fence)
+}
+
+// IsFailure tells asynq which errors count as failures (asynq.Config.IsFailure): a busy
+// key or lock does not, so it never burns the retry budget.
+func IsFailure(err error) bool {
+	return !errors.Is(err, ErrBusy) && !errors.Is(err, ErrLockBusy)
+}
+
+// RetryDelay tells asynq when to run a task again (asynq.Config.RetryDelayFunc): a busy
+// key when its lease ends, a busy lock soon, anything else by next (asynq's default when
+// nil).
+func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
+	if next == nil {
+		next = asynq.DefaultRetryDelayFunc
+	}
+	return func(n int, err error, t *asynq.Task) time.Duration {
+		var busy *BusyError
+		switch {
+		case errors.As(err, &busy):
+			d := time.Until(busy.Until) + 100*time.Millisecond
+			return min(max(d, 200*time.Millisecond), time.Minute) + jitter(250*time.Millisecond)
+		case errors.Is(err, ErrLockBusy):
+			return 500*time.Millisecond + jitter(500*time.Millisecond)
+		}
+		return next(n, err, t)
+	}
+}
+
+// Configure sets cfg's IsFailure and RetryDelayFunc for idemq's handlers, keeping cfg's
+// own RetryDelayFunc for other errors.
+func Configure(cfg *asynq.Config) {
+	cfg.IsFailure = IsFailure
+	cfg.RetryDelayFunc = RetryDelay(cfg.RetryDelayFunc)
+}
+
+func jitter(d time.Duration) time.Duration { return rand.N(d) }
+
+func taskAge(t *asynq.Task) (time.Duration, bool) {
+	first, ok := tasks.FirstEnqueued(t.Headers())
+	if !ok {
+		return 0, false
+	}
+	return time.Since(first), true
+}
+
+func lastAttempt(ctx context.Context) bool {
+	n, ok1 := asynq.GetRetryCount(ctx)
+	m, ok2 := asynq.GetMaxRetry(ctx)
+	return ok1 && ok2 && n >= m
+}
