@@ -37,6 +37,9 @@ type Claim struct {
 	sentAt   time.Time     // local (monotonic) time the claim was sent
 	lease    time.Duration // the lease asked for at the claim
 	xid      string        // DoTx: the claiming transaction's id
+	// serverStart is pg_postmaster_start_time() when xid was drawn: after a restart an
+	// xid whose records were lost may be handed out again, so it no longer identifies us.
+	serverStart time.Time
 }
 
 // ClaimResult is the outcome of a successful Ledger.Claim: exactly one field is set.
@@ -106,15 +109,15 @@ WITH cur AS (
 	RETURNING p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
 	          p.locked_until, p.started_at, p.completed_at, p.generation
 )
-SELECT true, true, up.*, now(), CASE WHEN $7::bool THEN pg_current_xact_id()::text END FROM up
+SELECT true, true, up.*, now(), CASE WHEN $7::bool THEN pg_current_xact_id()::text END, pg_postmaster_start_time() FROM up
 UNION ALL
-SELECT false, gate.open, cur.*, now(), NULL FROM gate LEFT JOIN cur ON true
+SELECT false, gate.open, cur.*, now(), NULL, NULL FROM gate LEFT JOIN cur ON true
 WHERE NOT EXISTS (SELECT 1 FROM up)`
 
 // readRowSQL reads a row for a claim that lost a race, in the shape claimSQL returns.
 const readRowSQL = `
 SELECT false, false, status, fence, owner, payload_sha256, result, attempts, last_error,
-       locked_until, started_at, completed_at, generation, now(), NULL::text
+       locked_until, started_at, completed_at, generation, now(), NULL::text, NULL::timestamptz
 FROM processed_jobs WHERE idempotency_key = $1`
 
 // markStuckOneSQL turns one expired, too old in-progress claim into needs_attention.
@@ -137,12 +140,13 @@ type claimRow struct {
 	generation         pgtype.Int4
 	dbNow              time.Time
 	xid                pgtype.Text
+	serverStart        pgtype.Timestamptz
 }
 
 func (r *claimRow) scan(row pgx.Row) error {
 	return row.Scan(&r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
 		&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
-		&r.generation, &r.dbNow, &r.xid)
+		&r.generation, &r.dbNow, &r.xid, &r.serverStart)
 }
 
 // maxClaimRounds bounds the re-reads after lost races; past it the key is reported busy.
@@ -240,6 +244,7 @@ func (l *Ledger) decide(req Request, c *Claim, r *claimRow, round int) (res Clai
 		c.Generation = int(r.generation.Int32)
 		c.LeaseUntil = r.lockedUntil.Time
 		c.xid = r.xid.String
+		c.serverStart = r.serverStart.Time
 		if c.Attempt > 1 {
 			l.observe(EventTakeover, req.TaskType)
 			l.log.Info("idempotency: took over an expired lease", "task_type", req.TaskType, "key", req.Key, "fence", c.Fence, "attempt", c.Attempt)
@@ -371,7 +376,7 @@ WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progre
 UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
 WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
 
-	returningXID = ` RETURNING pg_current_xact_id()::text`
+	returningXID = ` RETURNING pg_current_xact_id()::text, pg_postmaster_start_time()`
 
 	completeSQL      = completeUpdate + returningXID
 	failRetrySQL     = failRetryUpdate + returningXID
@@ -431,6 +436,15 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 // update go in one round trip, COMMIT in the next. The transaction id, known before the
 // COMMIT is sent, resolves a commit whose answer was lost.
 func (l *Ledger) finish(ctx context.Context, c *Claim, q string, args ...any) error {
+	err := l.finishOnce(ctx, c, q, args...)
+	if err != nil && pgconn.SafeToRetry(err) {
+		// Nothing reached the server (a connection left over from before a restart).
+		err = l.finishOnce(ctx, c, q, args...)
+	}
+	return err
+}
+
+func (l *Ledger) finishOnce(ctx context.Context, c *Claim, q string, args ...any) error {
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
@@ -441,13 +455,12 @@ func (l *Ledger) finish(ctx context.Context, c *Claim, q string, args ...any) er
 	b.Queue(`SELECT set_config('synchronous_commit', 'on', true)`)
 	b.Queue(q, append([]any{c.Key, c.Fence, c.owner}, args...)...)
 	br := conn.SendBatch(ctx, b)
-	var xid string
 	_, err = br.Exec()
 	if err == nil {
 		_, err = br.Exec()
 	}
 	if err == nil {
-		err = br.QueryRow().Scan(&xid)
+		err = br.QueryRow().Scan(&c.xid, &c.serverStart)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -462,20 +475,26 @@ func (l *Ledger) finish(ctx context.Context, c *Claim, q string, args ...any) er
 		}
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
-	if _, err := conn.Exec(ctx, "COMMIT"); err != nil {
-		return l.commitLost(ctx, c, xid, err)
+	tag, err := conn.Exec(ctx, "COMMIT")
+	if err != nil {
+		return l.commitLost(ctx, c, err)
+	}
+	if tag.String() != "COMMIT" {
+		return fmt.Errorf("idempotency: finish %s: commit answered %q", c.Key, tag.String())
 	}
 	return nil
 }
 
-// commitLost decides what a failed COMMIT did, from the transaction id.
-func (l *Ledger) commitLost(ctx context.Context, c *Claim, xid string, cerr error) error {
+// commitLost decides what a failed COMMIT of c's fenced write did, from the transaction
+// id taken before the COMMIT was sent.
+func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
+	xid := c.xid
 	var pgErr *pgconn.PgError
 	if errors.As(cerr, &pgErr) {
 		// The server answered: the transaction did not commit.
 		return fmt.Errorf("idempotency: commit %s: %w", c.Key, cerr)
 	}
-	committed, err := l.resolveXact(ctx, xid)
+	committed, err := l.resolveXact(ctx, c)
 	if err != nil {
 		return fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)
 	}
@@ -487,23 +506,36 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, xid string, cerr erro
 	return nil
 }
 
-const xactStatusSQL = `SELECT pg_xact_status($1::text::xid8)`
+// xactStatusSQL learns whether c's transaction committed. While the server that assigned
+// the id runs, pg_xact_status answers exactly (and says "in progress" while a COMMIT is
+// still under way). After a restart the id may have been handed out again (its records
+// were never flushed), but no transaction from before the restart can still commit: the
+// row then shows for certain whether the fenced write landed.
+const xactStatusSQL = `
+SELECT CASE WHEN pg_postmaster_start_time() = $2 THEN pg_xact_status($1::text::xid8) END,
+       pg_postmaster_start_time() = $2,
+       EXISTS (SELECT 1 FROM processed_jobs
+               WHERE idempotency_key = $3 AND fence = $4 AND owner = $5 AND status <> 'in_progress')`
 
-// resolveXact asks, on fresh connections, whether transaction xid committed, until it is
-// no longer in progress or ctx ends.
-func (l *Ledger) resolveXact(ctx context.Context, xid string) (bool, error) {
+// resolveXact asks, on fresh connections, whether c's transaction committed, until the
+// answer is certain or ctx ends. A retryable Fail leaves the row in progress, so after a
+// restart it reads as not committed (harmless: the lease then ends by itself).
+func (l *Ledger) resolveXact(ctx context.Context, c *Claim) (bool, error) {
 	wait := 20 * time.Millisecond
 	var lastErr error
 	for {
 		var status pgtype.Text
-		err := l.pool.QueryRow(ctx, xactStatusSQL, xid).Scan(&status)
+		var sameServer, landed bool
+		err := l.pool.QueryRow(ctx, xactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed)
 		switch {
+		case err == nil && !sameServer:
+			return landed, nil
 		case err == nil && status.String == "committed":
 			return true, nil
 		case err == nil && status.String == "aborted":
 			return false, nil
 		case err == nil && !status.Valid:
-			return false, fmt.Errorf("transaction %s is unknown to the server (too old or never assigned)", xid)
+			return false, fmt.Errorf("transaction %s is unknown to the server (too old)", c.xid)
 		case err != nil:
 			lastErr = err
 		}

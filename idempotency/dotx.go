@@ -194,13 +194,17 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q strin
 	b.Queue("COMMIT")
 	br := tx.SendBatch(ctx, b)
 	var err error
+	var tag pgconn.CommandTag
 	for range b.Len() {
-		if _, err = br.Exec(); err != nil {
+		if tag, err = br.Exec(); err != nil {
 			break
 		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
+	}
+	if err == nil && tag.String() != "COMMIT" {
+		return fmt.Errorf("idempotency: complete %s: commit answered %q", c.Key, tag.String())
 	}
 	if err == nil {
 		return nil
@@ -219,7 +223,7 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q strin
 		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 		defer cancel()
 	}
-	return l.commitLost(ctx, c, c.xid, err)
+	return l.commitLost(ctx, c, err)
 }
 
 func runTxFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {
