@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"time"
 
@@ -182,7 +183,13 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	}
 	runCtx := ctx
 	if h.w.locker != nil {
-		lk, err := h.w.locker.Obtain(ctx, scope, h.w.cfg.LockTTL, nil)
+		var opts *lock.Options
+		if lastAttempt(ctx) {
+			// A busy answer now would archive the task: wait for the lock instead, within
+			// the delivery's deadline.
+			opts = &lock.Options{Retry: lock.ExponentialBackoff(50*time.Millisecond, time.Second, math.MaxInt32)}
+		}
+		lk, err := h.w.locker.Obtain(ctx, scope, h.w.cfg.LockTTL, opts)
 		switch {
 		case errors.Is(err, lock.ErrNotObtained):
 			h.observeLock(EventLockBusy)

@@ -1,0 +1,316 @@
+package idempotency_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/lock"
+	"github.com/idemq/idemq/tasks"
+)
+
+// mwFixture is a Worker on a private schema and Redis database, with a leased and a
+// transactional handler whose runs are counted.
+type mwFixture struct {
+	ledger  *idempotency.Ledger
+	locker  *lock.Locker
+	worker  *idempotency.Worker
+	charge  asynq.Handler // leased
+	debit   asynq.Handler // transactional
+	runs    atomic.Int64
+	chargeF func(ctx context.Context, c tasks.Charge) (json.RawMessage, error)
+}
+
+func newMW(t *testing.T, lease time.Duration, wcfg *idempotency.WorkerConfig) *mwFixture {
+	t.Helper()
+	f := &mwFixture{}
+	f.ledger, _ = newLedger(t, &idempotency.Config{Lease: lease})
+	f.locker = lock.New(testenv.Redis(t), nil)
+	f.worker = idempotency.NewWorker(f.ledger, f.locker, wcfg)
+	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
+	}
+	f.charge = idempotency.Leased(f.worker, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		f.runs.Add(1)
+		return f.chargeF(ctx, c)
+	})
+	f.debit = idempotency.Transactional(f.worker, tasks.TypeDebit, tasks.DecodeDebit, func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
+		f.runs.Add(1)
+		var one int
+		if err := tx.QueryRow(ctx, `SELECT 1`).Scan(&one); err != nil {
+			return nil, err
+		}
+		return json.RawMessage(`{"debit":"` + d.Reference + `"}`), nil
+	})
+	return f
+}
+
+func chargeTask(t *testing.T, orderID string, amount int64) *asynq.Task {
+	t.Helper()
+	task, err := tasks.NewChargeTask(tasks.Charge{OrderID: orderID, CustomerID: "c-1", AmountCents: amount, Currency: "EUR"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return task
+}
+
+func TestMiddlewareRunsOnceAndAnswersDuplicates(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 5*time.Second, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	for range 3 {
+		if err := f.charge.ProcessTask(ctx, chargeTask(t, "o-1", 100)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d, _ := tasks.NewDebitTask(tasks.Debit{AccountID: "a", AmountCents: 5, Reference: "r-1"})
+	for range 2 {
+		if err := f.debit.ProcessTask(ctx, d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := f.runs.Load(); n != 2 {
+		t.Fatalf("handler ran %d times for 5 deliveries of 2 keys, want 2", n)
+	}
+	if r := get(t, f.ledger, "charge:o-1"); r.Status != idempotency.StatusCompleted || string(r.Result) != `{"charge": "o-1"}` && !jsonEqual(r.Result, json.RawMessage(`{"charge":"o-1"}`)) {
+		t.Fatalf("ledger row %+v", r)
+	}
+}
+
+func TestMiddlewareRejectsBadInputWithoutLedgerRow(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 5*time.Second, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	for name, task := range map[string]*asynq.Task{
+		"malformed":  asynq.NewTask(tasks.TypeCharge, []byte(`{`)),
+		"wrong type": asynq.NewTask(tasks.TypeDebit, []byte(`{}`)),
+	} {
+		err := f.charge.ProcessTask(ctx, task)
+		if !errors.Is(err, asynq.SkipRetry) || !strings.Contains(err.Error(), tasks.TypeCharge) {
+			t.Errorf("%s: %v, want SkipRetry naming the task type", name, err)
+		}
+		if idempotency.IsFailure(err) == false {
+			t.Errorf("%s: a bad payload must count as a failure", name)
+		}
+	}
+	if _, err := f.ledger.Get(ctx, "charge:"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("bad payloads left a ledger row: %v", err)
+	}
+	if f.runs.Load() != 0 {
+		t.Fatal("handler ran for a bad payload")
+	}
+}
+
+func TestMiddlewareMismatchIsPermanent(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 5*time.Second, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	if err := f.charge.ProcessTask(ctx, chargeTask(t, "o-2", 100)); err != nil {
+		t.Fatal(err)
+	}
+	err := f.charge.ProcessTask(ctx, chargeTask(t, "o-2", 999))
+	if !errors.Is(err, asynq.SkipRetry) || !errors.Is(err, idempotency.ErrMismatch) || !strings.Contains(err.Error(), "charge:o-2") {
+		t.Fatalf("same key, other amount: %v; want a permanent mismatch naming the key", err)
+	}
+}
+
+func TestMiddlewareHandlerSkipRetryFailsKeyTerminally(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 5*time.Second, nil)
+	f.chargeF = func(context.Context, tasks.Charge) (json.RawMessage, error) {
+		return nil, errors.New("card declined: " + asynq.SkipRetry.Error() + "") // not wrapped: retryable
+	}
+	ctx := testenv.Context(t, 30*time.Second)
+	err := f.charge.ProcessTask(ctx, chargeTask(t, "o-3", 100))
+	if err == nil || errors.Is(err, asynq.SkipRetry) || !idempotency.IsFailure(err) {
+		t.Fatalf("retryable handler error: %v", err)
+	}
+	if r := get(t, f.ledger, "charge:o-3"); r.Status != idempotency.StatusInProgress || r.LastError == "" {
+		t.Fatalf("after a retryable error the row is %s with last_error %q", r.Status, r.LastError)
+	}
+
+	f.chargeF = func(context.Context, tasks.Charge) (json.RawMessage, error) {
+		return nil, errors.Join(errors.New("card declined"), asynq.SkipRetry)
+	}
+	err = f.charge.ProcessTask(ctx, chargeTask(t, "o-3", 100))
+	if !errors.Is(err, asynq.SkipRetry) {
+		t.Fatalf("permanent handler error: %v, want SkipRetry", err)
+	}
+	if r := get(t, f.ledger, "charge:o-3"); r.Status != idempotency.StatusFailed {
+		t.Fatalf("after a permanent error the row is %s, want failed", r.Status)
+	}
+	before := f.runs.Load()
+	err = f.charge.ProcessTask(ctx, chargeTask(t, "o-3", 100))
+	if !errors.Is(err, asynq.SkipRetry) || !errors.Is(err, idempotency.ErrFailed) || f.runs.Load() != before {
+		t.Fatalf("delivery of a failed key: %v (runs %d→%d); want SkipRetry without running", err, before, f.runs.Load())
+	}
+}
+
+func TestMiddlewarePanicEndsLease(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, time.Minute, nil)
+	f.chargeF = func(context.Context, tasks.Charge) (json.RawMessage, error) { panic("boom") }
+	ctx := testenv.Context(t, 30*time.Second)
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("the panic did not reach asynq")
+			}
+		}()
+		f.charge.ProcessTask(ctx, chargeTask(t, "o-4", 100))
+	}()
+	first := get(t, f.ledger, "charge:o-4")
+	f.chargeF = func(_ context.Context, c tasks.Charge) (json.RawMessage, error) { return json.RawMessage(`{"ok":true}`), nil }
+	// The lease (a minute) ended at the panic, and the lock was released: the next delivery
+	// takes over at once.
+	if err := f.charge.ProcessTask(ctx, chargeTask(t, "o-4", 100)); err != nil {
+		t.Fatalf("delivery after a panic: %v", err)
+	}
+	if r := get(t, f.ledger, "charge:o-4"); r.Status != idempotency.StatusCompleted || r.Fence <= first.Fence {
+		t.Fatalf("after the panic: status %s fence %d (first %d); want completed by a newer fence", r.Status, r.Fence, first.Fence)
+	}
+}
+
+func TestMiddlewareBusyIsNotAFailure(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 3*time.Second, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+
+	// Lock busy: another delivery holds the customer's lock.
+	lk, err := f.locker.Obtain(ctx, "customer:c-1", 10*time.Second, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = f.charge.ProcessTask(ctx, chargeTask(t, "o-5", 100))
+	if !errors.Is(err, idempotency.ErrLockBusy) || idempotency.IsFailure(err) {
+		t.Fatalf("lock busy: %v (failure %v); want ErrLockBusy, not a failure", err, idempotency.IsFailure(err))
+	}
+	if d := idempotency.RetryDelay(nil)(0, err, nil); d < 500*time.Millisecond || d > time.Second {
+		t.Fatalf("lock busy retry delay %s, want 0.5–1 s", d)
+	}
+	lk.Release(ctx)
+
+	// Lease busy: another worker claimed the key and is still running.
+	task := chargeTask(t, "o-6", 100)
+	cr, err := f.ledger.Claim(ctx, idempotency.Request{Key: "charge:o-6", TaskType: tasks.TypeCharge,
+		Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, task.Payload())})
+	if err != nil || cr.Claim == nil {
+		t.Fatalf("claim: %+v %v", cr, err)
+	}
+	err = f.charge.ProcessTask(ctx, task)
+	var busy *idempotency.BusyError
+	if !errors.As(err, &busy) || idempotency.IsFailure(err) || busy.Fence != cr.Claim.Fence {
+		t.Fatalf("lease busy: %v; want a *BusyError naming fence %d, not a failure", err, cr.Claim.Fence)
+	}
+	d := idempotency.RetryDelay(nil)(0, err, nil)
+	if left := time.Until(busy.Until); d < left || d > left+2*time.Second {
+		t.Fatalf("lease busy retry delay %s, want about the %s left on the lease", d, left)
+	}
+	if f.runs.Load() != 0 {
+		t.Fatal("handler ran while busy")
+	}
+}
+
+func TestMiddlewareBusyBudget(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 10*time.Second, &idempotency.WorkerConfig{BusyBudget: time.Minute})
+	ctx := testenv.Context(t, 30*time.Second)
+	old := asynq.NewTaskWithHeaders(tasks.TypeCharge, chargeTask(t, "o-7", 1).Payload(),
+		map[string]string{tasks.HeaderFirstEnqueued: time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)})
+	noHeader := asynq.NewTask(tasks.TypeCharge, old.Payload())
+	if _, err := f.ledger.Claim(ctx, idempotency.Request{Key: "charge:o-7", TaskType: tasks.TypeCharge,
+		Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, old.Payload())}); err != nil {
+		t.Fatal(err)
+	}
+	for name, task := range map[string]*asynq.Task{"past budget": old, "no header": noHeader} {
+		err := f.charge.ProcessTask(ctx, task)
+		var tooLong *idempotency.BusyTooLongError
+		if !errors.As(err, &tooLong) || !idempotency.IsFailure(err) || tooLong.Fence == 0 || tooLong.Owner == "" {
+			t.Errorf("%s: %v; want a counted BusyTooLongError naming owner and fence", name, err)
+		}
+	}
+}
+
+func TestMiddlewareWithAsynqServer(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 800*time.Millisecond, nil)
+	rdb := testenv.Redis(t)
+	big := strings.Repeat("x", idempotency.MaxResultWriteBytes)
+	f.chargeF = func(_ context.Context, c tasks.Charge) (json.RawMessage, error) {
+		if c.OrderID == "big" {
+			return json.Marshal(map[string]string{"pad": big})
+		}
+		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
+	}
+	cfg := asynq.Config{Concurrency: 4, DelayedTaskCheckInterval: 200 * time.Millisecond, LogLevel: asynq.FatalLevel}
+	idempotency.Configure(&cfg)
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
+	mux := asynq.NewServeMux()
+	mux.Handle(tasks.TypeCharge, f.charge)
+	if err := srv.Start(mux); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	client := asynq.NewClientFromRedisClient(rdb)
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	ctx := testenv.Context(t, time.Minute)
+
+	// A key another worker holds, delivered on its last attempt (MaxRetry 0): the delivery
+	// waits for the lease to end instead of archiving the task as busy.
+	held := chargeTask(t, "held", 100)
+	if _, err := f.ledger.Claim(ctx, idempotency.Request{Key: "charge:held", TaskType: tasks.TypeCharge,
+		Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, held.Payload())}); err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range []*asynq.Task{held, chargeTask(t, "small", 100), chargeTask(t, "big", 100)} {
+		if _, err := client.Enqueue(task, asynq.MaxRetry(0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	infos := map[string]*asynq.TaskInfo{}
+	for len(infos) < 3 && ctx.Err() == nil {
+		for _, id := range []string{"charge:held", "charge:small", "charge:big"} {
+			if info, err := insp.GetTaskInfo(tasks.Queue, id); err == nil && (info.State == asynq.TaskStateCompleted || info.State == asynq.TaskStateArchived) {
+				infos[id] = info
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for id, info := range infos {
+		if info.State != asynq.TaskStateCompleted {
+			t.Errorf("%s: state %s (%s), want completed", id, info.State, info.LastErr)
+		}
+	}
+	if got := string(infos["charge:small"].Result); got != `{"charge":"small"}` {
+		t.Errorf("small result in asynq = %q", got)
+	}
+	if n := len(infos["charge:big"].Result); n != 0 {
+		t.Errorf("a %d-byte result was written to asynq, want none over %d", n, idempotency.MaxResultWriteBytes)
+	}
+	if r := get(t, f.ledger, "charge:big"); len(r.Result) <= idempotency.MaxResultWriteBytes {
+		t.Errorf("the ledger kept %d bytes of the big result", len(r.Result))
+	}
+	if r := get(t, f.ledger, "charge:held"); r.Status != idempotency.StatusCompleted || r.Attempts != 2 {
+		t.Errorf("held key: %s after %d attempts, want completed by the takeover", r.Status, r.Attempts)
+	}
+}
+
+func TestRetryDelayDefersOtherErrors(t *testing.T) {
+	t.Parallel()
+	next := func(n int, err error, t *asynq.Task) time.Duration { return time.Duration(n) * time.Hour }
+	if d := idempotency.RetryDelay(next)(3, errors.New("x"), nil); d != 3*time.Hour {
+		t.Fatalf("other error: %s, want the next func's 3h", d)
+	}
+	if !idempotency.IsFailure(errors.New("x")) || idempotency.IsFailure(&idempotency.BusyError{Key: "k"}) {
+		t.Fatal("IsFailure: an ordinary error must count, a busy key must not")
+	}
+}
