@@ -169,7 +169,9 @@ func TestMiddlewarePanicEndsLease(t *testing.T) {
 		f.charge.ProcessTask(ctx, chargeTask(t, "o-4", 100))
 	}()
 	first := get(t, f.ledger, "charge:o-4")
-	f.chargeF = func(_ context.Context, c tasks.Charge) (json.RawMessage, error) { return json.RawMessage(`{"ok":true}`), nil }
+	f.chargeF = func(_ context.Context, c tasks.Charge) (json.RawMessage, error) {
+		return json.RawMessage(`{"ok":true}`), nil
+	}
 	// The lease (a minute) ended at the panic, and the lock was released: the next delivery
 	// takes over at once.
 	if err := f.charge.ProcessTask(ctx, chargeTask(t, "o-4", 100)); err != nil {
