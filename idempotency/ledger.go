@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
-	"io"
 	"log/slog"
 	"time"
 
@@ -118,7 +117,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	}
 	l.log = c.Logger
 	if l.log == nil {
-		l.log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		l.log = slog.New(slog.DiscardHandler)
 	}
 	l.hbPool = c.HeartbeatPool
 	if l.hbPool == nil {
