@@ -138,37 +138,76 @@ func DecodeDebit(payload []byte) (Debit, error) {
 	return d, d.Validate()
 }
 
-// NewChargeTask validates c and returns its task: TaskID is c.Key(), queue Queue, and the
-// default retry, timeout and retention, which opts may override.
-func NewChargeTask(c Charge, opts ...asynq.Option) (*asynq.Task, error) {
+// Spec is everything needed to publish a job: its key, its asynq task type and payload,
+// and asynq's options. An outbox stores it and publishes it later (Spec.Task).
+type Spec struct {
+	Key       string
+	Type      string
+	Payload   []byte
+	Queue     string
+	MaxRetry  int
+	Timeout   time.Duration
+	Retention time.Duration
+}
+
+// Task returns the asynq task for s under TaskID taskID (the key for the first publish),
+// with the first-enqueue header set to firstEnqueued and s's options; opts come last and
+// win.
+func (s Spec) Task(taskID string, firstEnqueued time.Time, opts ...asynq.Option) *asynq.Task {
+	all := append([]asynq.Option{
+		asynq.TaskID(taskID),
+		asynq.Queue(s.Queue),
+		asynq.MaxRetry(s.MaxRetry),
+		asynq.Timeout(s.Timeout),
+		asynq.Retention(s.Retention),
+	}, opts...)
+	headers := map[string]string{HeaderFirstEnqueued: firstEnqueued.UTC().Format(time.RFC3339Nano)}
+	return asynq.NewTaskWithHeaders(s.Type, s.Payload, headers, all...)
+}
+
+// ChargeSpec validates c and returns its Spec: key c.Key(), queue Queue, the default
+// retry and retention, a 2-minute timeout.
+func ChargeSpec(c Charge) (Spec, error) {
 	if err := c.Validate(); err != nil {
-		return nil, fmt.Errorf("%s: %w", TypeCharge, err)
+		return Spec{}, fmt.Errorf("%s: %w", TypeCharge, err)
 	}
-	return newTask(TypeCharge, c, c.Key(), chargeTimeout, opts)
+	return newSpec(TypeCharge, c, c.Key(), chargeTimeout)
+}
+
+// DebitSpec validates d and returns its Spec, like ChargeSpec, with a 30-second timeout.
+func DebitSpec(d Debit) (Spec, error) {
+	if err := d.Validate(); err != nil {
+		return Spec{}, fmt.Errorf("%s: %w", TypeDebit, err)
+	}
+	return newSpec(TypeDebit, d, d.Key(), debitTimeout)
+}
+
+func newSpec(typ string, payload any, key string, timeout time.Duration) (Spec, error) {
+	b, err := json.Marshal(payload)
+	if err != nil {
+		return Spec{}, fmt.Errorf("%s: encode payload: %w", typ, err)
+	}
+	return Spec{Key: key, Type: typ, Payload: b, Queue: Queue, MaxRetry: DefaultMaxRetry,
+		Timeout: timeout, Retention: DefaultRetention}, nil
+}
+
+// NewChargeTask validates c and returns its task for a direct publish: TaskID c.Key() and
+// ChargeSpec's options, which opts may override.
+func NewChargeTask(c Charge, opts ...asynq.Option) (*asynq.Task, error) {
+	s, err := ChargeSpec(c)
+	if err != nil {
+		return nil, err
+	}
+	return s.Task(s.Key, time.Now(), opts...), nil
 }
 
 // NewDebitTask validates d and returns its task, like NewChargeTask.
 func NewDebitTask(d Debit, opts ...asynq.Option) (*asynq.Task, error) {
-	if err := d.Validate(); err != nil {
-		return nil, fmt.Errorf("%s: %w", TypeDebit, err)
-	}
-	return newTask(TypeDebit, d, d.Key(), debitTimeout, opts)
-}
-
-func newTask(typ string, payload any, key string, timeout time.Duration, opts []asynq.Option) (*asynq.Task, error) {
-	b, err := json.Marshal(payload)
+	s, err := DebitSpec(d)
 	if err != nil {
-		return nil, fmt.Errorf("%s: encode payload: %w", typ, err)
+		return nil, err
 	}
-	all := append([]asynq.Option{
-		asynq.TaskID(key),
-		asynq.Queue(Queue),
-		asynq.MaxRetry(DefaultMaxRetry),
-		asynq.Timeout(timeout),
-		asynq.Retention(DefaultRetention),
-	}, opts...)
-	headers := map[string]string{HeaderFirstEnqueued: time.Now().UTC().Format(time.RFC3339Nano)}
-	return asynq.NewTaskWithHeaders(typ, b, headers, all...), nil
+	return s.Task(s.Key, time.Now(), opts...), nil
 }
 
 // FirstEnqueued returns the time a task was first enqueued, from its header; ok is false
