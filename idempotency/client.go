@@ -1,0 +1,257 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/tasks"
+)
+
+// Intent states (the job_intents.state column).
+const (
+	IntentPending   = "pending"   // recorded, not yet handed to asynq
+	IntentPublished = "published" // handed to asynq; not completed yet
+	IntentDone      = "done"      // the ledger completed the key
+	IntentDead      = "dead"      // the ledger failed the key permanently
+)
+
+// ClientConfig tunes a Client. The zero value of each field means its default.
+type ClientConfig struct {
+	// RelayBatch is how many pending intents one relay round publishes. Default 100.
+	RelayBatch int
+	// RelayPoll is how often the relay looks for pending intents without a wake-up.
+	// Default 500ms.
+	RelayPoll time.Duration
+	// RelayHold is how long a relay holds the intents it took before another relay may
+	// take them (if it died mid-publish). Default 30s.
+	RelayHold time.Duration
+	// Grace is how long a published intent may be missing from Redis before the
+	// reconciler republishes it; it must exceed asynq's own recovery of a crashed
+	// worker's task (60–120 s). Default 3m.
+	Grace time.Duration
+	// ReconcileEvery is how often the reconciler runs, besides at once when Redis
+	// restarted. Default 30s.
+	ReconcileEvery time.Duration
+	// RepublishPerSecond bounds republishes. Default 50.
+	RepublishPerSecond float64
+	// AlertGeneration: republishing an intent for this generation or later is logged as an
+	// error and counted. Default 3.
+	AlertGeneration int
+	// Logger receives relay and reconciler lines. Default: discard.
+	Logger *slog.Logger
+	// Observe, if set, is called for each outbox event (EventPublished, EventRepublished,
+	// EventRepublishAlert, EventRelayError) with the task type. Fast, concurrency-safe.
+	Observe func(ev Event, taskType string)
+}
+
+// Outbox events passed to ClientConfig.Observe.
+const (
+	EventPublished      Event = "published"       // the relay handed an intent to asynq
+	EventRepublished    Event = "republished"     // the reconciler republished a lost task
+	EventRepublishAlert Event = "republish_alert" // a republish reached ClientConfig.AlertGeneration
+	EventRelayError     Event = "relay_error"     // a publish failed; retried later
+)
+
+// EnqueueResult is the outcome of recording a job.
+type EnqueueResult struct {
+	// Key is the job's idempotency key: poll the ledger with it.
+	Key string
+	// Duplicate is true when the key was recorded before (with the same payload).
+	Duplicate bool
+	// State is the intent's state after the call.
+	State string
+}
+
+// Client records jobs in the outbox (job_intents) and publishes them to asynq. Postgres is
+// the source of truth for accepted work: a recorded intent is published by a relay and,
+// if Redis loses it, republished by the reconciler, until the ledger completes or fails
+// the key. A Client is safe for concurrent use.
+type Client struct {
+	pool  *pgxpool.Pool
+	rdb   redis.UniversalClient
+	asynq *asynq.Client
+	cfg   ClientConfig
+	log   *slog.Logger
+
+	wakeMu   sync.Mutex
+	lastWake time.Time
+}
+
+// NewClient returns a Client recording intents in pool's database and publishing through
+// rdb (which it does not close). cfg may be nil.
+func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *ClientConfig) *Client {
+	c := &Client{pool: pool, rdb: rdb, asynq: asynq.NewClientFromRedisClient(rdb)}
+	if cfg != nil {
+		c.cfg = *cfg
+	}
+	d := &c.cfg
+	if d.RelayBatch <= 0 {
+		d.RelayBatch = 100
+	}
+	if d.RelayPoll <= 0 {
+		d.RelayPoll = 500 * time.Millisecond
+	}
+	if d.RelayHold <= 0 {
+		d.RelayHold = 30 * time.Second
+	}
+	if d.Grace <= 0 {
+		d.Grace = 3 * time.Minute
+	}
+	if d.ReconcileEvery <= 0 {
+		d.ReconcileEvery = 30 * time.Second
+	}
+	if d.RepublishPerSecond <= 0 {
+		d.RepublishPerSecond = 50
+	}
+	if d.AlertGeneration <= 0 {
+		d.AlertGeneration = 3
+	}
+	c.log = d.Logger
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+func (c *Client) observe(ev Event, taskType string) {
+	if c.cfg.Observe != nil {
+		c.cfg.Observe(ev, taskType)
+	}
+}
+
+const insertIntentSQL = `
+INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING state`
+
+const readIntentSQL = `SELECT task_type, payload_sha256, state FROM job_intents WHERE idempotency_key = $1`
+
+// EnqueueTx records spec's intent inside tx, the caller's own transaction: the job is
+// accepted exactly when tx commits, together with the caller's other writes, and a relay
+// publishes it after the commit (call Wake after committing to publish at once).
+//
+// Recording a key that exists already changes nothing: with the same payload it reports
+// Duplicate and the intent's state; with another payload (or task type) it returns a
+// *MismatchError. An invalid key returns an error wrapping ErrInvalidKey. A concurrent
+// uncommitted EnqueueTx of the same key makes this one wait for it.
+func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec tasks.Spec) (EnqueueResult, error) {
+	if err := ValidateKey(spec.Key); err != nil {
+		return EnqueueResult{}, err
+	}
+	if len(spec.Payload) > tasks.MaxPayloadBytes {
+		return EnqueueResult{}, fmt.Errorf("%w: payload of %s is %d bytes; the limit is %d", ErrInvalidRequest, spec.Key, len(spec.Payload), tasks.MaxPayloadBytes)
+	}
+	if spec.Type == "" || spec.Queue == "" {
+		return EnqueueResult{}, fmt.Errorf("%w: %s: task type and queue are required", ErrInvalidRequest, spec.Key)
+	}
+	fp := Fingerprint(spec.Type, spec.Payload)
+	var state string
+	err := tx.QueryRow(ctx, insertIntentSQL, spec.Key, spec.Type, spec.Payload, fp, spec.Queue,
+		spec.MaxRetry, spec.Timeout.Milliseconds(), spec.Retention.Milliseconds()).Scan(&state)
+	if err == nil {
+		return EnqueueResult{Key: spec.Key, State: state}, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return EnqueueResult{}, fmt.Errorf("idempotency: record intent %s: %w", spec.Key, err)
+	}
+	var typ string
+	var stored []byte
+	if err := tx.QueryRow(ctx, readIntentSQL, spec.Key).Scan(&typ, &stored, &state); err != nil {
+		return EnqueueResult{}, fmt.Errorf("idempotency: read intent %s: %w", spec.Key, err)
+	}
+	if typ != spec.Type || string(stored) != string(fp) {
+		return EnqueueResult{}, &MismatchError{Key: spec.Key}
+	}
+	return EnqueueResult{Key: spec.Key, Duplicate: true, State: state}, nil
+}
+
+// Enqueue records spec's intent in a transaction of its own and publishes it at once (a
+// relay publishes it later if that fails). Duplicates and mismatches are reported as by
+// EnqueueTx.
+func (c *Client) Enqueue(ctx context.Context, spec tasks.Spec) (EnqueueResult, error) {
+	var res EnqueueResult
+	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+		var err error
+		res, err = c.EnqueueTx(ctx, tx, spec)
+		return err
+	})
+	if err != nil || res.State != IntentPending {
+		return res, err
+	}
+	if _, err := c.publishPending(ctx, []string{spec.Key}); err != nil {
+		c.log.Warn("publish at enqueue failed; the relay will retry", "key", spec.Key, "err", err)
+	} else {
+		res.State = IntentPublished
+	}
+	return res, nil
+}
+
+// IntentInfo is an intent's row, for the API and operators.
+type IntentInfo struct {
+	Key               string
+	TaskType          string
+	State             string
+	PublishGeneration int
+	LastError         string
+	CreatedAt         time.Time
+	PublishedAt       time.Time
+	FinishedAt        time.Time
+}
+
+const intentInfoSQL = `SELECT idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),
+	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch')
+	FROM job_intents WHERE idempotency_key = $1`
+
+// Intent returns key's intent, or an error wrapping ErrNotFound.
+func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
+	var i IntentInfo
+	err := c.pool.QueryRow(ctx, intentInfoSQL, key).Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration,
+		&i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%w: no intent for %q", ErrNotFound, key)
+	}
+	if err != nil {
+		return nil, err
+	}
+	for _, t := range []*time.Time{&i.PublishedAt, &i.FinishedAt} {
+		if t.Unix() == 0 {
+			*t = time.Time{}
+		}
+	}
+	return &i, nil
+}
+
+// Wake asks every relay to look for pending intents now (a NOTIFY outside any
+// transaction), at most once per 20 ms per Client; call it after committing EnqueueTx.
+// Errors are only logged: the relay polls anyway.
+func (c *Client) Wake(ctx context.Context) {
+	c.wakeMu.Lock()
+	if time.Since(c.lastWake) < 20*time.Millisecond {
+		c.wakeMu.Unlock()
+		return
+	}
+	c.lastWake = time.Now()
+	c.wakeMu.Unlock()
+	if _, err := c.pool.Exec(ctx, `SELECT pg_notify('`+wakeChannel+`', '')`); err != nil {
+		c.log.Debug("outbox wake-up", "err", err)
+	}
+}
+
+// taskID is the TaskID of an intent's publish generation.
+func taskID(key string, gen int) string {
+	if gen == 0 {
+		return key
+	}
+	return key + "#r" + strconv.Itoa(gen)
+}

@@ -1,0 +1,280 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+func debitSpec(t testing.TB, ref string, amount int64) tasks.Spec {
+	t.Helper()
+	s, err := tasks.DebitSpec(tasks.Debit{AccountID: "a-1", AmountCents: amount, Reference: ref})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func enqueueTx(t testing.TB, pool *pgxpool.Pool, c *idempotency.Client, spec tasks.Spec, commit bool) (idempotency.EnqueueResult, error) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	res, err := c.EnqueueTx(ctx, tx, spec)
+	if err == nil && commit {
+		err = tx.Commit(ctx)
+	}
+	return res, err
+}
+
+func taskExists(t testing.TB, rdb *redis.Client, id string) bool {
+	t.Helper()
+	_, err := asynq.NewInspectorFromRedisClient(rdb).GetTaskInfo(tasks.Queue, id)
+	return err == nil
+}
+
+func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+
+	if _, err := enqueueTx(t, pool, c, debitSpec(t, "rolled-back", 5), false); err != nil {
+		t.Fatal(err)
+	}
+	res, err := enqueueTx(t, pool, c, debitSpec(t, "committed", 5), true)
+	if err != nil || res.Duplicate || res.State != idempotency.IntentPending || res.Key != "debit:committed" {
+		t.Fatalf("first record: %+v %v", res, err)
+	}
+	st, err := c.Reconcile(ctx, time.Hour) // settles nothing, checks nothing: a no-op here
+	if err != nil || st.Checked != 0 {
+		t.Fatalf("reconcile: %+v %v", st, err)
+	}
+	relayCtx, stop := context.WithCancel(ctx)
+	done := make(chan error)
+	go func() { done <- c.RunRelay(relayCtx) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for !taskExists(t, rdb, "debit:committed") && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !taskExists(t, rdb, "debit:committed") {
+		t.Fatal("a committed intent was not published")
+	}
+	if taskExists(t, rdb, "debit:rolled-back") {
+		t.Fatal("a rolled-back intent was published")
+	}
+	if _, err := c.Intent(ctx, "debit:rolled-back"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("rolled-back intent: %v, want ErrNotFound", err)
+	}
+	info, err := c.Intent(ctx, "debit:committed")
+	if err != nil || info.State != idempotency.IntentPublished || info.PublishedAt.IsZero() {
+		t.Fatalf("committed intent: %+v %v", info, err)
+	}
+
+	// Recording again: a duplicate with the same payload, a mismatch with another.
+	res, err = enqueueTx(t, pool, c, debitSpec(t, "committed", 5), true)
+	if err != nil || !res.Duplicate || res.State != idempotency.IntentPublished {
+		t.Fatalf("re-record: %+v %v, want a duplicate", res, err)
+	}
+	_, err = enqueueTx(t, pool, c, debitSpec(t, "committed", 6), true)
+	var mm *idempotency.MismatchError
+	if !errors.As(err, &mm) || mm.Key != "debit:committed" {
+		t.Fatalf("re-record with another amount: %v, want a mismatch naming the key", err)
+	}
+	bad := debitSpec(t, "x", 1)
+	bad.Key = "has space"
+	if _, err := enqueueTx(t, pool, c, bad, true); !errors.Is(err, idempotency.ErrInvalidKey) {
+		t.Fatalf("bad key: %v, want ErrInvalidKey", err)
+	}
+}
+
+func TestEnqueuePublishesAtOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	res, err := c.Enqueue(ctx, debitSpec(t, "direct", 9))
+	if err != nil || res.State != idempotency.IntentPublished || !taskExists(t, rdb, "debit:direct") {
+		t.Fatalf("Enqueue: %+v %v", res, err)
+	}
+	res, err = c.Enqueue(ctx, debitSpec(t, "direct", 9))
+	if err != nil || !res.Duplicate {
+		t.Fatalf("second Enqueue: %+v %v", res, err)
+	}
+}
+
+func TestRelayReplicasPublishEachIntentOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	ctx := testenv.Context(t, time.Minute)
+	const n = 300
+	var published atomic.Int64
+	cfg := &idempotency.ClientConfig{RelayBatch: 20, Observe: func(ev idempotency.Event, _ string) {
+		if ev == idempotency.EventPublished {
+			published.Add(1)
+		}
+	}}
+	recorder := idempotency.NewClient(pool, rdb, cfg)
+
+	relayCtx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for range 3 {
+		c := idempotency.NewClient(pool, rdb, cfg)
+		wg.Add(1)
+		go func() { defer wg.Done(); c.RunRelay(relayCtx) }()
+	}
+	for i := range n {
+		if _, err := enqueueTx(t, pool, recorder, debitSpec(t, fmt.Sprintf("r-%d", i), 1), true); err != nil {
+			t.Fatal(err)
+		}
+		if i%50 == 0 {
+			recorder.Wake(ctx)
+		}
+	}
+	for published.Load() < n && ctx.Err() == nil {
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond) // let a double publish show, if any
+	stop()
+	wg.Wait()
+	q, err := asynq.NewInspectorFromRedisClient(rdb).GetQueueInfo(tasks.Queue)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if published.Load() != n || q.Pending != n {
+		t.Fatalf("published %d times, %d tasks pending; want %d each", published.Load(), q.Pending, n)
+	}
+	if left := count(t, pool, `SELECT count(*) FROM job_intents WHERE state <> 'published'`); left != 0 {
+		t.Fatalf("%d intents not published", left)
+	}
+}
+
+func TestRelaySurvivesRedisDown(t *testing.T) {
+	t.Parallel()
+	srv := testenv.StartRedis(t, testenv.PersistNone)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, MaxRetries: -1, DialTimeout: 200 * time.Millisecond, ContextTimeoutEnabled: true})
+	t.Cleanup(func() { rdb.Close() })
+	pool := testenv.Postgres(t)
+	var relayErrors atomic.Int64
+	c := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{RelayPoll: 50 * time.Millisecond, Observe: func(ev idempotency.Event, _ string) {
+		if ev == idempotency.EventRelayError {
+			relayErrors.Add(1)
+		}
+	}})
+	ctx := testenv.Context(t, time.Minute)
+	if err := srv.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	relayCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go c.RunRelay(relayCtx)
+	for i := range 20 {
+		if _, err := enqueueTx(t, pool, c, debitSpec(t, fmt.Sprintf("down-%d", i), 1), true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for relayErrors.Load() == 0 && ctx.Err() == nil {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM job_intents WHERE state = 'pending' AND last_error IS NOT NULL`); n == 0 {
+		t.Fatal("no publish failure recorded while Redis was down")
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	for count(t, pool, `SELECT count(*) FROM job_intents WHERE state = 'pending'`) > 0 && ctx.Err() == nil {
+		time.Sleep(50 * time.Millisecond)
+	}
+	q, err := asynq.NewInspectorFromRedisClient(rdb).GetQueueInfo(tasks.Queue)
+	if err != nil || q.Pending != 20 {
+		t.Fatalf("after Redis came back: %v pending (%v), want all 20 published", q, err)
+	}
+}
+
+func TestReconcileRepublishesLostTasks(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	var alerts atomic.Int64
+	c := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{AlertGeneration: 2, Observe: func(ev idempotency.Event, _ string) {
+		if ev == idempotency.EventRepublishAlert {
+			alerts.Add(1)
+		}
+	}})
+	ctx := testenv.Context(t, time.Minute)
+	for _, ref := range []string{"kept", "deleted", "orphan", "done"} {
+		if _, err := c.Enqueue(ctx, debitSpec(t, ref, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	if err := insp.DeleteTask(tasks.Queue, "debit:deleted"); err != nil {
+		t.Fatal(err)
+	}
+	// An orphaned hash: the task's message is gone, a late result write left the hash.
+	if err := insp.DeleteTask(tasks.Queue, "debit:orphan"); err != nil {
+		t.Fatal(err)
+	}
+	rdb.HSet(ctx, "asynq:{default}:t:debit:orphan", "result", "late")
+	// A key the ledger completed: settled, not republished.
+	mustExec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, completed_at)
+		VALUES ('debit:done', 'wallet:debit', 'completed', nextval('processed_jobs_fence_seq'), now())`)
+	if err := insp.DeleteTask(tasks.Queue, "debit:done"); err != nil {
+		t.Fatal(err)
+	}
+
+	st, err := c.Reconcile(ctx, time.Hour)
+	if err != nil || st.Finished != 1 || st.Checked != 0 {
+		t.Fatalf("within the grace period: %+v %v; want only the done key settled", st, err)
+	}
+	st, err = c.Reconcile(ctx, 0)
+	if err != nil || st.Checked != 3 || st.Missing != 2 || st.Republished != 2 {
+		t.Fatalf("after the grace period: %+v %v; want 3 checked, 2 missing and republished", st, err)
+	}
+	for _, id := range []string{"debit:deleted#r1", "debit:orphan#r1"} {
+		if !taskExists(t, rdb, id) {
+			t.Errorf("%s not published", id)
+		}
+	}
+	if taskExists(t, rdb, "debit:done#r1") {
+		t.Error("a done key was republished")
+	}
+	// Redis loses everything (a restart without persistence): the whole queue is gone.
+	for _, id := range []string{"debit:kept", "debit:deleted#r1", "debit:orphan#r1"} {
+		insp.DeleteTask(tasks.Queue, id)
+	}
+	insp.DeleteQueue(tasks.Queue, true)
+	st, err = c.Reconcile(ctx, 0)
+	if err != nil || st.Missing != 3 || st.Republished != 3 {
+		t.Fatalf("after the queue vanished: %+v %v; want 3 republished", st, err)
+	}
+	if alerts.Load() != 2 {
+		t.Fatalf("alerts = %d, want 2 (the second generation of deleted and orphan)", alerts.Load())
+	}
+	info, _ := c.Intent(ctx, "debit:orphan")
+	if info.PublishGeneration != 2 {
+		t.Fatalf("orphan intent generation %d, want 2", info.PublishGeneration)
+	}
+	s, err := c.Stats(ctx, 0)
+	if err != nil || s.Published != 3 || s.Pending != 0 {
+		t.Fatalf("stats: %+v %v", s, err)
+	}
+}
