@@ -39,6 +39,7 @@ func commands() []command {
 	return []command{
 		migrateCommand(),
 		workerCommand(),
+		apiCommand(),
 		enqueueCommand(),
 		ledgerCommand(),
 		fakepayCommand(),

@@ -67,7 +67,7 @@ func TestHelpListsEveryVariable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, spec := range []any{config.Migrate{}, config.Worker{}, config.Enqueue{}, config.Ledger{}, config.Fakepay{}} {
+	for _, spec := range []any{config.Migrate{}, config.Worker{}, config.Enqueue{}, config.Ledger{}, config.Fakepay{}, config.API{}} {
 		for _, name := range envNames(reflect.TypeOf(spec)) {
 			if !strings.Contains(out, name) {
 				t.Errorf("idemq help does not mention %s", name)

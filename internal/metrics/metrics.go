@@ -23,6 +23,8 @@ type Metrics struct {
 	LockEvents *prometheus.CounterVec
 	// HandlerDuration observes each delivery's handling time by task type and outcome.
 	HandlerDuration *prometheus.HistogramVec
+	// APIRequests counts the API's answers by route pattern and status code.
+	APIRequests *prometheus.CounterVec
 }
 
 // New returns a registry with the Go runtime and process collectors and idemq's own.
@@ -42,11 +44,15 @@ func New() *Metrics {
 			Help:    "Time to handle one delivery, from decode to lock release, by task type and outcome.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2.5, 14),
 		}, []string{"task_type", "outcome"}),
+		APIRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_api_requests_total",
+			Help: "API answers by route pattern (such as \"POST /v1/charges\") and status code.",
+		}, []string{"route", "code"}),
 	}
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		m.LedgerEvents, m.LockEvents, m.HandlerDuration,
+		m.LedgerEvents, m.LockEvents, m.HandlerDuration, m.APIRequests,
 	)
 	return m
 }

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/hibiken/asynq"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/api"
+	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/httpserver"
+	"github.com/idemq/idemq/internal/metrics"
+)
+
+func apiCommand() command {
+	return command{
+		name:    "api",
+		usage:   "api",
+		summary: "serve the enqueue API, the asynqmon dashboard (/monitoring/), the ledger page (/ledger/) and /metrics",
+		spec:    func() any { return &config.API{} },
+		run: func(ctx context.Context, spec any, args []string, _, stderr io.Writer) error {
+			if len(args) > 0 {
+				return fmt.Errorf("api: unexpected arguments %q", args)
+			}
+			cfg := spec.(*config.API)
+			return runAPI(ctx, cfg, newLogger(stderr, cfg.LogLevel).With("cmd", "api"))
+		},
+	}
+}
+
+func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
+	connOpt, err := asynq.ParseRedisURI(cfg.RedisURL)
+	if err != nil {
+		return fmt.Errorf("REDIS_URL: %w", err)
+	}
+	rdb, err := openRedis(ctx, cfg.RedisURL)
+	if err != nil {
+		return err
+	}
+	defer rdb.Close()
+	pool, err := openPool(ctx, cfg.DatabaseURL, 0)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireSchema(ctx, pool); err != nil {
+		return err
+	}
+
+	m := metrics.New()
+	ledger := idempotency.New(pool, &idempotency.Config{Logger: log})
+	defer ledger.Close()
+	client := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Logger: log})
+	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
+
+	h := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: m}, &api.Options{
+		RedisConnOpt:      connOpt,
+		DashboardUser:     cfg.DashboardUser,
+		DashboardPassword: cfg.DashboardPassword,
+		DashboardActions:  !cfg.DashboardReadonly,
+		Logger:            log,
+	})
+	defer h.Close()
+	if cfg.DashboardPassword == "" {
+		log.Warn("IDEMQ_DASHBOARD_PASSWORD is empty: /monitoring/ and /ledger/ are open to anyone who can reach " + cfg.HTTPAddr)
+	}
+
+	// The API's relay publishes what it accepted at once (woken after each commit); the
+	// workers' replicas may run relays too, they take disjoint batches.
+	relayCtx, stopRelay := context.WithCancel(ctx)
+	defer stopRelay()
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- client.RunRelay(relayCtx) }()
+
+	err = httpserver.Serve(ctx, cfg.HTTPAddr, h, cfg.ShutdownTimeout, log, nil)
+	stopRelay()
+	if err != nil {
+		err = fmt.Errorf("api: %w", err)
+	}
+	select {
+	case <-relayDone:
+	case <-time.After(5 * time.Second):
+		log.Warn("relay did not stop within 5s")
+	}
+	log.Info("api stopped")
+	return err
+}

@@ -1,0 +1,187 @@
+package api
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"log/slog"
+	"net/http"
+	"strconv"
+
+	"github.com/hibiken/asynq"
+	"github.com/hibiken/asynqmon"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/metrics"
+)
+
+// DefaultMaxBodyBytes is the largest request body the API reads; a larger one is refused
+// with 413 before it is parsed.
+const DefaultMaxBodyBytes = 64 << 10
+
+// Deps are the API's required dependencies.
+type Deps struct {
+	// Pool holds the ledger, the outbox and api_idempotency_keys.
+	Pool *pgxpool.Pool
+	// Redis answers /readyz and feeds the ledger page's task links.
+	Redis redis.UniversalClient
+	// Ledger answers GET /v1/jobs/{key} and the ledger page.
+	Ledger *idempotency.Ledger
+	// Enqueuer records a job's intent inside the API's transaction (an
+	// *idempotency.Client).
+	Enqueuer Enqueuer
+	// Metrics gets the API's request counters; its registry is served at /metrics.
+	Metrics *metrics.Metrics
+}
+
+// Options are the API's optional settings; the zero value (or nil) means the defaults
+// written on each field.
+type Options struct {
+	// RedisConnOpt is the Redis that asynqmon, the dashboard, inspects. Nil: no dashboard
+	// at /monitoring/ (404).
+	RedisConnOpt asynq.RedisConnOpt
+	// DashboardUser and DashboardPassword protect /monitoring/ and /ledger/ with basic
+	// auth when DashboardPassword is not empty. Default: no auth.
+	DashboardUser     string
+	DashboardPassword string
+	// DashboardActions allows the dashboard's actions (run, delete, archive, pause).
+	// Default false: read-only, because "run" on an archived duplicate whose ledger key
+	// was purged would run its effect again.
+	DashboardActions bool
+	// MaxBodyBytes caps request bodies. Default DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// Logger gets request errors. Default: discard.
+	Logger *slog.Logger
+}
+
+// Server is the API's http.Handler. It is safe for concurrent use; Close releases the
+// dashboard's Redis connections.
+type Server struct {
+	deps    Deps
+	opts    Options
+	mux     *http.ServeMux
+	monitor *asynqmon.HTTPHandler
+	insp    *asynq.Inspector
+	log     *slog.Logger
+
+	// holdAccept, when set by a test, runs inside the enqueue transaction after the
+	// Idempotency-Key row is written and before the commit.
+	holdAccept func(ctx context.Context)
+}
+
+var _ http.Handler = (*Server)(nil)
+
+// New returns the API's handler. It panics on missing Deps, as a wiring mistake.
+func New(deps Deps, opts *Options) *Server {
+	if deps.Pool == nil || deps.Redis == nil || deps.Ledger == nil || deps.Enqueuer == nil || deps.Metrics == nil {
+		panic("api.New: Deps.Pool, Redis, Ledger, Enqueuer and Metrics are required")
+	}
+	s := &Server{deps: deps, mux: http.NewServeMux()}
+	if opts != nil {
+		s.opts = *opts
+	}
+	if s.opts.MaxBodyBytes <= 0 {
+		s.opts.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	s.log = s.opts.Logger
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	s.insp = asynq.NewInspectorFromRedisClient(deps.Redis)
+
+	s.mux.HandleFunc("POST /v1/charges", s.postCharge)
+	s.mux.HandleFunc("POST /v1/wallet/debits", s.postDebit)
+	s.mux.HandleFunc("GET /v1/jobs/{key...}", s.getJob)
+	s.mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "no route "+r.Method+" "+r.URL.Path)
+	})
+
+	s.mux.Handle("GET /ledger/{$}", s.auth(http.HandlerFunc(s.ledgerList)))
+	s.mux.Handle("GET /ledger/{key...}", s.auth(http.HandlerFunc(s.ledgerRow)))
+	s.mux.Handle("GET /ledger", http.RedirectHandler("/ledger/", http.StatusMovedPermanently))
+
+	if s.opts.RedisConnOpt != nil {
+		s.monitor = asynqmon.New(asynqmon.Options{
+			RootPath:        "/monitoring",
+			RedisConnOpt:    s.opts.RedisConnOpt,
+			ReadOnly:        !s.opts.DashboardActions,
+			ResultFormatter: asynqmon.ResultFormatterFunc(prettyResult),
+		})
+		s.mux.Handle("/monitoring/", s.auth(s.monitor))
+		s.mux.Handle("GET /monitoring", http.RedirectHandler("/monitoring/", http.StatusMovedPermanently))
+	}
+
+	health := deps.Metrics.Handler(map[string]metrics.Check{
+		"redis":    func(ctx context.Context) error { return deps.Redis.Ping(ctx).Err() },
+		"postgres": func(ctx context.Context) error { return deps.Pool.Ping(ctx) },
+	})
+	s.mux.Handle("GET /metrics", health)
+	s.mux.Handle("GET /healthz", health)
+	s.mux.Handle("GET /readyz", health)
+	s.mux.Handle("GET /{$}", http.RedirectHandler("/ledger/", http.StatusFound))
+	return s
+}
+
+// Close releases the dashboard's Redis connections.
+func (s *Server) Close() error {
+	if s.monitor != nil {
+		return s.monitor.Close()
+	}
+	return nil // s.insp shares Deps.Redis, which the caller closes
+}
+
+// ServeHTTP counts each request by route pattern and status code.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	rec := &statusRecorder{ResponseWriter: w, code: http.StatusOK}
+	s.mux.ServeHTTP(rec, r)
+	route := r.Pattern
+	if route == "" {
+		route = "unmatched"
+	}
+	s.deps.Metrics.APIRequests.WithLabelValues(route, strconv.Itoa(rec.code)).Inc()
+}
+
+type statusRecorder struct {
+	http.ResponseWriter
+	code  int
+	wrote bool
+}
+
+func (r *statusRecorder) WriteHeader(code int) {
+	if !r.wrote {
+		r.code, r.wrote = code, true
+	}
+	r.ResponseWriter.WriteHeader(code)
+}
+
+func (r *statusRecorder) Write(b []byte) (int, error) {
+	r.wrote = true
+	return r.ResponseWriter.Write(b)
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer (asynqmon flushes).
+func (r *statusRecorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
+
+// auth asks for basic auth when a dashboard password is configured. Both the user and the
+// password are compared in constant time (over their SHA-256, so lengths do not leak).
+func (s *Server) auth(h http.Handler) http.Handler {
+	if s.opts.DashboardPassword == "" {
+		return h
+	}
+	wantUser := sha256.Sum256([]byte(s.opts.DashboardUser))
+	wantPass := sha256.Sum256([]byte(s.opts.DashboardPassword))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		user, pass, ok := r.BasicAuth()
+		gotUser, gotPass := sha256.Sum256([]byte(user)), sha256.Sum256([]byte(pass))
+		userOK := subtle.ConstantTimeCompare(gotUser[:], wantUser[:])
+		passOK := subtle.ConstantTimeCompare(gotPass[:], wantPass[:])
+		if !ok || userOK&passOK != 1 {
+			w.Header().Set("WWW-Authenticate", `Basic realm="idemq dashboard", charset="UTF-8"`)
+			writeError(w, http.StatusUnauthorized, "authentication required")
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}

@@ -1,0 +1,17 @@
+// Package api is idemq's web side: the enqueue API (POST /v1/charges, POST
+// /v1/wallet/debits, GET /v1/jobs/{key}), the asynqmon dashboard at /monitoring/, a
+// server-rendered ledger page at /ledger/, and /metrics, /healthz and /readyz.
+//
+// Usage:
+//
+//	h, err := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: m},
+//		&api.Options{RedisConnOpt: asynq.RedisClientOpt{Addr: "127.0.0.1:6379"}, DashboardPassword: "secret"})
+//	defer h.Close()
+//	httpserver.Serve(ctx, ":8080", h, 30*time.Second, log, nil)
+//
+// A POST records the job's intent (through Enqueuer.EnqueueTx, an outbox) and, when the
+// client sent an Idempotency-Key header, the header's row in api_idempotency_keys, in one
+// Postgres transaction: either both are stored or neither. The job key always comes from
+// intent (charge:<order_id>, debit:<reference>), so two requests for one order never make
+// two jobs, whatever their headers say.
+package api

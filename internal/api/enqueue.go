@@ -1,0 +1,320 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/tasks"
+)
+
+// Enqueuer records a job's intent inside the caller's transaction: *idempotency.Client.
+// EnqueueTx reports an existing key with the same fingerprint as a duplicate, and one
+// with another fingerprint as an error wrapping idempotency.ErrMismatch.
+type Enqueuer interface {
+	EnqueueTx(ctx context.Context, tx pgx.Tx, spec tasks.Spec) (EnqueueResult, error)
+}
+
+// IntentLookup is what GET /v1/jobs/{key} uses, when the Enqueuer offers it
+// (*idempotency.Client does), to report a job whose intent is recorded but which no
+// worker has claimed yet. Intent returns an error wrapping idempotency.ErrNotFound for an
+// unknown key.
+type IntentLookup interface {
+	Intent(ctx context.Context, key string) (*idempotency.IntentInfo, error)
+}
+
+// waker is the Enqueuer's optional wake-up of its relays, called after a commit.
+type waker interface{ Wake(ctx context.Context) }
+
+// HeaderIdempotencyKey is the request header of the IETF httpapi idempotency-key draft.
+const HeaderIdempotencyKey = "Idempotency-Key"
+
+// HeaderReplayed is set to "true" on an answer replayed for a repeated Idempotency-Key.
+const HeaderReplayed = "Idempotent-Replayed"
+
+// acceptLockTimeout bounds how long a request waits for another one holding the same
+// Idempotency-Key in its open transaction before it answers 409.
+const acceptLockTimeout = "200ms"
+
+// jobResponse is the body of 202 (accepted) and 200 (duplicate).
+type jobResponse struct {
+	Key       string          `json:"key"`
+	Type      string          `json:"type"`
+	Status    string          `json:"status"`
+	Intent    string          `json:"intent,omitempty"`
+	Duplicate bool            `json:"duplicate"`
+	Fence     int64           `json:"fence,omitempty"`
+	Attempts  int             `json:"attempts,omitempty"`
+	Result    json.RawMessage `json:"result,omitempty"`
+	LastError string          `json:"last_error,omitempty"`
+}
+
+// StatusAccepted is a job's status while its intent is recorded and no worker has claimed
+// it yet.
+const StatusAccepted = "accepted"
+
+func (s *Server) postCharge(w http.ResponseWriter, r *http.Request) {
+	var c tasks.Charge
+	if !s.decode(w, r, &c) {
+		return
+	}
+	if err := c.Validate(); err != nil {
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	spec, err := tasks.ChargeSpec(c)
+	if err != nil {
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	s.accept(w, r, "order_id", spec)
+}
+
+func (s *Server) postDebit(w http.ResponseWriter, r *http.Request) {
+	var d tasks.Debit
+	if !s.decode(w, r, &d) {
+		return
+	}
+	if err := d.Validate(); err != nil {
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	spec, err := tasks.DebitSpec(d)
+	if err != nil {
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	s.accept(w, r, "reference", spec)
+}
+
+// decode reads at most MaxBodyBytes (413 past that) and decodes one JSON object strictly:
+// malformed JSON is 400; an unknown field or a value of the wrong type is 422 naming the
+// field.
+func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
+	if ct := r.Header.Get("Content-Type"); ct != "" && !strings.HasPrefix(ct, "application/json") {
+		writeError(w, http.StatusUnsupportedMediaType, fmt.Sprintf("Content-Type %q: send application/json", ct))
+		return false
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxBodyBytes))
+	var tooBig *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooBig):
+		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body: larger than %d bytes", tooBig.Limit))
+		return false
+	case err != nil:
+		writeError(w, http.StatusBadRequest, "body: "+err.Error())
+		return false
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	err = dec.Decode(v)
+	if err == nil {
+		if _, terr := dec.Token(); terr != io.EOF {
+			writeError(w, http.StatusBadRequest, "body: malformed JSON: data after the object")
+			return false
+		}
+		return true
+	}
+	var typeErr *json.UnmarshalTypeError
+	switch {
+	case errors.As(err, &typeErr) && typeErr.Field != "":
+		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s: must be a JSON %s, got %s", typeErr.Field, jsonKind(typeErr.Type.Kind().String()), typeErr.Value))
+	case strings.HasPrefix(err.Error(), "json: unknown field "):
+		writeError(w, http.StatusUnprocessableEntity, strings.Trim(strings.TrimPrefix(err.Error(), "json: unknown field "), `"`)+": unknown field")
+	case errors.As(err, &typeErr):
+		writeError(w, http.StatusBadRequest, "body: must be a JSON object")
+	case errors.Is(err, io.EOF):
+		writeError(w, http.StatusBadRequest, "body: empty; send a JSON object")
+	default:
+		writeError(w, http.StatusBadRequest, "body: malformed JSON: "+err.Error())
+	}
+	return false
+}
+
+func jsonKind(goKind string) string {
+	switch goKind {
+	case "string":
+		return "string"
+	case "int", "int64", "int32", "uint", "uint64", "float64":
+		return "whole number"
+	}
+	return goKind
+}
+
+// headerKey reads the Idempotency-Key header: absent is fine; present, it must be one
+// value of 1 to 255 printable ASCII bytes, optionally as a structured-field string in
+// double quotes.
+func headerKey(r *http.Request) (key string, present bool, err error) {
+	vals := r.Header.Values(HeaderIdempotencyKey)
+	switch len(vals) {
+	case 0:
+		return "", false, nil
+	case 1:
+	default:
+		return "", true, errors.New(HeaderIdempotencyKey + ": send one value, not several")
+	}
+	v := vals[0]
+	if len(v) >= 2 && v[0] == '"' && v[len(v)-1] == '"' {
+		if uq, err := strconv.Unquote(v); err == nil {
+			v = uq
+		}
+	}
+	if v == "" {
+		return "", true, errors.New(HeaderIdempotencyKey + ": empty")
+	}
+	if len(v) > 255 {
+		return "", true, fmt.Errorf("%s: %d bytes; the limit is 255", HeaderIdempotencyKey, len(v))
+	}
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; c < 0x20 || c > 0x7e {
+			return "", true, fmt.Errorf("%s: byte %d is not printable ASCII", HeaderIdempotencyKey, i)
+		}
+	}
+	return v, true, nil
+}
+
+const (
+	insertHeaderSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type)
+VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING true`
+	getHeaderSQL = `SELECT fingerprint, job_key, status_code, response FROM api_idempotency_keys
+WHERE route = $1 AND header_key = $2`
+	answerHeaderSQL = `UPDATE api_idempotency_keys SET status_code = $3, response = $4
+WHERE route = $1 AND header_key = $2`
+)
+
+// accept records the job's intent and, with an Idempotency-Key, the header's row, in one
+// transaction, and answers 202 (new job), 200 (duplicate), a replay, 409 or 422.
+func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string, spec tasks.Spec) {
+	hk, hasKey, err := headerKey(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	ctx := r.Context()
+	route := r.Pattern
+	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
+
+	tx, err := s.deps.Pool.Begin(ctx)
+	if err != nil {
+		s.internal(w, r, "begin", err)
+		return
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+
+	if hasKey {
+		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '"+acceptLockTimeout+"'"); err != nil {
+			s.internal(w, r, "set lock_timeout", err)
+			return
+		}
+		var inserted bool
+		err := tx.QueryRow(ctx, insertHeaderSQL, route, hk, fp, spec.Key, spec.Type).Scan(&inserted)
+		switch {
+		case isLockTimeout(err):
+			writeError(w, http.StatusConflict, fmt.Sprintf("%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, hk))
+			return
+		case errors.Is(err, pgx.ErrNoRows):
+			s.replay(w, r, tx, route, hk, fp)
+			return
+		case err != nil:
+			s.internal(w, r, "record the Idempotency-Key", err)
+			return
+		}
+		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout TO DEFAULT"); err != nil {
+			s.internal(w, r, "reset lock_timeout", err)
+			return
+		}
+	}
+
+	res, err := s.deps.Enqueuer.EnqueueTx(ctx, tx, spec)
+	switch {
+	case errors.Is(err, idempotency.ErrMismatch):
+		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s: job %q was already accepted with a different body", keyField, spec.Key))
+		return
+	case isLockTimeout(err):
+		writeError(w, http.StatusConflict, fmt.Sprintf("%s: job %q is still being accepted by another request; retry shortly", keyField, spec.Key))
+		return
+	case err != nil:
+		s.internal(w, r, "record the job", err)
+		return
+	}
+
+	code, resp := http.StatusAccepted, jobResponse{Key: spec.Key, Type: spec.Type, Status: StatusAccepted, Intent: res.State}
+	if res.Duplicate {
+		code, resp.Duplicate = http.StatusOK, true
+		rec, err := s.deps.Ledger.Get(ctx, spec.Key)
+		switch {
+		case err == nil:
+			resp.Status, resp.Fence, resp.Attempts, resp.Result, resp.LastError = rec.Status, rec.Fence, rec.Attempts, rec.Result, rec.LastError
+		case !errors.Is(err, idempotency.ErrNotFound):
+			s.internal(w, r, "read the ledger", err)
+			return
+		}
+	}
+	body, err := json.Marshal(resp)
+	if err != nil {
+		s.internal(w, r, "encode response", err)
+		return
+	}
+	if hasKey {
+		if _, err := tx.Exec(ctx, answerHeaderSQL, route, hk, code, body); err != nil {
+			s.internal(w, r, "record the answer", err)
+			return
+		}
+	}
+	if s.holdAccept != nil {
+		s.holdAccept(ctx)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		s.internal(w, r, "commit", err)
+		return
+	}
+	if wk, ok := s.deps.Enqueuer.(waker); ok && !res.Duplicate {
+		wk.Wake(ctx)
+	}
+	writeRaw(w, code, body)
+}
+
+// replay answers a repeated Idempotency-Key: the first answer when the body is the same,
+// 422 when it is not.
+func (s *Server) replay(w http.ResponseWriter, r *http.Request, tx pgx.Tx, route, hk string, fp []byte) {
+	var (
+		storedFP []byte
+		jobKey   string
+		code     *int
+		body     []byte
+	)
+	if err := tx.QueryRow(r.Context(), getHeaderSQL, route, hk).Scan(&storedFP, &jobKey, &code, &body); err != nil {
+		s.internal(w, r, "read the Idempotency-Key", err)
+		return
+	}
+	if !bytes.Equal(storedFP, fp) {
+		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s %q was used with a different body (job %q)", HeaderIdempotencyKey, hk, jobKey))
+		return
+	}
+	if code == nil { // cannot happen: the row is answered in its own transaction
+		writeError(w, http.StatusConflict, fmt.Sprintf("%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, hk))
+		return
+	}
+	w.Header().Set(HeaderReplayed, "true")
+	writeRaw(w, *code, body)
+}
+
+// isLockTimeout reports SQLSTATE 55P03 (lock_not_available): another transaction holds
+// the row past acceptLockTimeout.
+func isLockTimeout(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "55P03"
+}
+
+// EnqueueResult is what Enqueuer.EnqueueTx reports.
+type EnqueueResult = idempotency.EnqueueResult

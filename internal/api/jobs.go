@@ -1,0 +1,85 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency"
+)
+
+// jobAccepted is a job known to the API but not yet to the ledger: its intent is recorded
+// and waits for a worker.
+type jobAccepted struct {
+	Key       string `json:"key"`
+	Type      string `json:"type"`
+	Status    string `json:"status"` // StatusAccepted
+	Intent    string `json:"intent,omitempty"`
+	LastError string `json:"last_error,omitempty"`
+}
+
+// getJob answers GET /v1/jobs/{key}: the ledger row, or the intent's state while no
+// worker has claimed the job yet, or 404.
+func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
+	key := r.PathValue("key")
+	if err := idempotency.ValidateKey(key); err != nil {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no job with key %q", key))
+		return
+	}
+	rec, err := s.deps.Ledger.Get(r.Context(), key)
+	switch {
+	case err == nil:
+		writeJSON(w, http.StatusOK, NewRecord(*rec))
+		return
+	case !errors.Is(err, idempotency.ErrNotFound):
+		s.internal(w, r, "read the ledger", err)
+		return
+	}
+	acc, ok, err := s.intent(r.Context(), key)
+	if err != nil {
+		s.internal(w, r, "read the job's intent", err)
+		return
+	}
+	if !ok {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no job with key %q", key))
+		return
+	}
+	writeJSON(w, http.StatusOK, acc)
+}
+
+// intent finds a job that the ledger does not know yet: through the Enqueuer when it can
+// look intents up, else through the Idempotency-Key rows that named it.
+func (s *Server) intent(ctx context.Context, key string) (jobAccepted, bool, error) {
+	if il, ok := s.deps.Enqueuer.(IntentLookup); ok {
+		in, err := il.Intent(ctx, key)
+		if errors.Is(err, idempotency.ErrNotFound) {
+			return jobAccepted{}, false, nil
+		}
+		if err != nil {
+			return jobAccepted{}, false, err
+		}
+		return jobAccepted{Key: key, Type: in.TaskType, Status: StatusAccepted, Intent: in.State, LastError: in.LastError}, true, nil
+	}
+	var typ string
+	err := s.deps.Pool.QueryRow(ctx, intentByHeaderSQL, key).Scan(&typ)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return jobAccepted{}, false, nil
+	}
+	if err != nil {
+		return jobAccepted{}, false, err
+	}
+	return jobAccepted{Key: key, Type: typ, Status: StatusAccepted}, true, nil
+}
+
+const intentByHeaderSQL = `SELECT task_type FROM api_idempotency_keys WHERE job_key = $1 AND status_code IS NOT NULL LIMIT 1`
+
+func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, err error) {
+	if r.Context().Err() != nil {
+		return // the client went away
+	}
+	s.log.Error("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
+	writeError(w, http.StatusInternalServerError, what+": internal error")
+}

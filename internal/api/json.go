@@ -1,0 +1,65 @@
+package api
+
+import (
+	"encoding/json"
+	"net/http"
+	"time"
+
+	"github.com/idemq/idemq/idempotency"
+)
+
+// Record is a ledger row as the CLI (`idemq ledger show --json`) and the API print it.
+type Record struct {
+	Key         string          `json:"key"`
+	Type        string          `json:"type"`
+	Status      string          `json:"status"`
+	Fence       int64           `json:"fence"`
+	Owner       string          `json:"owner,omitempty"`
+	Generation  int             `json:"generation"`
+	Attempts    int             `json:"attempts"`
+	LastError   string          `json:"last_error,omitempty"`
+	Result      json.RawMessage `json:"result,omitempty"`
+	LockedUntil *time.Time      `json:"locked_until,omitempty"`
+	CreatedAt   time.Time       `json:"created_at"`
+	UpdatedAt   time.Time       `json:"updated_at"`
+	CompletedAt *time.Time      `json:"completed_at,omitempty"`
+}
+
+// NewRecord converts a ledger row to its JSON shape; zero times are left out.
+func NewRecord(r idempotency.Record) Record {
+	opt := func(t time.Time) *time.Time {
+		if t.IsZero() {
+			return nil
+		}
+		return &t
+	}
+	return Record{Key: r.Key, Type: r.TaskType, Status: r.Status, Fence: r.Fence, Owner: r.Owner,
+		Generation: r.Generation, Attempts: r.Attempts, LastError: r.LastError, Result: r.Result,
+		LockedUntil: opt(r.LockedUntil), CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt)}
+}
+
+// writeJSON writes v with status code.
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		code, b = http.StatusInternalServerError, []byte(`{"error":"encode response"}`)
+	}
+	writeRaw(w, code, b)
+}
+
+func writeRaw(w http.ResponseWriter, code int, body []byte) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(code)
+	w.Write(body)
+	w.Write([]byte("\n"))
+}
+
+// errorBody is every error the API answers: {"error": "..."}, naming the field at fault.
+type errorBody struct {
+	Error string `json:"error"`
+}
+
+func writeError(w http.ResponseWriter, code int, msg string) {
+	writeJSON(w, code, errorBody{Error: msg})
+}

@@ -1,0 +1,150 @@
+package api
+
+import (
+	"bytes"
+	"embed"
+	"encoding/json"
+	"errors"
+	"html/template"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/hibiken/asynqmon"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/tasks"
+)
+
+//go:embed templates/*.html
+var templateFS embed.FS
+
+var pages = template.Must(template.New("").Funcs(template.FuncMap{
+	"stamp":    stamp,
+	"taskLink": taskLink,
+	"rowLink":  func(key string) string { return "/ledger/" + url.PathEscape(key) },
+	"short": func(b []byte) string {
+		s := string(b)
+		if len(s) > 80 {
+			return s[:77] + "..."
+		}
+		return s
+	},
+	"pretty": func(b []byte) string { return string(prettyJSON(b)) },
+}).ParseFS(templateFS, "templates/*.html"))
+
+// statuses are the ledger statuses the list page filters by.
+var statuses = []string{idempotency.StatusInProgress, idempotency.StatusCompleted, idempotency.StatusFailed, idempotency.StatusNeedsAttention}
+
+type listPage struct {
+	Rows     []idempotency.Record
+	Status   string
+	Statuses []string
+	Limit    int
+	Key      string
+	Missing  string
+}
+
+// ledgerList serves /ledger/: the most recently updated rows, filtered by ?status=; a
+// ?key= search goes to that row's page.
+func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	if key := strings.TrimSpace(q.Get("key")); key != "" {
+		if _, err := s.deps.Ledger.Get(r.Context(), key); err == nil {
+			http.Redirect(w, r, "/ledger/"+url.PathEscape(key), http.StatusSeeOther)
+			return
+		}
+	}
+	p := listPage{Status: q.Get("status"), Statuses: statuses, Limit: 50, Key: strings.TrimSpace(q.Get("key"))}
+	if p.Key != "" {
+		p.Missing = p.Key
+	}
+	if n, err := strconv.Atoi(q.Get("limit")); err == nil && n > 0 && n <= 1000 {
+		p.Limit = n
+	}
+	if p.Status != "" && !contains(statuses, p.Status) {
+		http.Error(w, "status: unknown ledger status", http.StatusBadRequest)
+		return
+	}
+	rows, err := s.deps.Ledger.List(r.Context(), p.Status, p.Limit)
+	if err != nil {
+		s.log.Error("api: ledger page", "err", err)
+		http.Error(w, "read the ledger: internal error", http.StatusInternalServerError)
+		return
+	}
+	p.Rows = rows
+	s.render(w, "list.html", p)
+}
+
+type rowPage struct {
+	Row       idempotency.Record
+	TaskState string // asynq's state of the task with TaskID = key, "" when Redis has none
+	TaskLink  string
+}
+
+// ledgerRow serves /ledger/{key}: one row with its result, and the asynq task of the same
+// id when Redis still has it.
+func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
+	key := r.PathValue("key")
+	rec, err := s.deps.Ledger.Get(r.Context(), key)
+	if errors.Is(err, idempotency.ErrNotFound) {
+		w.WriteHeader(http.StatusNotFound)
+		s.render(w, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})
+		return
+	}
+	if err != nil {
+		s.log.Error("api: ledger row page", "key", key, "err", err)
+		http.Error(w, "read the ledger: internal error", http.StatusInternalServerError)
+		return
+	}
+	p := rowPage{Row: *rec}
+	if info, err := s.insp.GetTaskInfo(tasks.Queue, key); err == nil {
+		p.TaskState, p.TaskLink = info.State.String(), taskLink(key)
+	}
+	s.render(w, "row.html", p)
+}
+
+func (s *Server) render(w http.ResponseWriter, name string, data any) {
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	if err := pages.ExecuteTemplate(w, name, data); err != nil {
+		s.log.Error("api: render "+name, "err", err)
+	}
+}
+
+// taskLink is asynqmon's page of the task whose TaskID is key (the first publish of a
+// job uses its key as TaskID; both example types go to tasks.Queue).
+func taskLink(key string) string {
+	return "/monitoring/queues/" + url.PathEscape(tasks.Queue) + "/tasks/" + url.PathEscape(key)
+}
+
+func stamp(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05Z")
+}
+
+func contains(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// prettyResult is asynqmon's ResultFormatter: JSON results indented, anything else as is
+// when printable.
+func prettyResult(_ string, result []byte) string {
+	return string(prettyJSON(result))
+}
+
+func prettyJSON(b []byte) []byte {
+	var out bytes.Buffer
+	if len(b) == 0 || json.Indent(&out, b, "", "  ") != nil {
+		return []byte(asynqmon.DefaultResultFormatter.FormatResult("", b))
+	}
+	return out.Bytes()
+}
