@@ -71,7 +71,7 @@ type Result struct {
 
 // setClaimSessionSQL makes the claim's (implicit, pipelined) transaction durable on
 // commit and bounds its wait for another session's row lock. Sent in the same batch, so
-// the same round trip, as claimSQL.
+// the same round trip, as claimSQL; the settings end with that transaction.
 const setClaimSessionSQL = `SELECT set_config('synchronous_commit', 'on', true), set_config('lock_timeout', $1, true)`
 
 // claimSQL claims a key in one statement. cur is a plain read of the row; gate says
@@ -79,7 +79,12 @@ const setClaimSessionSQL = `SELECT set_config('synchronous_commit', 'on', true),
 // maximum age, same fingerprint). Only then is the upsert attempted: a completed key is
 // answered by the read without locking the row and without drawing a fence. The upsert
 // re-checks everything on the newest row version (ON CONFLICT reads past the snapshot), so
-// when it returns nothing the caller reads again. $7 asks for the transaction id (DoTx).
+// when it returns nothing the caller reads again.
+//
+// $7 is true for DoTx: the row is written completed at once (the row lock, held until
+// the transaction ends, is the lease, and nobody sees the row before it commits, with
+// the effect, or rolls back with it), so the completion only has to store the result;
+// and the transaction id comes back with the claim, for a commit whose answer is lost.
 const claimSQL = `
 WITH cur AS (
 	SELECT status, fence, owner, payload_sha256, result, attempts, last_error,
@@ -94,13 +99,14 @@ WITH cur AS (
 	) AS open
 ), up AS (
 	INSERT INTO processed_jobs AS p
-		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until)
-	SELECT $1, $2, 'in_progress', nextval('processed_jobs_fence_seq'), $3, $4::bytea, 1,
-	       now() + $5::bigint * interval '1 microsecond'
+		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at)
+	SELECT $1, $2, CASE WHEN $7::bool THEN 'completed' ELSE 'in_progress' END,
+	       nextval('processed_jobs_fence_seq'), $3, $4::bytea, 1,
+	       now() + $5::bigint * interval '1 microsecond', CASE WHEN $7::bool THEN now() END
 	FROM gate WHERE gate.open
 	ON CONFLICT (idempotency_key) DO UPDATE
-	SET fence = excluded.fence, owner = excluded.owner, attempts = p.attempts + 1,
-	    locked_until = excluded.locked_until, updated_at = now(),
+	SET status = excluded.status, fence = excluded.fence, owner = excluded.owner, attempts = p.attempts + 1,
+	    locked_until = excluded.locked_until, completed_at = excluded.completed_at, updated_at = now(),
 	    payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
 	WHERE p.status = 'in_progress' AND p.locked_until < now()
 	  AND p.started_at >= now() - $6::bigint * interval '1 microsecond'
@@ -203,7 +209,7 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 }
 
 // newClaim makes the identity of a claim attempt and the claimSQL arguments.
-func (l *Ledger) newClaim(req Request, wantXID bool) (*Claim, []any, error) {
+func (l *Ledger) newClaim(req Request, inTx bool) (*Claim, []any, error) {
 	lease := l.leaseFor(req.Deadline)
 	if lease <= 0 {
 		return nil, nil, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", req.Key, context.DeadlineExceeded)
@@ -221,7 +227,7 @@ func (l *Ledger) newClaim(req Request, wantXID bool) (*Claim, []any, error) {
 	if req.Fingerprint != nil {
 		fp = req.Fingerprint
 	}
-	return c, []any{req.Key, req.TaskType, c.owner, fp, lease.Microseconds(), l.cfg.MaxAge.Microseconds(), wantXID}, nil
+	return c, []any{req.Key, req.TaskType, c.owner, fp, lease.Microseconds(), l.cfg.MaxAge.Microseconds(), inTx}, nil
 }
 
 // leaseFor is the lease to ask for: Config.Lease, cut to the time left before deadline.
@@ -376,7 +382,9 @@ WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progre
 UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
 WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
 
-	returningXID = ` RETURNING pg_current_xact_id()::text, pg_postmaster_start_time()`
+	// returningXID also turns synchronous_commit on for the commit that follows (only a
+	// row that was updated will be committed).
+	returningXID = ` RETURNING pg_current_xact_id()::text, pg_postmaster_start_time(), set_config('synchronous_commit', 'on', true)`
 
 	completeSQL      = completeUpdate + returningXID
 	failRetrySQL     = failRetryUpdate + returningXID
@@ -432,8 +440,8 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 }
 
 // finish runs one fenced update (key, fence, owner, args...) that returns the transaction
-// id, in an explicit transaction with synchronous_commit on: BEGIN, the setting and the
-// update go in one round trip, COMMIT in the next. The transaction id, known before the
+// id, in an explicit transaction with synchronous_commit on: BEGIN and the update go in
+// one round trip, COMMIT in the next. The transaction id, known before the
 // COMMIT is sent, resolves a commit whose answer was lost.
 func (l *Ledger) finish(ctx context.Context, c *Claim, q string, args ...any) error {
 	err := l.finishOnce(ctx, c, q, args...)
@@ -452,15 +460,11 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, q string, args ...any
 	defer conn.Release()
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
-	b.Queue(`SELECT set_config('synchronous_commit', 'on', true)`)
 	b.Queue(q, append([]any{c.Key, c.Fence, c.owner}, args...)...)
 	br := conn.SendBatch(ctx, b)
 	_, err = br.Exec()
 	if err == nil {
-		_, err = br.Exec()
-	}
-	if err == nil {
-		err = br.QueryRow().Scan(&c.xid, &c.serverStart)
+		err = br.QueryRow().Scan(&c.xid, &c.serverStart, nil)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr

@@ -12,41 +12,39 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// afterClaimSQL restores the session's lock_timeout (saved by the BEGIN), so fn's own
-// waits are not cut short by the claim's bound, and sets the savepoint a permanent
-// failure rolls back to. Sent in the claim's round trip.
-const (
-	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
-	savepointSQL          = `SAVEPOINT idemq_claimed`
-	rollbackSavepointSQL  = `ROLLBACK TO SAVEPOINT idemq_claimed`
-)
+// txSessionSQL prepares a DoTx transaction, in the claim's round trip: durable commit, a
+// bounded wait for the claim's row lock (the session's own lock_timeout is saved, to be
+// restored after the claim), and an idle timeout below the delivery deadline so that a
+// frozen worker's locks end.
+const txSessionSQL = `SELECT
+	set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true),
+	set_config('lock_timeout', $1, true),
+	set_config('synchronous_commit', 'on', true),
+	set_config('idle_in_transaction_session_timeout', $2, true)`
 
-// fencedInTx wraps a fenced update for DoTx: the division fails (SQLSTATE 22012) when the
-// update matched no row, which aborts the transaction, so the COMMIT pipelined after it
-// cannot commit the effect without its completion.
-func fencedInTx(update string) string {
-	return "WITH u AS (" + update + " RETURNING 1) SELECT 1 / count(*) FROM u"
-}
+// restoreSessionSQL gives fn the session's own lock_timeout back, so its waits are not
+// cut short by the claim's bound.
+const restoreSessionSQL = `SELECT set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
 
-var (
-	completeTxSQL      = fencedInTx(completeUpdate)
-	failPermanentTxSQL = fencedInTx(failPermanentUpdate)
-)
+// storeResultTxSQL stores a DoTx result on the row the claim wrote completed. The division
+// fails (SQLSTATE 22012) when the fenced update matched no row, which aborts the
+// transaction, so the COMMIT pipelined after it cannot commit the effect without its
+// completion. Only result and last_error change, which are not indexed: a HOT update.
+const storeResultTxSQL = `
+WITH u AS (
+	UPDATE processed_jobs SET result = $4, last_error = coalesce($5, last_error)
+	WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'completed'
+	RETURNING 1)
+SELECT 1 / count(*) FROM u`
 
-// beginSQL starts a DoTx transaction in one round trip: READ COMMITTED (the claim relies
-// on it), durable commit, a bounded wait for the claim's row lock (the session's own
-// lock_timeout is saved, to be restored after the claim), and an idle timeout below the
-// delivery deadline so that a frozen worker's locks end.
-func (l *Ledger) beginSQL(deadline time.Time) string {
+// idleTimeout is the DoTx idle_in_transaction_session_timeout: Config.SessionTimeout, cut
+// to the time left before the delivery deadline.
+func (l *Ledger) idleTimeout(deadline time.Time) string {
 	idle := l.cfg.SessionTimeout
 	if !deadline.IsZero() {
 		idle = max(min(idle, time.Until(deadline)), time.Millisecond)
 	}
-	return "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT " +
-		"set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), " +
-		"set_config('lock_timeout', '" + l.lockTimeoutSQL + "', true), " +
-		"set_config('synchronous_commit', 'on', true), " +
-		"set_config('idle_in_transaction_session_timeout', '" + strconv.FormatInt(max(1, idle.Milliseconds()), 10) + "ms', true)"
+	return strconv.FormatInt(max(1, idle.Milliseconds()), 10) + "ms"
 }
 
 // DoTx runs fn at most once per completed key, in transactional mode: for effects in this
@@ -62,12 +60,12 @@ func (l *Ledger) beginSQL(deadline time.Time) string {
 // result (Result.Cached). The other claim outcomes come back as Claim's errors.
 //
 // When fn returns an error, the transaction rolls back (effect and claim) and DoTx
-// returns fn's error; if IsPermanent(err), the key is then recorded as failed in the same
-// transaction (fn's writes rolled back to a savepoint), so no delivery runs it again.
-// When fn panics, the transaction rolls back and DoTx panics again with the same value.
-// A result that cannot be stored completes the key with an error marker, as in Complete.
-// If the connection drops during the commit, the outcome is learned from the transaction
-// id (ErrCommitUnknown when it cannot be). Safe for concurrent use.
+// returns fn's error. If IsPermanent(err), DoTx then records the key as failed (a new
+// claim and Fail, as in leased mode), so no delivery runs it again. When fn panics, the
+// transaction rolls back and DoTx panics again with the same value. A result that cannot
+// be stored completes the key with an error marker, as in Complete. If the connection
+// drops during the commit, the outcome is learned from the transaction id
+// (ErrCommitUnknown when it cannot be). Safe for concurrent use.
 func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
 	if err := req.validate(); err != nil {
 		return Result{}, err
@@ -75,6 +73,9 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	for round := 0; ; round++ {
 		res, again, err := l.doTxOnce(ctx, req, fn, round)
 		if !again {
+			if IsPermanent(err) {
+				l.recordPermanent(ctx, req, err)
+			}
 			return res, err
 		}
 	}
@@ -90,7 +91,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 		return Result{}, false, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
 	}
 	defer conn.Release()
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: l.beginSQL(req.Deadline)})
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return Result{}, false, fmt.Errorf("idempotency: claim %s: begin: %w", req.Key, err)
 	}
@@ -108,11 +109,14 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 
 	var r claimRow
 	b := &pgx.Batch{}
+	b.Queue(txSessionSQL, l.lockTimeoutSQL, l.idleTimeout(req.Deadline))
 	b.Queue(claimSQL, args...)
-	b.Queue(restoreLockTimeoutSQL)
-	b.Queue(savepointSQL)
+	b.Queue(restoreSessionSQL)
 	br := tx.SendBatch(ctx, b)
-	err = r.scan(br.QueryRow())
+	_, err = br.Exec()
+	if err == nil {
+		err = r.scan(br.QueryRow())
+	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -147,50 +151,33 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 		ferr = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
 	}
 	if ferr != nil {
-		if !IsPermanent(ferr) {
-			return Result{}, false, ferr
-		}
-		if err := l.commitTx(ctx, tx, c, rollbackSavepointSQL, failPermanentTxSQL, c.Key, c.Fence, c.owner, cleanText(ferr.Error())); err != nil {
-			return Result{}, false, errors.Join(ferr, err)
-		}
-		done = true
-		l.observe(EventFailed, c.TaskType)
 		return Result{}, false, ferr
 	}
 
 	stored, lastErr := l.checkResult(c, out)
-	err = l.commitTx(ctx, tx, c, "", completeTxSQL, c.Key, c.Fence, c.owner, stored, lastErr)
+	err = l.commitTx(ctx, tx, c, stored, lastErr)
+	done = true
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && pgErr.Code != "22012" {
 		// The database refused the result after all (a data exception), which aborted the
-		// transaction and fn's effect with it: record that nothing happened, for good.
-		ferr = Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
-		if err := l.commitTx(ctx, tx, c, rollbackSavepointSQL, failPermanentTxSQL, c.Key, c.Fence, c.owner, cleanText(ferr.Error())); err != nil {
-			return Result{}, false, errors.Join(ferr, err)
-		}
-		done = true
-		l.observe(EventFailed, c.TaskType)
-		return Result{}, false, ferr
+		// transaction and fn's effect with it: nothing happened; record that for good.
+		return Result{}, false, Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
 	}
 	if err != nil {
 		return Result{}, false, err
 	}
-	done = true
 	l.observe(EventCompleted, c.TaskType)
 	return Result{Key: c.Key, Result: storedForm(out, l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}, false, nil
 }
 
-// commitTx sends the fenced statement q and COMMIT in one round trip, after pre (a
-// rollback to the savepoint, which must run before q can be prepared in an aborted
-// transaction). A lost connection is resolved with the transaction id taken at the claim.
-func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q string, args ...any) error {
-	if pre != "" {
-		if _, err := tx.Exec(ctx, pre); err != nil {
-			return fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
-		}
-	}
+// commitTx stores the result, if there is one, and commits, in one round trip. A lost
+// connection is resolved with the transaction id taken at the claim. Whatever happens,
+// the transaction is over (or its connection is closed) when it returns.
+func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, stored, lastErr any) error {
 	b := &pgx.Batch{}
-	b.Queue(q, args...)
+	if stored != nil || lastErr != nil {
+		b.Queue(storeResultTxSQL, c.Key, c.Fence, c.owner, stored, lastErr)
+	}
 	b.Queue("COMMIT")
 	br := tx.SendBatch(ctx, b)
 	var err error
@@ -204,7 +191,12 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q strin
 		err = cerr
 	}
 	if err == nil && tag.String() != "COMMIT" {
-		return fmt.Errorf("idempotency: complete %s: commit answered %q", c.Key, tag.String())
+		err = fmt.Errorf("idempotency: complete %s: commit answered %q", c.Key, tag.String())
+	}
+	if tx.Conn().PgConn().TxStatus() != 'I' {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+		tx.Rollback(rctx)
+		cancel()
 	}
 	if err == nil {
 		return nil
@@ -217,6 +209,9 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q strin
 		}
 		return fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
 	}
+	if !tx.Conn().PgConn().IsClosed() {
+		return err // answered, not lost (a commit answered ROLLBACK)
+	}
 	if ctx.Err() != nil {
 		// Cancelled before an answer: resolve on a context of our own.
 		var cancel context.CancelFunc
@@ -224,6 +219,21 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, pre, q strin
 		defer cancel()
 	}
 	return l.commitLost(ctx, c, err)
+}
+
+// recordPermanent records a permanent DoTx failure, whose transaction rolled back, with a
+// claim of its own and a fenced Fail. If another delivery holds or finished the key
+// meanwhile, that one decides.
+func (l *Ledger) recordPermanent(ctx context.Context, req Request, cause error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+	defer cancel()
+	cr, err := l.Claim(ctx, req)
+	if err == nil && cr.Claim != nil {
+		err = l.Fail(ctx, cr.Claim, cause)
+	}
+	if err != nil {
+		l.log.Warn("idempotency: record a permanent failure", "task_type", req.TaskType, "key", req.Key, "err", err, "cause", cause)
+	}
 }
 
 func runTxFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {
