@@ -53,8 +53,10 @@ type ClaimResult struct {
 // Result is what a completed key returned.
 type Result struct {
 	Key string
-	// Result is the stored JSON (nil when the work returned none). When the work's result
-	// could not be stored, it is an error marker: {"idemq_error":"..."}.
+	// Result is the stored JSON (nil when the work returned none): the handler's own bytes
+	// on the run that completed the key, jsonb's normalised text (same value, other
+	// spacing) when Cached. When the work's result could not be stored, it is an error
+	// marker: {"idemq_error":"..."}.
 	Result json.RawMessage
 	// Cached is true when the result was stored by an earlier run, not this call's.
 	Cached bool
@@ -65,7 +67,8 @@ type Result struct {
 	Attempts int
 	// Generation is the generation that completed.
 	Generation int
-	// CompletedAt is when the completion committed, by the database clock.
+	// CompletedAt is when the stored result's completion committed, by the database
+	// clock; set only when Cached.
 	CompletedAt time.Time
 }
 
