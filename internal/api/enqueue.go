@@ -204,6 +204,14 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	route := r.Pattern
 	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
 
+	// The ledger's row, for a duplicate's answer, is read before the transaction: reading
+	// it from the pool while holding a connection in a transaction could exhaust the pool.
+	rec, err := s.deps.Ledger.Get(ctx, spec.Key)
+	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
+		s.internal(w, r, "read the ledger", err)
+		return
+	}
+
 	tx, err := s.deps.Pool.Begin(ctx)
 	if err != nil {
 		s.internal(w, r, "begin", err)
@@ -251,13 +259,8 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	code, resp := http.StatusAccepted, jobResponse{Key: spec.Key, Type: spec.Type, Status: StatusAccepted, Intent: res.State}
 	if res.Duplicate {
 		code, resp.Duplicate = http.StatusOK, true
-		rec, err := s.deps.Ledger.Get(ctx, spec.Key)
-		switch {
-		case err == nil:
+		if rec != nil {
 			resp.Status, resp.Fence, resp.Attempts, resp.Result, resp.LastError = rec.Status, rec.Fence, rec.Attempts, rec.Result, rec.LastError
-		case !errors.Is(err, idempotency.ErrNotFound):
-			s.internal(w, r, "read the ledger", err)
-			return
 		}
 	}
 	body, err := json.Marshal(resp)
