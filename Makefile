@@ -3,7 +3,7 @@ GO      ?= go
 BIN     ?= bin/idemq
 PKGS    ?= ./...
 
-.PHONY: test build lint migrate up down cover
+.PHONY: test build lint migrate up down cover screenshots
 
 ## test: vet, format check, then every test with the race detector against real Redis and Postgres
 test: lint
@@ -32,3 +32,7 @@ up:
 	docker compose up -d --build
 down:
 	docker compose down
+
+## screenshots: docs/dashboard.png and docs/ledger.png, from the API's browser test (needs chromium)
+screenshots:
+	IDEMQ_SCREENSHOT_DIR=$(CURDIR)/docs $(GO) test -count=1 -run TestBrowserRendersDashboardAndLedger ./internal/api/

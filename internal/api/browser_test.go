@@ -1,0 +1,108 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// chromium finds a headless-capable Chromium. Without one the browser tests skip, except
+// under CI=true, where they fail: .ci/run installs Debian's chromium.
+func chromium(t *testing.T) string {
+	t.Helper()
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	if os.Getenv("CI") == "true" {
+		t.Fatal("chromium not found on PATH; under CI it must be installed (apt-get install -y chromium)")
+	}
+	t.Skip("chromium not found on PATH: apt-get install -y chromium to run the browser tests")
+	return ""
+}
+
+// browse runs headless Chromium on url with extra flags and returns its standard output.
+func browse(t *testing.T, bin, url string, extra ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	args := append([]string{"--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+		"--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+		"--user-data-dir=" + t.TempDir(), "--virtual-time-budget=10000"}, extra...)
+	args = append(args, url)
+	cmd := exec.CommandContext(ctx, bin, args...)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("chromium %s: %v\n%s", url, err, tail(errOut.String(), 2000))
+	}
+	return out.String()
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+// TestBrowserRendersDashboardAndLedger loads the asynqmon SPA and the ledger page in
+// headless Chromium and finds the queue and a key in the rendered DOM, then takes a
+// screenshot of each (into IDEMQ_SCREENSHOT_DIR when set, as `make screenshots` does for
+// docs/).
+func TestBrowserRendersDashboardAndLedger(t *testing.T) {
+	bin := chromium(t)
+	a := newTestAPI(t, nil)
+	for _, order := range []string{"order-1001", "order-1002", "order-1003"} {
+		a.publish(t, order)
+	}
+	a.complete(t, "order-1001", `{"charge_id":"ch_3fa9","amount_cents":1999,"currency":"EUR"}`)
+	a.complete(t, "order-1002", `{"charge_id":"ch_77b1","amount_cents":1999,"currency":"EUR"}`)
+
+	dom := browse(t, bin, a.URL+"/monitoring/", "--dump-dom")
+	for _, want := range []string{"default", "Queues"} {
+		if !strings.Contains(dom, want) {
+			t.Fatalf("asynqmon's rendered DOM does not contain %q:\n%s", want, tail(dom, 3000))
+		}
+	}
+	// The page the ledger links each key to: asynqmon's task page, TaskID = key.
+	dom = browse(t, bin, a.URL+taskLink("charge:order-1003"), "--dump-dom")
+	if !strings.Contains(dom, "charge:order-1003") || !strings.Contains(dom, "payment:charge") {
+		t.Fatalf("asynqmon's task page does not show charge:order-1003:\n%s", tail(dom, 3000))
+	}
+	dom = browse(t, bin, a.URL+"/ledger/", "--dump-dom")
+	for _, want := range []string{"charge:order-1001", "ch_77b1", "/monitoring/queues/default/tasks/charge:order-1002"} {
+		if !strings.Contains(dom, want) {
+			t.Fatalf("the ledger page's DOM does not contain %q:\n%s", want, tail(dom, 3000))
+		}
+	}
+
+	dir := os.Getenv("IDEMQ_SCREENSHOT_DIR")
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	for name, path := range map[string]string{"dashboard.png": "/monitoring/", "ledger.png": "/ledger/"} {
+		file, err := filepath.Abs(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		browse(t, bin, a.URL+path, "--screenshot="+file, "--window-size=1280,900", "--hide-scrollbars")
+		st, err := os.Stat(file)
+		if err != nil || st.Size() < 10<<10 {
+			t.Fatalf("screenshot %s: %v (size %d), want a PNG of some substance", file, err, sizeOf(st))
+		}
+	}
+}
+
+func sizeOf(st os.FileInfo) int64 {
+	if st == nil {
+		return 0
+	}
+	return st.Size()
+}

@@ -1,0 +1,86 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+// complete runs a charge through the ledger as a worker would, with result.
+func (a *testAPI) complete(t *testing.T, order, result string) {
+	t.Helper()
+	spec, err := tasks.ChargeSpec(tasks.Charge{OrderID: order, CustomerID: "c-1", AmountCents: 1999, Currency: "EUR"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = a.ledger.DoTx(testenv.Context(t, 30*time.Second),
+		idempotency.Request{Key: spec.Key, TaskType: spec.Type, Fingerprint: idempotency.Fingerprint(spec.Type, spec.Payload)},
+		func(context.Context, pgx.Tx) (json.RawMessage, error) { return json.RawMessage(result), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestLedgerPage(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	a.publish(t, "o-1")
+	a.complete(t, "o-1", `{"charge_id":"ch_1","amount_cents":1999}`)
+	a.complete(t, "o-2<script>", `{"charge_id":"ch_2"}`)
+
+	list := a.do(t, "GET", "/ledger/", "").want(t, 200,
+		`<a href="/ledger/charge:o-1">charge:o-1</a>`,
+		`<span class="status completed">completed</span>`,
+		`href="/monitoring/queues/default/tasks/charge:o-1"`,
+		`{&#34;charge_id&#34;: &#34;ch_1&#34;, &#34;amount_cents&#34;: 1999}`,
+		`charge:o-2&lt;script&gt;`,
+	)
+	if ct := list.header.Get("Content-Type"); ct != "text/html; charset=utf-8" {
+		t.Fatalf("Content-Type %q", ct)
+	}
+	a.do(t, "GET", "/ledger/?status=completed&limit=1", "").want(t, 200, "newest 1 rows")
+	a.do(t, "GET", "/ledger/?status=in_progress", "").want(t, 200, "(no rows)")
+	a.do(t, "GET", "/ledger/?status=bogus", "").want(t, 400, "unknown ledger status")
+
+	// The row page, with its asynq task (still pending in Redis) linked.
+	a.do(t, "GET", "/ledger/charge:o-1", "").want(t, 200,
+		`<code>charge:o-1</code>`, `href="/monitoring/queues/default/tasks/charge:o-1">pending in asynqmon</a>`,
+		"&#34;charge_id&#34;: &#34;ch_1&#34;", "attempts")
+	// A row without a task in Redis says so.
+	a.do(t, "GET", "/ledger/charge:o-2%3Cscript%3E", "").want(t, 200, "not in Redis under TaskID")
+	a.do(t, "GET", "/ledger/charge:nope", "").want(t, 404, `No ledger row for key <code>charge:nope</code>`)
+
+	// Search: a known key goes to its page, an unknown one says it is missing.
+	client := *a.Client()
+	client.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	resp, err := client.Get(a.URL + "/ledger/?key=charge:o-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != "/ledger/charge:o-1" {
+		t.Fatalf("search: %s to %q, want 303 to /ledger/charge:o-1", resp.Status, resp.Header.Get("Location"))
+	}
+	a.do(t, "GET", "/ledger/?key=charge:zzz", "").want(t, 200, `id="missing"`, "charge:zzz")
+	a.do(t, "GET", "/", "").want(t, 200, `id="rows"`)
+}
+
+func TestPrettyResult(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{`{"a":1,"b":[1,2]}`, "{\n  \"a\": 1,\n  \"b\": [\n    1,\n    2\n  ]\n}"},
+		{`not json`, "not json"},
+		{"\xff\xfe", "non-printable bytes"},
+	} {
+		if got := prettyResult("payment:charge", []byte(tc.in)); got != tc.want {
+			t.Errorf("prettyResult(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+	}
+}
