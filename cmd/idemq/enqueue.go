@@ -6,8 +6,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/hibiken/asynq"
-
+	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/tasks"
 )
@@ -16,7 +15,7 @@ func enqueueCommand() command {
 	return command{
 		name:    "enqueue",
 		usage:   "enqueue charge --order-id ID --customer-id ID --amount-cents N [--currency EUR] | enqueue debit --account-id ID --amount-cents N --reference REF",
-		summary: "enqueue one example task; prints its key and whether it was new or a duplicate",
+		summary: "record one example job in the outbox and publish it; prints its key and whether it was new or a duplicate",
 		spec:    func() any { return &config.Enqueue{} },
 		run: func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error {
 			cfg := spec.(*config.Enqueue)
@@ -26,9 +25,8 @@ func enqueueCommand() command {
 			fs := flag.NewFlagSet("enqueue "+args[0], flag.ContinueOnError)
 			fs.SetOutput(stderr)
 			var (
-				task *asynq.Task
-				err  error
-				key  string
+				job tasks.Spec
+				err error
 			)
 			switch args[0] {
 			case "charge":
@@ -40,8 +38,7 @@ func enqueueCommand() command {
 				if err := fs.Parse(args[1:]); err != nil {
 					return err
 				}
-				task, err = tasks.NewChargeTask(c)
-				key = c.Key()
+				job, err = tasks.ChargeSpec(c)
 			case "debit":
 				var d tasks.Debit
 				fs.StringVar(&d.AccountID, "account-id", "", "account debited (lock scope account:<account-id>)")
@@ -50,8 +47,7 @@ func enqueueCommand() command {
 				if err := fs.Parse(args[1:]); err != nil {
 					return err
 				}
-				task, err = tasks.NewDebitTask(d)
-				key = d.Key()
+				job, err = tasks.DebitSpec(d)
 			default:
 				return fmt.Errorf("enqueue: unknown task %q (charge or debit)", args[0])
 			}
@@ -66,15 +62,22 @@ func enqueueCommand() command {
 				return err
 			}
 			defer rdb.Close()
-			client := asynq.NewClientFromRedisClient(rdb)
-			_, dup, err := tasks.Enqueue(ctx, client, task)
+			pool, err := openPool(ctx, cfg.DatabaseURL, 2)
 			if err != nil {
-				return fmt.Errorf("enqueue %s: %w", key, err)
+				return err
 			}
-			if dup {
-				fmt.Fprintf(stdout, "%s\tduplicate (already enqueued)\n", key)
+			defer pool.Close()
+			if err := requireSchema(ctx, pool); err != nil {
+				return err
+			}
+			res, err := idempotency.NewClient(pool, rdb, nil).Enqueue(ctx, job)
+			if err != nil {
+				return fmt.Errorf("enqueue %s: %w", job.Key, err)
+			}
+			if res.Duplicate {
+				fmt.Fprintf(stdout, "%s\tduplicate (already accepted; %s)\n", res.Key, res.State)
 			} else {
-				fmt.Fprintf(stdout, "%s\tenqueued\n", key)
+				fmt.Fprintf(stdout, "%s\taccepted (%s)\n", res.Key, res.State)
 			}
 			return nil
 		},

@@ -143,3 +143,33 @@ func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 		t.Fatalf("migrate status: %v\n%s", err, status)
 	}
 }
+
+func TestEnqueueAndLedgerCommands(t *testing.T) {
+	t.Parallel()
+	env := []string{"DATABASE_URL=" + testenv.PostgresURL(t), "REDIS_URL=" + testenv.RedisURL(t)}
+	args := []string{"enqueue", "debit", "--account-id", "a-1", "--amount-cents", "250", "--reference", "cli-1"}
+	out, stderr, err := idemq(t, env, args...)
+	if err != nil || !strings.Contains(out, "debit:cli-1\taccepted (published)") {
+		t.Fatalf("first enqueue: %v\n%s%s", err, out, stderr)
+	}
+	out, _, err = idemq(t, env, args...)
+	if err != nil || !strings.Contains(out, "debit:cli-1\tduplicate") {
+		t.Fatalf("second enqueue: %v\n%s", err, out)
+	}
+	_, stderr, err = idemq(t, env, "enqueue", "debit", "--account-id", "a-1", "--amount-cents", "999", "--reference", "cli-1")
+	if err == nil || !strings.Contains(stderr, "another payload") {
+		t.Fatalf("same reference, other amount: %v\n%s", err, stderr)
+	}
+	_, stderr, err = idemq(t, env, "enqueue", "charge", "--order-id", strings.Repeat("o", 300), "--customer-id", "c", "--amount-cents", "1")
+	if err == nil || !strings.Contains(stderr, "the limit is 248") {
+		t.Fatalf("oversized key: %v\n%s", err, stderr)
+	}
+	_, stderr, err = idemq(t, env, "ledger", "show", "debit:cli-1")
+	if err == nil || !strings.Contains(stderr, `no ledger row for key "debit:cli-1"`) {
+		t.Fatalf("ledger show of an unclaimed key: %v\n%s", err, stderr)
+	}
+	out, _, err = idemq(t, env, "ledger", "list", "--json")
+	if err != nil || strings.TrimSpace(out) != "[]" {
+		t.Fatalf("ledger list: %v\n%s", err, out)
+	}
+}

@@ -133,6 +133,18 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	}
 	go purgeLoop(ctx, ledger, locker, cfg.Retention, log)
 
+	// Every replica runs the outbox relay and reconciler: they take disjoint batches.
+	client := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{
+		Grace:  cfg.ReconcileGrace,
+		Logger: log.With("component", "outbox"),
+		Observe: func(ev idempotency.Event, taskType string) {
+			m.OutboxEvents.WithLabelValues(string(ev), taskType).Inc()
+		},
+	})
+	m.Registry.MustRegister(metrics.NewOutboxCollector(client, cfg.ReconcileGrace))
+	go client.RunRelay(ctx)
+	go client.RunReconciler(ctx)
+
 	var runErr error
 	select {
 	case <-ctx.Done():

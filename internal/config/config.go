@@ -36,6 +36,7 @@ type Migrate struct {
 // Enqueue configures `idemq enqueue`.
 type Enqueue struct {
 	Redis
+	Database
 }
 
 // Ledger configures `idemq ledger`.
@@ -56,6 +57,7 @@ type Worker struct {
 	FakepayURL      string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
 	Retention       time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept"`
 	MaxAge          time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
+	ReconcileGrace  time.Duration `envconfig:"IDEMQ_RECONCILE_GRACE" default:"3m" desc:"how long an accepted job may be missing from Redis before it is republished (above asynq's 60-120 s recovery)"`
 	LogLevel        string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 }
 

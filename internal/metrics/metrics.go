@@ -21,6 +21,9 @@ type Metrics struct {
 	LedgerEvents *prometheus.CounterVec
 	// LockEvents counts Redis lock outcomes (obtained, busy, lost, error) by task type.
 	LockEvents *prometheus.CounterVec
+	// OutboxEvents counts relay and reconciler events (published, republished,
+	// republish_alert, relay_error) by task type.
+	OutboxEvents *prometheus.CounterVec
 	// HandlerDuration observes each delivery's handling time by task type and outcome.
 	HandlerDuration *prometheus.HistogramVec
 	// APIRequests counts the API's answers by route pattern and status code.
@@ -39,6 +42,10 @@ func New() *Metrics {
 			Name: "idemq_lock_events_total",
 			Help: "Redis lock outcomes (obtained, busy, lost, error) by task type.",
 		}, []string{"event", "task_type"}),
+		OutboxEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_outbox_events_total",
+			Help: "Outbox events (published, republished, republish_alert, relay_error) by task type.",
+		}, []string{"event", "task_type"}),
 		HandlerDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "idemq_handler_duration_seconds",
 			Help:    "Time to handle one delivery, from decode to lock release, by task type and outcome.",
@@ -52,7 +59,7 @@ func New() *Metrics {
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		m.LedgerEvents, m.LockEvents, m.HandlerDuration, m.APIRequests,
+		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
 	)
 	return m
 }
