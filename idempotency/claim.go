@@ -39,7 +39,7 @@ type Claim struct {
 	xid      string        // DoTx: the claiming transaction's id
 	// serverStart is pg_postmaster_start_time() when xid was drawn: after a restart an
 	// xid whose records were lost may be handed out again, so it no longer identifies us.
-	serverStart time.Time
+	serverStart string
 }
 
 // ClaimResult is the outcome of a successful Ledger.Claim: exactly one field is set.
@@ -72,17 +72,19 @@ type Result struct {
 	CompletedAt time.Time
 }
 
-// setClaimSessionSQL makes the claim's (implicit, pipelined) transaction durable on
-// commit and bounds its wait for another session's row lock. Sent in the same batch, so
-// the same round trip, as claimSQL; the settings end with that transaction.
-const setClaimSessionSQL = `SELECT set_config('synchronous_commit', 'on', true), set_config('lock_timeout', $1, true)`
-
 // claimSQL claims a key in one statement. cur is a plain read of the row; gate says
 // whether the row is absent or claimable (in progress, lease expired, younger than the
 // maximum age, same fingerprint). Only then is the upsert attempted: a completed key is
 // answered by the read without locking the row and without drawing a fence. The upsert
 // re-checks everything on the newest row version (ON CONFLICT reads past the snapshot), so
 // when it returns nothing the caller reads again.
+//
+// The statement also sets up its transaction, so that no round trip is spent on it: gate
+// (evaluated before the upsert, which pulls its row from it) saves the session's
+// lock_timeout and sets $8 (how long the upsert may wait for another session's row),
+// turns synchronous_commit on and sets idle_in_transaction_session_timeout to $9; the
+// final SELECT, evaluated after the upsert, restores lock_timeout, so that a DoTx
+// handler's own waits are not cut short. Settings are local to the transaction.
 //
 // $7 is true for DoTx: the row is written completed at once (the row lock, held until
 // the transaction ends, is the lease, and nobody sees the row before it commits, with
@@ -94,12 +96,16 @@ WITH cur AS (
 	       locked_until, started_at, completed_at, generation
 	FROM processed_jobs WHERE idempotency_key = $1
 ), gate AS (
-	SELECT NOT EXISTS (
-		SELECT 1 FROM cur
-		WHERE NOT (status = 'in_progress' AND locked_until < now()
-		           AND started_at >= now() - $6::bigint * interval '1 microsecond'
-		           AND (payload_sha256 IS NULL OR $4::bytea IS NULL OR payload_sha256 = $4::bytea))
-	) AS open
+	SELECT set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true) AS saved,
+	       set_config('lock_timeout', $8, true) AS lock_timeout,
+	       set_config('synchronous_commit', 'on', true) AS synchronous_commit,
+	       set_config('idle_in_transaction_session_timeout', $9, true) AS idle_timeout,
+	       NOT EXISTS (
+	           SELECT 1 FROM cur
+	           WHERE NOT (status = 'in_progress' AND locked_until < now()
+	                      AND started_at >= now() - $6::bigint * interval '1 microsecond'
+	                      AND (payload_sha256 IS NULL OR $4::bytea IS NULL OR payload_sha256 = $4::bytea))
+	       ) AS open
 ), up AS (
 	INSERT INTO processed_jobs AS p
 		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at)
@@ -118,15 +124,20 @@ WITH cur AS (
 	RETURNING p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
 	          p.locked_until, p.started_at, p.completed_at, p.generation
 )
-SELECT true, true, up.*, now(), CASE WHEN $7::bool THEN pg_current_xact_id()::text END, pg_postmaster_start_time() FROM up
+SELECT true, true, up.*, now(), CASE WHEN $7::bool THEN pg_current_xact_id()::text END,
+       pg_postmaster_start_time()::text,
+       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+FROM up
 UNION ALL
-SELECT false, gate.open, cur.*, now(), NULL, NULL FROM gate LEFT JOIN cur ON true
+SELECT false, gate.open, cur.*, now(), NULL, NULL,
+       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+FROM gate LEFT JOIN cur ON true
 WHERE NOT EXISTS (SELECT 1 FROM up)`
 
 // readRowSQL reads a row for a claim that lost a race, in the shape claimSQL returns.
 const readRowSQL = `
 SELECT false, false, status, fence, owner, payload_sha256, result, attempts, last_error,
-       locked_until, started_at, completed_at, generation, now(), NULL::text, NULL::timestamptz
+       locked_until, started_at, completed_at, generation, now(), NULL::text, NULL::text, NULL::text
 FROM processed_jobs WHERE idempotency_key = $1`
 
 // markStuckOneSQL turns one expired, too old in-progress claim into needs_attention.
@@ -149,13 +160,13 @@ type claimRow struct {
 	generation         pgtype.Int4
 	dbNow              time.Time
 	xid                pgtype.Text
-	serverStart        pgtype.Timestamptz
+	serverStart        pgtype.Text
 }
 
 func (r *claimRow) scan(row pgx.Row) error {
 	return row.Scan(&r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
 		&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
-		&r.generation, &r.dbNow, &r.xid, &r.serverStart)
+		&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil)
 }
 
 // maxClaimRounds bounds the re-reads after lost races; past it the key is reported busy.
@@ -178,18 +189,7 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 			return ClaimResult{}, err
 		}
 		var r claimRow
-		b := &pgx.Batch{}
-		b.Queue(setClaimSessionSQL, l.lockTimeoutSQL)
-		b.Queue(claimSQL, args...)
-		br := l.pool.SendBatch(ctx, b)
-		_, err = br.Exec()
-		if err == nil {
-			err = r.scan(br.QueryRow())
-		}
-		if cerr := br.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
+		if err := r.scan(l.pool.QueryRow(ctx, claimSQL, args...)); err != nil {
 			return ClaimResult{}, l.claimError(req, err)
 		}
 		if !r.claimed && r.attempted {
@@ -230,7 +230,8 @@ func (l *Ledger) newClaim(req Request, inTx bool) (*Claim, []any, error) {
 	if req.Fingerprint != nil {
 		fp = req.Fingerprint
 	}
-	return c, []any{req.Key, req.TaskType, c.owner, fp, lease.Microseconds(), l.cfg.MaxAge.Microseconds(), inTx}, nil
+	return c, []any{req.Key, req.TaskType, c.owner, fp, lease.Microseconds(), l.cfg.MaxAge.Microseconds(), inTx,
+		l.lockTimeoutSQL, l.idleTimeout(req.Deadline)}, nil
 }
 
 // leaseFor is the lease to ask for: Config.Lease, cut to the time left before deadline.
@@ -253,7 +254,7 @@ func (l *Ledger) decide(req Request, c *Claim, r *claimRow, round int) (res Clai
 		c.Generation = int(r.generation.Int32)
 		c.LeaseUntil = r.lockedUntil.Time
 		c.xid = r.xid.String
-		c.serverStart = r.serverStart.Time
+		c.serverStart = r.serverStart.String
 		if c.Attempt > 1 {
 			l.observe(EventTakeover, req.TaskType)
 			l.log.Info("idempotency: took over an expired lease", "task_type", req.TaskType, "key", req.Key, "fence", c.Fence, "attempt", c.Attempt)
@@ -387,7 +388,7 @@ WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progre
 
 	// returningXID also turns synchronous_commit on for the commit that follows (only a
 	// row that was updated will be committed).
-	returningXID = ` RETURNING pg_current_xact_id()::text, pg_postmaster_start_time(), set_config('synchronous_commit', 'on', true)`
+	returningXID = ` RETURNING pg_current_xact_id()::text, pg_postmaster_start_time()::text, set_config('synchronous_commit', 'on', true)`
 
 	completeSQL      = completeUpdate + returningXID
 	failRetrySQL     = failRetryUpdate + returningXID
@@ -519,8 +520,8 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 // were never flushed), but no transaction from before the restart can still commit: the
 // row then shows for certain whether the fenced write landed.
 const xactStatusSQL = `
-SELECT CASE WHEN pg_postmaster_start_time() = $2 THEN pg_xact_status($1::text::xid8) END,
-       pg_postmaster_start_time() = $2,
+SELECT CASE WHEN pg_postmaster_start_time()::text = $2 THEN pg_xact_status($1::text::xid8) END,
+       pg_postmaster_start_time()::text = $2,
        EXISTS (SELECT 1 FROM processed_jobs
                WHERE idempotency_key = $3 AND fence = $4 AND owner = $5 AND status <> 'in_progress')`
 

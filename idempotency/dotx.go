@@ -12,20 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// txSessionSQL prepares a DoTx transaction, in the claim's round trip: durable commit, a
-// bounded wait for the claim's row lock (the session's own lock_timeout is saved, to be
-// restored after the claim), and an idle timeout below the delivery deadline so that a
-// frozen worker's locks end.
-const txSessionSQL = `SELECT
-	set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true),
-	set_config('lock_timeout', $1, true),
-	set_config('synchronous_commit', 'on', true),
-	set_config('idle_in_transaction_session_timeout', $2, true)`
-
-// restoreSessionSQL gives fn the session's own lock_timeout back, so its waits are not
-// cut short by the claim's bound.
-const restoreSessionSQL = `SELECT set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
-
 // storeResultTxSQL stores a DoTx result on the row the claim wrote completed. The division
 // fails (SQLSTATE 22012) when the fenced update matched no row, which aborts the
 // transaction, so the COMMIT pipelined after it cannot commit the effect without its
@@ -37,8 +23,8 @@ WITH u AS (
 	RETURNING 1)
 SELECT 1 / count(*) FROM u`
 
-// idleTimeout is the DoTx idle_in_transaction_session_timeout: Config.SessionTimeout, cut
-// to the time left before the delivery deadline.
+// idleTimeout is the idle_in_transaction_session_timeout of a claim's transaction (it
+// matters for DoTx): Config.SessionTimeout, cut to the time left before the deadline.
 func (l *Ledger) idleTimeout(deadline time.Time) string {
 	idle := l.cfg.SessionTimeout
 	if !deadline.IsZero() {
@@ -108,19 +94,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 	defer rollback()
 
 	var r claimRow
-	b := &pgx.Batch{}
-	b.Queue(txSessionSQL, l.lockTimeoutSQL, l.idleTimeout(req.Deadline))
-	b.Queue(claimSQL, args...)
-	b.Queue(restoreSessionSQL)
-	br := tx.SendBatch(ctx, b)
-	_, err = br.Exec()
-	if err == nil {
-		err = r.scan(br.QueryRow())
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
+	if err := r.scan(tx.QueryRow(ctx, claimSQL, args...)); err != nil {
 		return Result{}, false, l.claimError(req, err)
 	}
 	if !r.claimed && r.attempted {

@@ -25,7 +25,7 @@ func xactClaim(t *testing.T, l *Ledger, end string) *Claim {
 		t.Fatal(err)
 	}
 	c := &Claim{Key: "x", Fence: 1, TaskType: "t", owner: pgtype.UUID{Valid: true}}
-	if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text, pg_postmaster_start_time()`).Scan(&c.xid, &c.serverStart); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text`).Scan(&c.xid, &c.serverStart); err != nil {
 		t.Fatal(err)
 	}
 	switch end {
@@ -68,7 +68,7 @@ func TestResolveLostCommit(t *testing.T) {
 
 	// After a restart the id may have been reused: the fenced row decides.
 	c := xactClaim(t, l, "COMMIT")
-	c.serverStart = time.Unix(0, 0)
+	c.serverStart = "1970-01-01 00:00:00+00"
 	if ok, err := l.resolveXact(ctx, c); err != nil || ok {
 		t.Fatalf("restarted server, no row: %t, %v; want not committed", ok, err)
 	}
