@@ -1,196 +1,48 @@
 package testenv
 
 import (
-	"context"
-	"fmt"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
-	"syscall"
 	"testing"
-	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/redis/go-redis/v9"
+	"github.com/idemq/idemq/internal/localserver"
 )
 
-// Server is a private Postgres or Redis server started for one test, on a free loopback
-// port, from the installed binaries. It is stopped and its files removed when the test
-// ends. Its methods are safe to call from several goroutines.
-type Server struct {
-	p     *process
-	port  int
-	ready func() error
-}
+// PrivatePostgres is a private Postgres server (fsync on) with Kill, Stop, StopImmediate,
+// Start, Pause and Resume; URL connects as the superuser postgres.
+type PrivatePostgres = localserver.Postgres
 
-// Port returns the loopback TCP port the server listens on.
-func (s *Server) Port() int { return s.port }
+// PrivateRedis is a private Redis server with Kill, Stop, Start, Pause and Resume.
+type PrivateRedis = localserver.Redis
 
-// Kill sends SIGKILL to the server and its children, as a machine crash would, and waits
-// for them to exit.
-func (s *Server) Kill() error { return s.p.stop(syscall.SIGKILL, true, 10*time.Second) }
+// Persistence is how a private Redis keeps its data across restarts.
+type Persistence = localserver.Persistence
 
-// Stop shuts the server down cleanly (Postgres: fast shutdown; Redis: SHUTDOWN, which saves
-// the AOF) and waits for it to exit.
-func (s *Server) Stop() error { return s.p.stop(syscall.SIGTERM, false, 30*time.Second) }
+// Redis persistence modes.
+const (
+	PersistNone        = localserver.PersistNone
+	PersistAOFEverySec = localserver.PersistAOFEverySec
+	PersistAOFAlways   = localserver.PersistAOFAlways
+)
 
-// Start starts a stopped or killed server again on the same port and data, and waits until
-// it answers.
-func (s *Server) Start() error {
-	if err := s.p.start(); err != nil {
-		return err
-	}
-	if err := waitFor(30*time.Second, s.ready); err != nil {
-		return fmt.Errorf("%s did not come up: %w\n%s", s.p.name, err, s.p.logTail())
-	}
-	return nil
-}
-
-// Pause stops the server's processes with SIGSTOP; connections stay open and hang.
-func (s *Server) Pause() error { return s.p.signal(syscall.SIGSTOP) }
-
-// Resume continues a paused server with SIGCONT.
-func (s *Server) Resume() error { return s.p.signal(syscall.SIGCONT) }
-
-// Log returns the end of the server's log, for failure messages.
-func (s *Server) Log() string { return s.p.logTail() }
-
-func (s *Server) startOrFatal(t testing.TB) {
-	t.Helper()
-	t.Cleanup(func() { s.p.stop(syscall.SIGKILL, true, 10*time.Second) })
-	if err := s.Start(); err != nil {
-		fatalf(t, "%v", err)
-	}
-}
-
-// PrivatePostgres is a private Postgres server (fsync on).
-type PrivatePostgres struct {
-	Server
-	// URL connects as the superuser "postgres" to database "postgres", with no password.
-	URL string
-}
-
-// StopImmediate stops Postgres with an immediate shutdown (pg_ctl stop -m immediate):
-// no checkpoint, recovery at the next start.
-func (s *PrivatePostgres) StopImmediate() error {
-	return s.p.stop(syscall.SIGQUIT, false, 30*time.Second)
-}
-
-// StartPostgres initialises a fresh cluster in a temporary directory and starts it on a
-// free loopback port. When the test runs as root, the server runs as the postgres user.
+// StartPostgres starts a private Postgres for the test (see localserver.StartPostgres),
+// killed and removed when the test ends.
 func StartPostgres(t testing.TB) *PrivatePostgres {
 	t.Helper()
-	initdb, err := pgBinary("initdb")
+	s, err := localserver.StartPostgres()
 	if err != nil {
-		fatalf(t, "%v", err)
+		fatalf(t, "start a private Postgres: %v", err)
 	}
-	postgres, err := pgBinary("postgres")
-	if err != nil {
-		fatalf(t, "%v", err)
-	}
-	cred := serviceUser(t, "postgres")
-	root := ownedTempDir(t, "idemq-pg-", cred)
-	data := filepath.Join(root, "data")
-
-	cmd := exec.Command(initdb, "-D", data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		fatalf(t, "initdb: %v\n%s", err, out)
-	}
-
-	port := FreePort(t)
-	s := &PrivatePostgres{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
-	s.port = port
-	s.p = &process{
-		t: t, name: "private postgres", dir: root, log: filepath.Join(root, "postgres.log"), cred: cred,
-		argv: []string{postgres, "-D", data, "-p", strconv.Itoa(port), "-k", root,
-			"-c", "listen_addresses=127.0.0.1", "-c", "fsync=on", "-c", "max_connections=100",
-			"-c", "shared_buffers=32MB", "-c", "logging_collector=off"},
-	}
-	s.ready = func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		conn, err := pgx.Connect(ctx, s.URL)
-		if err != nil {
-			return err
-		}
-		return conn.Close(ctx)
-	}
-	s.startOrFatal(t)
+	t.Cleanup(func() { s.Close() })
 	return s
 }
 
-// pgBinary finds a Postgres server binary on PATH or in Debian's versioned directories.
-func pgBinary(name string) (string, error) {
-	if p, err := exec.LookPath(name); err == nil {
-		return p, nil
-	}
-	matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/" + name)
-	if len(matches) > 0 {
-		return matches[len(matches)-1], nil
-	}
-	return "", fmt.Errorf("%s not found on PATH or in /usr/lib/postgresql/*/bin (apt-get install -y postgresql)", name)
-}
-
-// Persistence is how a private Redis keeps its data across restarts.
-type Persistence int
-
-const (
-	// PersistNone keeps nothing: a restart empties the server.
-	PersistNone Persistence = iota
-	// PersistAOFEverySec appends every write and fsyncs once a second.
-	PersistAOFEverySec
-	// PersistAOFAlways appends and fsyncs every write before answering.
-	PersistAOFAlways
-)
-
-// PrivateRedis is a private Redis server.
-type PrivateRedis struct {
-	Server
-	// URL connects to database 0.
-	URL string
-	// Addr is host:port.
-	Addr string
-}
-
-// StartRedis starts redis-server in a temporary directory on a free loopback port with the
-// given persistence.
+// StartRedis starts a private Redis with the given persistence for the test, killed and
+// removed when the test ends.
 func StartRedis(t testing.TB, mode Persistence) *PrivateRedis {
 	t.Helper()
-	bin, err := exec.LookPath("redis-server")
+	s, err := localserver.StartRedis(mode)
 	if err != nil {
-		fatalf(t, "redis-server not found on PATH (apt-get install -y redis-server)")
+		fatalf(t, "start a private Redis: %v", err)
 	}
-	dir, err := os.MkdirTemp("", "idemq-redis-")
-	if err != nil {
-		fatalf(t, "temp dir: %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-
-	port := FreePort(t)
-	argv := []string{bin, "--bind", "127.0.0.1", "--port", strconv.Itoa(port), "--dir", dir,
-		"--save", "", "--daemonize", "no", "--maxmemory-policy", "noeviction"}
-	switch mode {
-	case PersistNone:
-		argv = append(argv, "--appendonly", "no")
-	case PersistAOFEverySec:
-		argv = append(argv, "--appendonly", "yes", "--appendfsync", "everysec")
-	case PersistAOFAlways:
-		argv = append(argv, "--appendonly", "yes", "--appendfsync", "always")
-	}
-	addr := fmt.Sprintf("127.0.0.1:%d", port)
-	s := &PrivateRedis{URL: "redis://" + addr + "/0", Addr: addr}
-	s.port = port
-	s.p = &process{t: t, name: "private redis", dir: dir, log: filepath.Join(dir, "redis.log"), argv: argv}
-	s.ready = func() error {
-		c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: time.Second})
-		defer c.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		return c.Ping(ctx).Err()
-	}
-	s.startOrFatal(t)
+	t.Cleanup(func() { s.Close() })
 	return s
 }

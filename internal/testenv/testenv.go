@@ -11,11 +11,12 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"net"
 	"os"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/idemq/idemq/internal/localserver"
 )
 
 // DefaultDatabaseURL and DefaultRedisURL are used when neither TEST_DATABASE_URL /
@@ -46,12 +47,11 @@ func randomName(prefix string) string {
 // FreePort returns a loopback TCP port that was free a moment ago.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := localserver.FreePort()
 	if err != nil {
 		t.Fatalf("testenv: find a free port: %v", err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return p
 }
 
 // Context returns a context cancelled when the test ends or after d, whichever is first.
@@ -59,18 +59,6 @@ func Context(t testing.TB, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
 	return ctx
-}
-
-// waitFor calls ok every 20 ms until it returns nil or d has passed; it returns the last error.
-func waitFor(d time.Duration, ok func() error) error {
-	deadline := time.Now().Add(d)
-	for {
-		err := ok()
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 func sanitize(name string) string {

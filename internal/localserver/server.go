@@ -1,21 +1,23 @@
-package testenv
+// Package localserver starts private Postgres and Redis servers from the installed
+// binaries, in a temporary directory on a free loopback port, and can kill, stop, pause and
+// restart them. The tests' fault injection and `idemq demo` use it.
+package localserver
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"os/user"
 	"strconv"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 )
 
 // process is a private server: one command line, restartable, signalled as a process
 // group so that a kill takes its children too (as a machine crash would).
 type process struct {
-	t    testing.TB
 	name string
 	argv []string
 	dir  string
@@ -113,33 +115,53 @@ func (p *process) logTail() string {
 
 // serviceUser returns the credential to run a server as: ourselves, or the postgres user
 // when we are root (initdb and postgres refuse to run as root).
-func serviceUser(t testing.TB, name string) *syscall.Credential {
-	t.Helper()
+func serviceUser(name string) (*syscall.Credential, error) {
 	if os.Geteuid() != 0 {
-		return nil
+		return nil, nil
 	}
 	u, err := user.Lookup(name)
 	if err != nil {
-		fatalf(t, "running as root, and there is no %q user to run the server as: %v", name, err)
+		return nil, fmt.Errorf("running as root, and there is no %q user to run the server as: %w", name, err)
 	}
 	uid, _ := strconv.Atoi(u.Uid)
 	gid, _ := strconv.Atoi(u.Gid)
-	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
 }
 
-// ownedTempDir makes a temporary directory the server user can enter and write (t.TempDir
-// is 0700 and owned by root), removed when the test ends.
-func ownedTempDir(t testing.TB, prefix string, cred *syscall.Credential) string {
-	t.Helper()
+// ownedTempDir makes a temporary directory the server user can enter and write (a test's
+// TempDir is 0700 and owned by root).
+func ownedTempDir(prefix string, cred *syscall.Credential) (string, error) {
 	dir, err := os.MkdirTemp("", prefix)
 	if err != nil {
-		fatalf(t, "temp dir: %v", err)
+		return "", err
 	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
 	if cred != nil {
 		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
-			fatalf(t, "chown %s: %v", dir, err)
+			os.RemoveAll(dir)
+			return "", err
 		}
 	}
-	return dir
+	return dir, nil
+}
+
+// waitFor calls ok every 20 ms until it returns nil or d has passed; it returns the last error.
+func waitFor(d time.Duration, ok func() error) error {
+	deadline := time.Now().Add(d)
+	for {
+		err := ok()
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// FreePort returns a loopback TCP port that was free a moment ago.
+func FreePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
 }

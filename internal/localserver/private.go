@@ -1,0 +1,213 @@
+package localserver
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+)
+
+// Server is a private Postgres or Redis server on a free loopback port, started from the
+// installed binaries. Close kills it and removes its files. Its methods are safe to call
+// from several goroutines.
+type Server struct {
+	p     *process
+	port  int
+	dir   string
+	ready func() error
+}
+
+// Close kills the server and removes its directory.
+func (s *Server) Close() error {
+	err := s.p.stop(syscall.SIGKILL, true, 10*time.Second)
+	os.RemoveAll(s.dir)
+	return err
+}
+
+// Port returns the loopback TCP port the server listens on.
+func (s *Server) Port() int { return s.port }
+
+// Kill sends SIGKILL to the server and its children, as a machine crash would, and waits
+// for them to exit.
+func (s *Server) Kill() error { return s.p.stop(syscall.SIGKILL, true, 10*time.Second) }
+
+// Stop shuts the server down cleanly (Postgres: fast shutdown; Redis: SHUTDOWN, which saves
+// the AOF) and waits for it to exit.
+func (s *Server) Stop() error { return s.p.stop(syscall.SIGTERM, false, 30*time.Second) }
+
+// Start starts a stopped or killed server again on the same port and data, and waits until
+// it answers.
+func (s *Server) Start() error {
+	if err := s.p.start(); err != nil {
+		return err
+	}
+	if err := waitFor(30*time.Second, s.ready); err != nil {
+		return fmt.Errorf("%s did not come up: %w\n%s", s.p.name, err, s.p.logTail())
+	}
+	return nil
+}
+
+// Pause stops the server's processes with SIGSTOP; connections stay open and hang.
+func (s *Server) Pause() error { return s.p.signal(syscall.SIGSTOP) }
+
+// Resume continues a paused server with SIGCONT.
+func (s *Server) Resume() error { return s.p.signal(syscall.SIGCONT) }
+
+// Log returns the end of the server's log, for failure messages.
+func (s *Server) Log() string { return s.p.logTail() }
+
+func (s *Server) startOrClose() error {
+	if err := s.Start(); err != nil {
+		s.Close()
+		return err
+	}
+	return nil
+}
+
+// Postgres is a private Postgres server (fsync on).
+type Postgres struct {
+	Server
+	// URL connects as the superuser "postgres" to database "postgres", with no password.
+	URL string
+}
+
+// StopImmediate stops Postgres with an immediate shutdown (pg_ctl stop -m immediate):
+// no checkpoint, recovery at the next start.
+func (s *Postgres) StopImmediate() error {
+	return s.p.stop(syscall.SIGQUIT, false, 30*time.Second)
+}
+
+// StartPostgres initialises a fresh cluster in a temporary directory and starts it on a
+// free loopback port. When run as root, the server runs as the postgres user (initdb and
+// postgres refuse root).
+func StartPostgres() (*Postgres, error) {
+	initdb, err := pgBinary("initdb")
+	if err != nil {
+		return nil, err
+	}
+	postgres, err := pgBinary("postgres")
+	if err != nil {
+		return nil, err
+	}
+	cred, err := serviceUser("postgres")
+	if err != nil {
+		return nil, err
+	}
+	root, err := ownedTempDir("idemq-pg-", cred)
+	if err != nil {
+		return nil, err
+	}
+	data := filepath.Join(root, "data")
+
+	cmd := exec.Command(initdb, "-D", data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		os.RemoveAll(root)
+		return nil, fmt.Errorf("initdb: %w\n%s", err, out)
+	}
+
+	port, err := FreePort()
+	if err != nil {
+		os.RemoveAll(root)
+		return nil, err
+	}
+	s := &Postgres{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
+	s.port, s.dir = port, root
+	s.p = &process{
+		name: "private postgres", dir: root, log: filepath.Join(root, "postgres.log"), cred: cred,
+		argv: []string{postgres, "-D", data, "-p", strconv.Itoa(port), "-k", root,
+			"-c", "listen_addresses=127.0.0.1", "-c", "fsync=on", "-c", "max_connections=100",
+			"-c", "shared_buffers=32MB", "-c", "logging_collector=off"},
+	}
+	s.ready = func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, s.URL)
+		if err != nil {
+			return err
+		}
+		return conn.Close(ctx)
+	}
+	return s, s.startOrClose()
+}
+
+// pgBinary finds a Postgres server binary on PATH or in Debian's versioned directories.
+func pgBinary(name string) (string, error) {
+	if p, err := exec.LookPath(name); err == nil {
+		return p, nil
+	}
+	matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/" + name)
+	if len(matches) > 0 {
+		return matches[len(matches)-1], nil
+	}
+	return "", fmt.Errorf("%s not found on PATH or in /usr/lib/postgresql/*/bin (apt-get install -y postgresql)", name)
+}
+
+// Persistence is how a private Redis keeps its data across restarts.
+type Persistence int
+
+const (
+	// PersistNone keeps nothing: a restart empties the server.
+	PersistNone Persistence = iota
+	// PersistAOFEverySec appends every write and fsyncs once a second.
+	PersistAOFEverySec
+	// PersistAOFAlways appends and fsyncs every write before answering.
+	PersistAOFAlways
+)
+
+// Redis is a private Redis server.
+type Redis struct {
+	Server
+	// URL connects to database 0.
+	URL string
+	// Addr is host:port.
+	Addr string
+}
+
+// StartRedis starts redis-server in a temporary directory on a free loopback port with the
+// given persistence.
+func StartRedis(mode Persistence) (*Redis, error) {
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, fmt.Errorf("redis-server not found on PATH (apt-get install -y redis-server)")
+	}
+	dir, err := os.MkdirTemp("", "idemq-redis-")
+	if err != nil {
+		return nil, err
+	}
+	port, err := FreePort()
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	argv := []string{bin, "--bind", "127.0.0.1", "--port", strconv.Itoa(port), "--dir", dir,
+		"--save", "", "--daemonize", "no", "--maxmemory-policy", "noeviction"}
+	switch mode {
+	case PersistNone:
+		argv = append(argv, "--appendonly", "no")
+	case PersistAOFEverySec:
+		argv = append(argv, "--appendonly", "yes", "--appendfsync", "everysec")
+	case PersistAOFAlways:
+		argv = append(argv, "--appendonly", "yes", "--appendfsync", "always")
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	s := &Redis{URL: "redis://" + addr + "/0", Addr: addr}
+	s.port, s.dir = port, dir
+	s.p = &process{name: "private redis", dir: dir, log: filepath.Join(dir, "redis.log"), argv: argv}
+	s.ready = func() error {
+		c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: time.Second})
+		defer c.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		return c.Ping(ctx).Err()
+	}
+	return s, s.startOrClose()
+}
