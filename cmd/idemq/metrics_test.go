@@ -148,7 +148,9 @@ func TestWorkerMetrics(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- runWorker(ctx, cfg, slog.New(slog.NewTextHandler(tLogWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))) }()
+	go func() {
+		done <- runWorker(ctx, cfg, slog.New(slog.NewTextHandler(tLogWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	}()
 	t.Cleanup(func() {
 		provider.open("charge:o-lease")
 		provider.open("charge:o-lock")
@@ -158,7 +160,10 @@ func TestWorkerMetrics(t *testing.T) {
 		}
 	})
 	metricsURL := "http://" + addr + "/metrics"
-	waitReady(t, func() bool { r, err := http.Get("http://" + addr + "/readyz"); return err == nil && r.Body.Close() == nil && r.StatusCode == 200 })
+	waitReady(t, func() bool {
+		r, err := http.Get("http://" + addr + "/readyz")
+		return err == nil && r.Body.Close() == nil && r.StatusCode == 200
+	})
 
 	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
 	t.Cleanup(func() { client.Close() })
