@@ -379,3 +379,41 @@ func TestEndToEndWorkerKilledMidCharge(t *testing.T) {
 	}
 	t.Logf("killed mid-charge: %d provider requests with the key, %d charge (%s), ledger attempts %d", requests, charges, chargeID, attempts)
 }
+
+// TestEndToEndNegativeControl runs duplicate deliveries with the guards switched off: the
+// checks of TestEndToEndDuplicatesTakeEffectOnce must then find duplicates, or they prove
+// nothing.
+func TestEndToEndNegativeControl(t *testing.T) {
+	t.Parallel()
+	const jobs, copies = 50, 3
+	s := startStack(t, 2, []string{"IDEMQ_FAKEPAY_HONOR_KEYS=false"}, []string{"IDEMQ_UNSAFE_NO_GUARDS=true"})
+	for i := range jobs {
+		for c := range copies {
+			charge, _ := tasks.NewChargeTask(tasks.Charge{OrderID: fmt.Sprintf("o-%d", i), CustomerID: "c", AmountCents: 1, Currency: "EUR"})
+			s.enqueue(t, charge, asynq.TaskID(fmt.Sprintf("c%d-%d", c, i)))
+			debit, _ := tasks.NewDebitTask(tasks.Debit{AccountID: "a", AmountCents: 1, Reference: fmt.Sprintf("r-%d", i)})
+			s.enqueue(t, debit, asynq.TaskID(fmt.Sprintf("d%d-%d", c, i)))
+		}
+	}
+	ctx := testenv.Context(t, time.Minute)
+	for {
+		q, err := s.insp.GetQueueInfo(tasks.Queue)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if q.Pending+q.Active+q.Retry+q.Scheduled == 0 {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("queue did not drain: %+v", q)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	var charges, entries int
+	s.pool.QueryRow(ctx, `SELECT count(*) FROM fakepay_charges`).Scan(&charges)
+	s.pool.QueryRow(ctx, `SELECT count(*) FROM wallet_entries`).Scan(&entries)
+	t.Logf("guards off: %d jobs × %d deliveries made %d charges and %d wallet entries", jobs, copies, charges, entries)
+	if charges != jobs*copies || entries != jobs*copies {
+		t.Fatalf("with the guards off every delivery should take effect: charges %d, entries %d, want %d each", charges, entries, jobs*copies)
+	}
+}

@@ -92,11 +92,17 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 
 	charger := handlers.NewCharger(cfg.FakepayURL, nil)
 	mux := asynq.NewServeMux()
-	mux.Handle(tasks.TypeCharge, idempotency.Leased(w, tasks.TypeCharge, tasks.DecodeCharge,
-		func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
-			return charger.Charge(ctx, c.Key(), c)
-		}))
-	mux.Handle(tasks.TypeDebit, idempotency.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, handlers.Debit))
+	charge := func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		return charger.Charge(ctx, c.Key(), c)
+	}
+	if cfg.UnsafeNoGuards {
+		log.Warn("IDEMQ_UNSAFE_NO_GUARDS is set: no lock, no ledger; duplicate deliveries take effect twice")
+		mux.Handle(tasks.TypeCharge, idempotency.UnguardedLeased(tasks.TypeCharge, tasks.DecodeCharge, charge))
+		mux.Handle(tasks.TypeDebit, idempotency.UnguardedTransactional(pool, tasks.TypeDebit, tasks.DecodeDebit, handlers.Debit))
+	} else {
+		mux.Handle(tasks.TypeCharge, idempotency.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, charge))
+		mux.Handle(tasks.TypeDebit, idempotency.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, handlers.Debit))
+	}
 
 	acfg := asynq.Config{
 		Concurrency:     cfg.Concurrency,

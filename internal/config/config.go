@@ -59,6 +59,7 @@ type Worker struct {
 	MaxAge          time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
 	ReconcileGrace  time.Duration `envconfig:"IDEMQ_RECONCILE_GRACE" default:"3m" desc:"how long an accepted job may be missing from Redis before it is republished (above asynq's 60-120 s recovery)"`
 	LogLevel        string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
+	UnsafeNoGuards  bool          `envconfig:"IDEMQ_UNSAFE_NO_GUARDS" default:"false" desc:"DEMO AND TESTS ONLY: run handlers without the lock and the ledger, to show the duplicates they prevent"`
 }
 
 // API configures `idemq api`.
