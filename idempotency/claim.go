@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -406,12 +407,12 @@ func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 	defer cancel()
 	stored, lastErr := l.checkResult(c, result)
-	err := l.finish(ctx, c, completeSQL, stored, lastErr)
+	err := l.finish(ctx, c, "idemq_complete", completeSQL, stored, lastErr)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && lastErr == nil {
 		// The database refused the value after all (a data exception): store a marker.
 		stored, lastErr = l.markResult(c, "result refused by the database: "+pgErr.Message)
-		err = l.finish(ctx, c, completeSQL, stored, lastErr)
+		err = l.finish(ctx, c, "idemq_complete", completeSQL, stored, lastErr)
 	}
 	if err == nil {
 		l.observe(EventCompleted, c.TaskType)
@@ -432,63 +433,92 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 		cause = errors.New("unknown error")
 	}
 	msg := cleanText(cause.Error())
-	q, ev := failRetrySQL, EventRetry
+	name, q, ev := "idemq_fail_retry", failRetrySQL, EventRetry
 	if IsPermanent(cause) {
-		q, ev = failPermanentSQL, EventFailed
+		name, q, ev = "idemq_fail_permanent", failPermanentSQL, EventFailed
 	}
-	if err := l.finish(ctx, c, q, msg); err != nil {
+	if err := l.finish(ctx, c, name, q, msg); err != nil {
 		return err
 	}
 	l.observe(ev, c.TaskType)
 	return nil
 }
 
-// finish runs one fenced update (key, fence, owner, args...) that returns the transaction
-// id, in an explicit transaction with synchronous_commit on: BEGIN and the update go in
-// one round trip, COMMIT in the next. The transaction id, known before the
-// COMMIT is sent, resolves a commit whose answer was lost.
-func (l *Ledger) finish(ctx context.Context, c *Claim, q string, args ...any) error {
-	err := l.finishOnce(ctx, c, q, args...)
+// finish runs one fenced update (key, fence, owner, then text arguments or nil) that
+// returns the transaction id, committing durably. It is one statement in an implicit
+// transaction of the extended protocol: the update is sent with a Flush, which makes the
+// server answer (with the transaction id) but keeps the transaction open; the Sync sent
+// next commits it. So the id is known before the commit is asked for, and resolves a
+// commit whose answer was lost, at the cost of no BEGIN or COMMIT statement.
+func (l *Ledger) finish(ctx context.Context, c *Claim, name, q string, args ...any) error {
+	err := l.finishOnce(ctx, c, name, q, args...)
 	if err != nil && pgconn.SafeToRetry(err) {
 		// Nothing reached the server (a connection left over from before a restart).
-		err = l.finishOnce(ctx, c, q, args...)
+		err = l.finishOnce(ctx, c, name, q, args...)
 	}
 	return err
 }
 
-func (l *Ledger) finishOnce(ctx context.Context, c *Claim, q string, args ...any) error {
+func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args ...any) error {
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
 	defer conn.Release()
-	b := &pgx.Batch{}
-	b.Queue("BEGIN")
-	b.Queue(q, append([]any{c.Key, c.Fence, c.owner}, args...)...)
-	br := conn.SendBatch(ctx, b)
-	_, err = br.Exec()
-	if err == nil {
-		err = br.QueryRow().Scan(&c.xid, &c.serverStart, nil)
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
+	sd, err := conn.Conn().Prepare(ctx, name, q) // once per connection
 	if err != nil {
-		if conn.Conn().PgConn().TxStatus() != 'I' {
-			conn.Exec(ctx, "ROLLBACK") // a broken connection is closed by the pool anyway
-		}
-		if errors.Is(err, pgx.ErrNoRows) {
-			l.leaseLost(c, "write")
-			return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
-		}
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
-	tag, err := conn.Exec(ctx, "COMMIT")
+	params := [][]byte{[]byte(c.Key), strconv.AppendInt(nil, c.Fence, 10), []byte(c.Owner)}
+	for _, a := range args {
+		if s, ok := a.(string); ok {
+			params = append(params, []byte(s))
+		} else {
+			params = append(params, nil)
+		}
+	}
+
+	pipe := conn.Conn().PgConn().StartPipeline(ctx)
+	defer pipe.Close()
+	pipe.SendQueryStatement(sd, params, nil, nil) // text formats
+	pipe.SendFlushRequest()
+	updated := false
+	err = pipe.Flush()
+	if err == nil {
+		var res any
+		if res, err = pipe.GetResults(); err == nil {
+			rr, ok := res.(*pgconn.ResultReader)
+			if !ok {
+				err = fmt.Errorf("unexpected pipeline result %T", res)
+			} else {
+				for rr.NextRow() {
+					v := rr.Values()
+					c.xid, c.serverStart, updated = string(v[0]), string(v[1]), true
+				}
+				_, err = rr.Close()
+			}
+		}
+	}
+	if err != nil {
+		pipe.Sync() // ends (rolls back) the implicit transaction; Close reads the answer
+		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
+	}
+	if !updated {
+		// Nothing changed: the commit that the Sync does is empty.
+		pipe.Sync()
+		l.leaseLost(c, "write")
+		return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+	}
+	err = pipe.Sync()
+	if err == nil {
+		var res any
+		res, err = pipe.GetResults()
+		if _, ok := res.(*pgconn.PipelineSync); err == nil && !ok {
+			err = fmt.Errorf("idempotency: finish %s: unexpected pipeline result %T", c.Key, res)
+		}
+	}
 	if err != nil {
 		return l.commitLost(ctx, c, err)
-	}
-	if tag.String() != "COMMIT" {
-		return fmt.Errorf("idempotency: finish %s: commit answered %q", c.Key, tag.String())
 	}
 	return nil
 }

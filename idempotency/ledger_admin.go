@@ -163,14 +163,16 @@ func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error
 	return fmt.Errorf("%w: %q is %s", wrong, key, r.Status)
 }
 
-// purgeSQL deletes one batch of terminal rows older than the window. The outer
-// conditions are checked again on the row version it deletes, so a row re-run meanwhile
-// stays.
+// purgeSQL deletes one batch of terminal rows older than the window. A row completed
+// before the cutoff also started before it, which lets the started_at index find them.
+// The outer conditions are checked again on the row version it deletes, so a row re-run
+// meanwhile stays.
 const purgeSQL = `
 DELETE FROM processed_jobs
 WHERE idempotency_key IN (
 	SELECT idempotency_key FROM processed_jobs
-	WHERE status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+	WHERE started_at < now() - $1::bigint * interval '1 microsecond'
+	  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
 	LIMIT $2 FOR UPDATE SKIP LOCKED)
   AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'`
 
