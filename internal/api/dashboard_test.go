@@ -53,6 +53,9 @@ func TestDashboardAuthAndReadOnly(t *testing.T) {
 	a.do(t, "GET", "/monitoring/api/queues", "", "Authorization", good).want(t, 200, `"queue":"default"`, `"size":1`)
 	a.do(t, "GET", "/monitoring/api/queues/default/pending_tasks", "", "Authorization", good).want(t, 200, `"id":"charge:o-1"`, `"type":"payment:charge"`)
 	a.do(t, "GET", "/monitoring/api/queues/default/tasks/charge:o-1", "", "Authorization", good).want(t, 200, `"id":"charge:o-1"`, `"state":"pending"`)
+	a.do(t, "GET", "/monitoring/api/redis_info", "", "Authorization", good).want(t, 200, `"redis_version"`)
+	a.do(t, "GET", "/monitoring/api/queue_stats", "", "Authorization", good).want(t, 200, `"default"`)
+	a.do(t, "GET", "/monitoring/api/servers", "", "Authorization", good).want(t, 200)
 	// Read-only: every action is refused, and the task is still there.
 	a.do(t, "POST", "/monitoring/api/queues/default:pause", "", "Authorization", good).want(t, 405, "read-only")
 	a.do(t, "DELETE", "/monitoring/api/queues/default/pending_tasks/charge:o-1", "", "Authorization", good).want(t, 405)
