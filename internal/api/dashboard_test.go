@@ -24,6 +24,14 @@ func (a *testAPI) publish(t *testing.T, order string) {
 	if _, err := a.client.Enqueue(testenv.Context(t, 10*time.Second), spec); err != nil {
 		t.Fatal(err)
 	}
+	// Enqueue leaves a failed publish to the relay (newTestAPI runs one): wait for Redis.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, err := a.s.insp.GetTaskInfo(tasks.Queue, spec.Key); err == nil {
+			return
+		} else if time.Now().After(deadline) {
+			t.Fatalf("%s never reached Redis: %v", spec.Key, err)
+		}
+	}
 }
 
 func TestDashboardAuthAndReadOnly(t *testing.T) {
