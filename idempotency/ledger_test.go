@@ -932,3 +932,28 @@ func TestFromContextOutside(t *testing.T) {
 		}
 	}
 }
+
+func TestDoTxFencedStore(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, nil)
+	mustExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	// A handler that moves the ledger row to another fence (as a newer owner would) cannot
+	// commit its effect: the fenced store of the result fails and everything rolls back.
+	_, err := l.DoTx(ctx, req("tamper"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ('tamper')`); err != nil {
+			return nil, err
+		}
+		_, err := tx.Exec(ctx, `UPDATE processed_jobs SET fence = nextval('processed_jobs_fence_seq') WHERE idempotency_key = 'tamper'`)
+		return json.RawMessage(`{"ok":true}`), err
+	})
+	if !errors.Is(err, idempotency.ErrLeaseLost) {
+		t.Fatalf("DoTx with the row taken: %v, want ErrLeaseLost", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 0 {
+		t.Fatalf("effects = %d, want 0", n)
+	}
+	if _, err := l.Get(ctx, "tamper"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("ledger row: %v, want none", err)
+	}
+}
