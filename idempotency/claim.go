@@ -195,10 +195,11 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 		}
 		if !r.claimed && r.attempted {
 			// Lost a race with a concurrent change: look again with a fresh snapshot.
-			if err := r.scan(l.pool.QueryRow(ctx, readRowSQL, req.Key)); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-				return ClaimResult{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
+			err := r.scan(l.pool.QueryRow(ctx, readRowSQL, req.Key))
+			if errors.Is(err, pgx.ErrNoRows) {
+				r = claimRow{} // deleted meanwhile: decide counts it as a race
 			} else if err != nil {
-				continue // deleted meanwhile: claim again
+				return ClaimResult{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
 			}
 		}
 		res, stuck, again, err := l.decide(req, c, &r, round)
