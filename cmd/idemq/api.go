@@ -71,6 +71,8 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 
 	// The API's relay publishes what it accepted at once (woken after each commit); the
 	// workers' replicas may run relays too, they take disjoint batches.
+	go h.PurgeKeysEvery(ctx, time.Hour, cfg.KeyRetention)
+
 	relayCtx, stopRelay := context.WithCancel(ctx)
 	defer stopRelay()
 	relayDone := make(chan error, 1)

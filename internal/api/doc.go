@@ -4,9 +4,12 @@
 //
 // Usage:
 //
-//	h, err := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: m},
+//	client := idempotency.NewClient(pool, rdb, nil)
+//	go client.RunRelay(ctx) // publishes what the API accepts
+//	h := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: metrics.New()},
 //		&api.Options{RedisConnOpt: asynq.RedisClientOpt{Addr: "127.0.0.1:6379"}, DashboardPassword: "secret"})
 //	defer h.Close()
+//	go h.PurgeKeysEvery(ctx, time.Hour, 24*time.Hour)
 //	httpserver.Serve(ctx, ":8080", h, 30*time.Second, log, nil)
 //
 // A POST records the job's intent (through Enqueuer.EnqueueTx, an outbox) and, when the
