@@ -52,7 +52,8 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	}
 
 	m := metrics.New()
-	ledger := idempotency.New(pool, &idempotency.Config{Logger: log})
+	// The API only reads the ledger: no heartbeats, so no pool of their own.
+	ledger := idempotency.New(pool, &idempotency.Config{Logger: log, HeartbeatPool: pool})
 	defer ledger.Close()
 	client := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Logger: log})
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
