@@ -208,6 +208,12 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 		s.internal(w, r, "read the ledger", err)
 		return
 	}
+	// A key the ledger knows with another payload (published without the outbox, say)
+	// would only be archived as a mismatch by the worker: refuse it now.
+	if rec != nil && rec.Fingerprint != nil && !bytes.Equal(rec.Fingerprint, fp) {
+		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s: job %q was already accepted with a different body", keyField, spec.Key))
+		return
+	}
 
 	tx, err := s.deps.Pool.Begin(ctx)
 	if err != nil {
@@ -254,7 +260,10 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	}
 
 	code, resp := http.StatusAccepted, jobResponse{Key: spec.Key, Type: spec.Type, Status: StatusAccepted, Intent: res.State}
-	if res.Duplicate {
+	// A job the ledger knows is a duplicate even when its intent is new (its task was
+	// published without the outbox, or the intent is gone): the worker answers it from the
+	// ledger.
+	if res.Duplicate || rec != nil {
 		code, resp.Duplicate = http.StatusOK, true
 		if rec != nil {
 			resp.Status, resp.Fence, resp.Attempts, resp.Result, resp.LastError = rec.Status, rec.Fence, rec.Attempts, rec.Result, rec.LastError

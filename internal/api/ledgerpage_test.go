@@ -84,3 +84,20 @@ func TestPrettyResult(t *testing.T) {
 		}
 	}
 }
+
+// TestLedgerKnowsJobWithoutIntent: a job the ledger completed without an outbox intent
+// (published directly, as `idemq enqueue` does) is a duplicate with its result, and
+// another body for its key is 422 before anything is recorded.
+func TestLedgerKnowsJobWithoutIntent(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	a.complete(t, "o-9", `{"charge_id":"ch_9"}`)
+	body := `{"order_id":"o-9","customer_id":"c-1","amount_cents":1999,"currency":"EUR"}`
+	a.do(t, "POST", "/v1/charges", body).want(t, 200, `"duplicate":true`, `"status":"completed"`, `"result":{"charge_id":"ch_9"}`)
+	a.do(t, "POST", "/v1/charges", `{"order_id":"o-9","customer_id":"c-1","amount_cents":1,"currency":"EUR"}`, "Idempotency-Key", "k").
+		wantError(t, 422, `order_id: job "charge:o-9" was already accepted with a different body`)
+	var n int
+	if err := a.pool.QueryRow(testenv.Context(t, 10*time.Second), `SELECT count(*) FROM api_idempotency_keys`).Scan(&n); err != nil || n != 0 {
+		t.Fatalf("%d header rows (%v) after a refused request, want 0", n, err)
+	}
+}
