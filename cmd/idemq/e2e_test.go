@@ -417,3 +417,25 @@ func TestEndToEndNegativeControl(t *testing.T) {
 		t.Fatalf("with the guards off every delivery should take effect: charges %d, entries %d, want %d each", charges, entries, jobs*copies)
 	}
 }
+
+func TestDemo(t *testing.T) {
+	t.Parallel()
+	env := []string{"DATABASE_URL=" + firstNonEmpty(os.Getenv("TEST_DATABASE_URL"), os.Getenv("DATABASE_URL")),
+		"REDIS_URL=" + firstNonEmpty(os.Getenv("TEST_REDIS_URL"), os.Getenv("REDIS_URL"))}
+	for i := len(env) - 1; i >= 0; i-- {
+		if strings.HasSuffix(env[i], "=") {
+			env = append(env[:i], env[i+1:]...)
+		}
+	}
+	out, stderr, err := idemq(t, env, "demo", "--charges", "25", "--debits", "25")
+	if err != nil {
+		t.Fatalf("idemq demo: %v\n%s\n%s", err, out, stderr)
+	}
+	for _, want := range []string{"most charges for one order            1", "most entries for one reference            1",
+		"jobs never finished            0", "every order was charged once"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("demo output lacks %q:\n%s", want, out)
+		}
+	}
+	t.Logf("idemq demo:\n%s", out)
+}

@@ -40,6 +40,7 @@ func commands() []command {
 		migrateCommand(),
 		workerCommand(),
 		apiCommand(),
+		demoCommand(),
 		enqueueCommand(),
 		ledgerCommand(),
 		fakepayCommand(),
