@@ -116,7 +116,18 @@ func waitMetric(t *testing.T, url, series string, ok func(float64) bool) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	t.Fatalf("%s stayed at %v", series, v)
+	resp, err := http.Get(url)
+	var idemq []string
+	if err == nil {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for _, line := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(line, "idemq_") && !strings.Contains(line, "_bucket{") || strings.HasPrefix(line, "asynq_tasks") && !strings.HasSuffix(line, " 0") {
+				idemq = append(idemq, line)
+			}
+		}
+	}
+	t.Fatalf("%s stayed at %v for a minute; the worker's metrics:\n%s", series, v, strings.Join(idemq, "\n"))
 }
 
 func ledgerEvent(ev, typ string) string {
