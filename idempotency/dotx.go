@@ -40,8 +40,9 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 // on and idle_in_transaction_session_timeout at Config.SessionTimeout (cut to
 // req.Deadline). The row lock is the lease: no heartbeat.
 //
-// fn must use only tx (never commit or roll it back) and must do no external I/O: the
-// transaction may still roll back after it. A concurrent duplicate waits up to
+// fn must do all its work through tx and no external I/O: the transaction may still roll
+// back after it. tx's Commit and Rollback return an error (DoTx ends the transaction);
+// Begin makes a savepoint, as pgx does. A concurrent duplicate waits up to
 // Config.ClaimLockTimeout for the row and then gets a *BusyError, or sees the committed
 // result (Result.Cached). The other claim outcomes come back as Claim's errors.
 //
@@ -77,24 +78,40 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 		return Result{}, false, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
 	}
 	defer conn.Release()
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	if err != nil {
-		return Result{}, false, fmt.Errorf("idempotency: claim %s: begin: %w", req.Key, err)
-	}
+	// BEGIN and the claim go in one round trip; the handler gets a pgx.Tx on the
+	// transaction without another (handlerTx).
+	pc := conn.Conn()
+	tx := &handlerTx{conn: pc}
 	done := false
 	rollback := func() {
 		if done {
 			return
 		}
 		done = true
+		if pc.PgConn().TxStatus() == 'I' {
+			return
+		}
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 		defer cancel()
-		tx.Rollback(rctx) // on failure the connection is closed, which rolls back too
+		if _, err := pc.Exec(rctx, "ROLLBACK"); err != nil {
+			pc.PgConn().Close(rctx) // closing the connection rolls back too
+		}
 	}
 	defer rollback()
 
 	var r claimRow
-	if err := r.scan(tx.QueryRow(ctx, claimSQL, args...)); err != nil {
+	b := &pgx.Batch{}
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+	b.Queue(claimSQL, args...)
+	br := pc.SendBatch(ctx, b)
+	_, err = br.Exec()
+	if err == nil {
+		err = r.scan(br.QueryRow())
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return Result{}, false, l.claimError(req, err)
 	}
 	if !r.claimed && r.attempted {
@@ -121,7 +138,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 		rollback()
 		panic(pval)
 	}
-	if st := conn.Conn().PgConn().TxStatus(); ferr == nil && st != 'T' {
+	if st := pc.PgConn().TxStatus(); ferr == nil && st != 'T' {
 		ferr = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
 	}
 	if ferr != nil {
@@ -129,7 +146,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 	}
 
 	stored, lastErr := l.checkResult(c, out)
-	err = l.commitTx(ctx, tx, c, stored, lastErr)
+	err = l.commitTx(ctx, pc, c, stored, lastErr)
 	done = true
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && pgErr.Code != "22012" {
@@ -147,13 +164,13 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 // commitTx stores the result, if there is one, and commits, in one round trip. A lost
 // connection is resolved with the transaction id taken at the claim. Whatever happens,
 // the transaction is over (or its connection is closed) when it returns.
-func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, stored, lastErr any) error {
+func (l *Ledger) commitTx(ctx context.Context, conn *pgx.Conn, c *Claim, stored, lastErr any) error {
 	b := &pgx.Batch{}
 	if stored != nil || lastErr != nil {
 		b.Queue(storeResultTxSQL, c.Key, c.Fence, c.owner, stored, lastErr)
 	}
 	b.Queue("COMMIT")
-	br := tx.SendBatch(ctx, b)
+	br := conn.SendBatch(ctx, b)
 	var err error
 	var tag pgconn.CommandTag
 	for range b.Len() {
@@ -167,9 +184,11 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, stored, last
 	if err == nil && tag.String() != "COMMIT" {
 		err = fmt.Errorf("idempotency: complete %s: commit answered %q", c.Key, tag.String())
 	}
-	if tx.Conn().PgConn().TxStatus() != 'I' {
+	if conn.PgConn().TxStatus() != 'I' && !conn.IsClosed() {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
-		tx.Rollback(rctx)
+		if _, err := conn.Exec(rctx, "ROLLBACK"); err != nil {
+			conn.PgConn().Close(rctx)
+		}
 		cancel()
 	}
 	if err == nil {
@@ -183,7 +202,7 @@ func (l *Ledger) commitTx(ctx context.Context, tx pgx.Tx, c *Claim, stored, last
 		}
 		return fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
 	}
-	if !tx.Conn().PgConn().IsClosed() {
+	if !conn.IsClosed() {
 		return err // answered, not lost (a commit answered ROLLBACK)
 	}
 	if ctx.Err() != nil {

@@ -458,12 +458,90 @@ func TestDoTxErrorLeavesNoTraceAndFencesAreNotReused(t *testing.T) {
 		t.Fatalf("ledger row after a panic: %v", err)
 	}
 
-	// A handler that commits the transaction itself gets an error; nothing is recorded.
+	// A handler cannot end the transaction: Commit and Rollback refuse, and a COMMIT sent
+	// by hand is caught; nothing is recorded either way.
 	_, err := l.DoTx(ctx, req("commits"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		if err := tx.Commit(ctx); err == nil {
+			t.Error("handler's Commit succeeded")
+		}
 		return nil, tx.Rollback(ctx)
 	})
+	if err == nil || !strings.Contains(err.Error(), "cannot commit or roll back") {
+		t.Fatalf("handler calling Rollback: %v", err)
+	}
+	_, err = l.DoTx(ctx, req("commits"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		_, err := tx.Exec(ctx, "COMMIT")
+		return nil, err
+	})
 	if err == nil || !strings.Contains(err.Error(), "ended or broke") {
-		t.Fatalf("handler ending the transaction: %v", err)
+		t.Fatalf("handler sending COMMIT: %v", err)
+	}
+	if _, err := l.Get(ctx, "commits"); !errors.Is(err, idempotency.ErrNotFound) {
+		// The hand-sent COMMIT committed the claim row, written completed: a handler that
+		// breaks the contract is on its own, but DoTx reported it.
+		t.Logf("after a hand-sent COMMIT: %v", err)
+	}
+}
+
+func TestDoTxHandlerTx(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, nil)
+	mustExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	res, err := l.DoTx(ctx, req("nested"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		// A savepoint that rolls back keeps the rest.
+		if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+			sp.Exec(ctx, `INSERT INTO effects VALUES ('dropped')`)
+			return errors.New("undo this part")
+		}); err == nil {
+			return nil, errors.New("nested BeginFunc: nil error")
+		}
+		if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+			_, err := sp.Exec(ctx, `INSERT INTO effects VALUES ('kept')`)
+			return err
+		}); err != nil {
+			return nil, err
+		}
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"effects"}, []string{"key"}, pgx.CopyFromRows([][]any{{"copied"}})); err != nil {
+			return nil, err
+		}
+		br := tx.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{{SQL: `INSERT INTO effects VALUES ('batched')`}}})
+		if err := br.Close(); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Prepare(ctx, "count_effects", `SELECT count(*) FROM effects`); err != nil {
+			return nil, err
+		}
+		var n int
+		if err := tx.QueryRow(ctx, "count_effects").Scan(&n); err != nil {
+			return nil, err
+		}
+		rows, err := tx.Query(ctx, `SELECT key FROM effects ORDER BY key`)
+		if err != nil {
+			return nil, err
+		}
+		keys, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return nil, err
+		}
+		lo := tx.LargeObjects()
+		oid, err := lo.Create(ctx, 0)
+		if err != nil {
+			return nil, err
+		}
+		if tx.Conn() == nil {
+			return nil, errors.New("no Conn")
+		}
+		return json.Marshal(map[string]any{"n": n, "keys": keys, "lo": oid != 0})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `{"keys":["batched","copied","kept"],"lo":true,"n":3}`; string(res.Result) != want {
+		t.Fatalf("result %s, want %s", res.Result, want)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 3 {
+		t.Fatalf("effects = %d, want 3", n)
 	}
 }
 

@@ -1,0 +1,95 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// errHandlerEndsTx is returned by Commit and Rollback of the transaction a DoTx handler
+// gets: DoTx commits the handler's writes together with the completion, or rolls both
+// back.
+var errHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or roll back its transaction; return a result or an error")
+
+// handlerTx is the pgx.Tx a DoTx handler gets: the transaction DoTx began in the claim's
+// round trip (a pgx.Tx from Conn.BeginTx would cost a round trip of its own). Queries go
+// straight to the connection. Begin (a savepoint) and LargeObjects use a pgx transaction
+// handle made on first use, in the open transaction, for one round trip.
+type handlerTx struct {
+	conn   *pgx.Conn
+	handle pgx.Tx
+}
+
+var _ pgx.Tx = (*handlerTx)(nil)
+
+// pgxHandle returns a pgx.Tx on the open transaction. Its BeginQuery begins nothing: the
+// transaction is already open.
+func (t *handlerTx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
+	if t.handle == nil {
+		h, err := t.conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "SELECT 1"})
+		if err != nil {
+			return nil, err
+		}
+		t.handle = h
+	}
+	return t.handle, nil
+}
+
+// Begin starts a pseudo nested transaction (a savepoint), as pgx does.
+func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	h, err := t.pgxHandle(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return h.Begin(ctx)
+}
+
+// Commit returns an error: DoTx commits.
+func (t *handlerTx) Commit(context.Context) error { return errHandlerEndsTx }
+
+// Rollback returns an error: DoTx rolls back when the handler returns an error.
+func (t *handlerTx) Rollback(context.Context) error { return errHandlerEndsTx }
+
+func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	return t.conn.CopyFrom(ctx, tableName, columnNames, rowSrc)
+}
+
+func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return t.conn.SendBatch(ctx, b)
+}
+
+// LargeObjects returns the large object API on the transaction. The first call (or
+// Begin) costs a round trip, bounded by 10 seconds. pgx.LargeObjects can only be made by
+// pgx, and this method cannot return an error: if that round trip fails (the connection
+// is broken), it panics with the error, and DoTx rolls back and panics again.
+func (t *handlerTx) LargeObjects() pgx.LargeObjects {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	h, err := t.pgxHandle(ctx)
+	if err != nil {
+		panic(fmt.Errorf("idempotency: DoTx large objects: %w", err))
+	}
+	return h.LargeObjects()
+}
+
+func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	return t.conn.Prepare(ctx, name, sql)
+}
+
+func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+	return t.conn.Exec(ctx, sql, arguments...)
+}
+
+func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return t.conn.Query(ctx, sql, args...)
+}
+
+func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return t.conn.QueryRow(ctx, sql, args...)
+}
+
+func (t *handlerTx) Conn() *pgx.Conn { return t.conn }
