@@ -3,7 +3,7 @@ GO      ?= go
 BIN     ?= bin/idemq
 PKGS    ?= ./...
 
-.PHONY: test build lint migrate up down cover screenshots
+.PHONY: test build lint migrate up down cover demo screenshots
 
 ## test: vet, format check, then every test with the race detector against real Redis and Postgres
 test: lint
@@ -36,3 +36,7 @@ down:
 ## screenshots: docs/dashboard.png and docs/ledger.png, from the API's browser test (needs chromium)
 screenshots:
 	IDEMQ_SCREENSHOT_DIR=$(CURDIR)/docs $(GO) test -count=1 -run TestBrowserRendersDashboardAndLedger ./internal/api/
+
+## demo: the whole story on one machine (see README)
+demo:
+	$(GO) run ./cmd/idemq demo

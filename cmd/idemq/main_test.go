@@ -173,3 +173,18 @@ func TestEnqueueAndLedgerCommands(t *testing.T) {
 		t.Fatalf("ledger list: %v\n%s", err, out)
 	}
 }
+
+func TestReadmeListsEveryVariable(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, spec := range []any{config.Migrate{}, config.Worker{}, config.API{}, config.Enqueue{}, config.Ledger{}, config.Fakepay{}} {
+		for _, name := range envNames(reflect.TypeOf(spec)) {
+			if !strings.Contains(string(readme), "`"+name+"`") {
+				t.Errorf("README.md does not document %s", name)
+			}
+		}
+	}
+}
