@@ -125,6 +125,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 	if cr.Claim == nil {
 		rollback()
 		if stuck != 0 {
+			conn.Release() // before taking another connection (Release is idempotent)
 			l.markStuckOne(ctx, req, stuck)
 		}
 		if cr.Completed != nil {

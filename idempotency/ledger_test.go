@@ -940,6 +940,7 @@ func TestPurgeAndMaxAge(t *testing.T) {
 	mustExec(t, pool, ins, "done-new", "completed", "0s", "1m", time.Now())
 	mustExec(t, pool, ins, "stuck", "in_progress", "-1h", "3h", nil)
 	mustExec(t, pool, ins, "stuck-claimed", "in_progress", "-1h", "3h", nil)
+	mustExec(t, pool, ins, "stuck-tx", "in_progress", "-1h", "3h", nil)
 	mustExec(t, pool, ins, "old-but-live", "in_progress", "1h", "3h", nil)
 	mustExec(t, pool, ins, "young-expired", "in_progress", "-1m", "1m", nil)
 	mustExec(t, pool, ins, "attention", "needs_attention", "-1h", "3h", nil)
@@ -953,6 +954,15 @@ func TestPurgeAndMaxAge(t *testing.T) {
 	}
 	if r := get(t, l, "stuck-claimed"); r.Status != idempotency.StatusNeedsAttention {
 		t.Fatalf("stuck-claimed is %s", r.Status)
+	}
+	if _, err := l.DoTx(ctx, idempotency.Request{Key: "stuck-tx", TaskType: "t"}, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		t.Fatal("DoTx ran a key older than the maximum age")
+		return nil, nil
+	}); !errors.Is(err, idempotency.ErrNeedsAttention) {
+		t.Fatalf("DoTx on a stuck key: %v, want ErrNeedsAttention", err)
+	}
+	if r := get(t, l, "stuck-tx"); r.Status != idempotency.StatusNeedsAttention {
+		t.Fatalf("stuck-tx is %s", r.Status)
 	}
 	n, err := l.MarkStuck(ctx)
 	if err != nil || n != 1 {
@@ -982,8 +992,8 @@ func TestPurgeAndMaxAge(t *testing.T) {
 			t.Errorf("%s after Purge: %v", key, err)
 		}
 	}
-	if n := count(t, pool, `SELECT count(*) FROM processed_jobs`); n != 6 {
-		t.Fatalf("%d rows left, want 6", n)
+	if n := count(t, pool, `SELECT count(*) FROM processed_jobs`); n != 7 {
+		t.Fatalf("%d rows left, want 7", n)
 	}
 	if purged, err := l.Purge(ctx, time.Hour, 0); err != nil || purged != 0 {
 		t.Fatalf("second Purge: %d, %v", purged, err)
