@@ -1,0 +1,420 @@
+//go:build faults
+
+package faults
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/internal/localserver"
+)
+
+// binary is the idemq binary, built once per test run by TestMain.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "idemq-faults-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "idemq")
+	if out, err := exec.Command("go", "build", "-o", binary, "github.com/idemq/idemq/cmd/idemq").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "build idemq: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+var errRunning = errors.New("already running")
+
+// proc is one idemq process slot (fakepay, api or a worker); it can be started again after
+// it exits. Its output is appended to one log file across incarnations.
+type proc struct {
+	name string
+	env  []string
+	args []string
+	log  string
+
+	mu       sync.Mutex
+	cmd      *exec.Cmd
+	done     chan struct{}
+	expected bool // the next exit was caused by the suite
+	stopped  bool // SIGSTOPped by the suite
+}
+
+func (p *proc) start() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.done != nil {
+		select {
+		case <-p.done:
+		default:
+			return errRunning // restarted by someone else
+		}
+	}
+	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(binary, p.args...)
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, p.env...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		return fmt.Errorf("start %s: %w", p.name, err)
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); f.Close(); close(done) }()
+	p.cmd, p.done, p.expected, p.stopped = cmd, done, false, false
+	return nil
+}
+
+// signal sends sig to the running process; expectExit marks the exit as the suite's doing.
+func (p *proc) signal(sig syscall.Signal, expectExit bool) (done chan struct{}) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cmd == nil {
+		return nil
+	}
+	if expectExit {
+		p.expected = true
+	}
+	switch sig {
+	case syscall.SIGSTOP:
+		p.stopped = true
+	case syscall.SIGCONT:
+		p.stopped = false
+	}
+	p.cmd.Process.Signal(sig)
+	return p.done
+}
+
+func (p *proc) doneCh() chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.done
+}
+
+func (p *proc) tail(n int) string {
+	b, _ := os.ReadFile(p.log)
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+// worker is a worker slot with its metrics: the latest scrape of the running process and
+// the sum of the last scrapes of the processes that exited.
+type worker struct {
+	*proc
+	i          int
+	metricsURL string
+
+	mmu  sync.Mutex
+	live map[string]float64
+	dead map[string]float64
+}
+
+var eventLabel = regexp.MustCompile(`event="([^"]+)"`)
+
+// scrape reads the worker's idemq_ledger_events_total and idemq_lock_events_total, summed
+// over task types, as "ledger:<event>" and "lock:<event>".
+func (w *worker) scrape() {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get(w.metricsURL)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	got := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		var prefix string
+		switch {
+		case strings.HasPrefix(line, "idemq_ledger_events_total{"):
+			prefix = "ledger:"
+		case strings.HasPrefix(line, "idemq_lock_events_total{"):
+			prefix = "lock:"
+		default:
+			continue
+		}
+		m := eventLabel.FindStringSubmatch(line)
+		v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+		if m == nil || err != nil {
+			continue
+		}
+		got[prefix+m[1]] += v
+	}
+	if sc.Err() != nil {
+		return
+	}
+	w.mmu.Lock()
+	w.live = got
+	w.mmu.Unlock()
+}
+
+// fold moves the last scrape of an exited process into the dead sum.
+func (w *worker) fold() {
+	w.mmu.Lock()
+	defer w.mmu.Unlock()
+	if w.dead == nil {
+		w.dead = map[string]float64{}
+	}
+	for k, v := range w.live {
+		w.dead[k] += v
+	}
+	w.live = nil
+}
+
+func (w *worker) counters() map[string]float64 {
+	w.mmu.Lock()
+	defer w.mmu.Unlock()
+	out := map[string]float64{}
+	for k, v := range w.dead {
+		out[k] += v
+	}
+	for k, v := range w.live {
+		out[k] += v
+	}
+	return out
+}
+
+// cluster is one private stack: Postgres, Redis, fakepay, the API and the workers.
+type cluster struct {
+	t       *testing.T
+	dir     string
+	pg      *localserver.Postgres
+	rd      *localserver.Redis
+	pool    *pgxpool.Pool
+	rdb     *redis.Client
+	client  *asynq.Client
+	insp    *asynq.Inspector
+	apiURL  string
+	fakepay *proc
+	api     *proc
+	workers []*worker
+	hist    *history
+
+	closing  atomic.Bool
+	redisUp  atomic.Bool
+	pgUp     atomic.Bool
+	scrapeWG sync.WaitGroup
+}
+
+// clusterConfig chooses what differs between runs.
+type clusterConfig struct {
+	mode       localserver.Persistence
+	workers    int
+	honorKeys  bool
+	workerEnv  []string // added after the defaults (later values win)
+	startAfter int      // workers with index >= startAfter are not started at first
+}
+
+const (
+	lease      = 5 * time.Second
+	fakepayMax = 2 * time.Second // IDEMQ_FAKEPAY_DELAY: provider latency 0..2 s
+)
+
+func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
+	t.Helper()
+	c := &cluster{t: t, dir: t.TempDir(), hist: hist}
+	var err error
+	if c.pg, err = localserver.StartPostgres(); err != nil {
+		t.Fatalf("private postgres: %v", err)
+	}
+	t.Cleanup(func() { c.pg.Close() })
+	if c.rd, err = localserver.StartRedis(cfg.mode); err != nil {
+		t.Fatalf("private redis: %v", err)
+	}
+	t.Cleanup(func() { c.rd.Close() })
+	c.redisUp.Store(true)
+	c.pgUp.Store(true)
+
+	if out, err := runIdemq([]string{"DATABASE_URL=" + c.pg.URL}, "migrate"); err != nil {
+		t.Fatalf("idemq migrate: %v\n%s", err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	pcfg, _ := pgxpool.ParseConfig(c.pg.URL)
+	pcfg.MaxConns = 12
+	if c.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.pool.Close)
+	if _, err := c.pool.Exec(ctx, createExpected); err != nil {
+		t.Fatalf("create the suite's table: %v", err)
+	}
+	c.rdb = redis.NewClient(&redis.Options{Addr: c.rd.Addr, DialTimeout: time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second})
+	t.Cleanup(func() { c.rdb.Close() })
+	c.client = asynq.NewClientFromRedisClient(c.rdb)
+	c.insp = asynq.NewInspectorFromRedisClient(c.rdb)
+
+	fpPort, _ := localserver.FreePort()
+	fakepayURL := fmt.Sprintf("http://127.0.0.1:%d", fpPort)
+	c.fakepay = &proc{name: "fakepay", args: []string{"fakepay"}, log: filepath.Join(c.dir, "fakepay.log"), env: []string{
+		"DATABASE_URL=" + c.pg.URL, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fpPort),
+		fmt.Sprintf("IDEMQ_FAKEPAY_HONOR_KEYS=%t", cfg.honorKeys), "IDEMQ_FAKEPAY_DELAY=" + fakepayMax.String()}}
+	apiPort, _ := localserver.FreePort()
+	c.apiURL = fmt.Sprintf("http://127.0.0.1:%d", apiPort)
+	c.api = &proc{name: "api", args: []string{"api"}, log: filepath.Join(c.dir, "api.log"), env: []string{
+		"DATABASE_URL=" + c.pg.URL, "REDIS_URL=" + c.rd.URL, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort),
+		"IDEMQ_RECONCILE_GRACE=20s"}}
+	for _, p := range []*proc{c.fakepay, c.api} {
+		if err := p.start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitHTTP(t, fakepayURL+"/healthz", 30*time.Second)
+	waitHTTP(t, c.apiURL+"/healthz", 30*time.Second)
+
+	workerEnv := append([]string{
+		// application_name lets the nemesis terminate the workers' connections only.
+		"DATABASE_URL=" + c.pg.URL + "&application_name=idemq-worker",
+		"REDIS_URL=" + c.rd.URL, "IDEMQ_FAKEPAY_URL=" + fakepayURL,
+		"IDEMQ_CONCURRENCY=4", "IDEMQ_LEASE=" + lease.String(), "IDEMQ_LOCK_TTL=5s", "IDEMQ_SHUTDOWN_TIMEOUT=8s",
+		"IDEMQ_RECONCILE_GRACE=20s", "IDEMQ_LOG_LEVEL=info",
+	}, cfg.workerEnv...)
+	for i := range cfg.workers {
+		port, _ := localserver.FreePort()
+		w := &worker{i: i, metricsURL: fmt.Sprintf("http://127.0.0.1:%d/metrics", port), proc: &proc{
+			name: fmt.Sprintf("worker%d", i), args: []string{"worker"}, log: filepath.Join(c.dir, fmt.Sprintf("worker%d.log", i)),
+			env: append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port)}, workerEnv...)}}
+		c.workers = append(c.workers, w)
+		if cfg.startAfter == 0 || i < cfg.startAfter {
+			c.startWorker(w)
+		}
+	}
+	for _, w := range c.workers {
+		if w.doneCh() != nil {
+			waitHTTP(t, strings.TrimSuffix(w.metricsURL, "/metrics")+"/readyz", 30*time.Second)
+		}
+	}
+	c.scrapeWG.Add(1)
+	go c.scrapeLoop()
+	t.Cleanup(func() {
+		c.closing.Store(true)
+		c.scrapeWG.Wait()
+		for _, p := range c.procs() {
+			if d := p.signal(syscall.SIGKILL, true); d != nil {
+				<-d
+			}
+		}
+		if t.Failed() {
+			for _, p := range c.procs() {
+				t.Logf("--- %s log (tail) ---\n%s", p.name, p.tail(2500))
+			}
+		}
+	})
+	return c
+}
+
+func (c *cluster) procs() []*proc {
+	ps := []*proc{c.fakepay, c.api}
+	for _, w := range c.workers {
+		ps = append(ps, w.proc)
+	}
+	return ps
+}
+
+// startWorker starts w and watches it: an exit the suite did not cause (a fault point's
+// SIGKILL) is recorded as a kill and the worker is restarted.
+func (c *cluster) startWorker(w *worker) {
+	if err := w.start(); errors.Is(err, errRunning) {
+		return
+	} else if err != nil {
+		c.t.Errorf("start %s: %v", w.name, err)
+		return
+	}
+	done := w.doneCh()
+	go func() {
+		<-done
+		w.fold()
+		w.mu.Lock()
+		expected := w.expected
+		w.mu.Unlock()
+		if expected || c.closing.Load() {
+			return
+		}
+		c.hist.nemesis("fault_point_crash", w.name)
+		go c.trackHeld(time.Now())
+		time.Sleep(300 * time.Millisecond)
+		if !c.closing.Load() {
+			c.startWorker(w)
+		}
+	}()
+}
+
+func (c *cluster) scrapeLoop() {
+	defer c.scrapeWG.Done()
+	for !c.closing.Load() {
+		for _, w := range c.workers {
+			w.mu.Lock()
+			running := w.cmd != nil && !w.stopped
+			w.mu.Unlock()
+			if running {
+				w.scrape()
+			}
+		}
+		time.Sleep(2 * time.Second)
+	}
+}
+
+// counters sums the workers' counters (last scrape of each process).
+func (c *cluster) counters() map[string]float64 {
+	out := map[string]float64{}
+	for _, w := range c.workers {
+		w.scrape()
+		for k, v := range w.counters() {
+			out[k] += v
+		}
+	}
+	return out
+}
+
+func runIdemq(env []string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+func waitHTTP(t *testing.T, url string, d time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(url); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("%s did not answer 200 within %s", url, d)
+}

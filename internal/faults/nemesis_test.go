@@ -1,0 +1,162 @@
+//go:build faults
+
+package faults
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"syscall"
+	"time"
+)
+
+// The nemesis' fault kinds.
+const (
+	faultKillWorker   = "kill_worker"        // SIGKILL a worker, restart it
+	faultStopWorker   = "stop_worker"        // SIGSTOP a worker past its lease, duplicates for its keys, SIGCONT
+	faultTermWorker   = "term_worker"        // SIGTERM a worker (graceful drain), restart it
+	faultKillRedis    = "kill_redis"         // SIGKILL Redis, restart it
+	faultStopPostgres = "stop_postgres"      // immediate shutdown of Postgres, restart it
+	faultTerminate    = "terminate_backends" // pg_terminate_backend on the workers' connections
+)
+
+var allFaults = []string{faultKillWorker, faultStopWorker, faultTermWorker, faultKillRedis, faultStopPostgres, faultTerminate}
+
+// runNemesis injects faults for d: first every kind once in a seeded order, then kinds at
+// random, with random gaps. It leaves everything running.
+func (c *cluster) runNemesis(ctx context.Context, seed uint64, d time.Duration) {
+	rng := rand.New(rand.NewPCG(seed, 2))
+	order := append([]string(nil), allFaults...)
+	rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+	end := time.Now().Add(d)
+	for n := 0; time.Now().Before(end) && ctx.Err() == nil; n++ {
+		gap := time.Duration(2000+rng.IntN(4000)) * time.Millisecond
+		select {
+		case <-time.After(gap):
+		case <-ctx.Done():
+			return
+		}
+		kind := allFaults[rng.IntN(len(allFaults))]
+		if n < len(order) {
+			kind = order[n]
+		}
+		c.inject(ctx, rng, kind)
+	}
+}
+
+func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
+	pause := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo))) }
+	w := c.workers[rng.IntN(len(c.workers))]
+	switch kind {
+	case faultKillWorker:
+		w.scrape()
+		done := w.signal(syscall.SIGKILL, true)
+		if done == nil {
+			return
+		}
+		<-done
+		t0 := time.Now()
+		c.hist.nemesis(kind, w.name)
+		go c.trackHeld(t0)
+		time.Sleep(pause(500*time.Millisecond, 2*time.Second))
+		c.startWorker(w)
+
+	case faultStopWorker:
+		snap, _ := c.inProgressCharges(ctx)
+		if w.signal(syscall.SIGSTOP, false) == nil {
+			return
+		}
+		t0 := time.Now()
+		stopFor := pause(lease+2*time.Second, lease+4*time.Second)
+		held := c.heldBy(ctx, snap)
+		// A duplicate delivery for each key the stopped worker holds, so that another
+		// worker takes it over once the lease has ended, while this one is still stopped.
+		sent := 0
+		for _, k := range held {
+			s, err := c.specFor(ctx, k)
+			if err == nil && c.enqueueDup(ctx, s, fmt.Sprintf("%s#stop%d", k, t0.UnixMilli())) == nil {
+				sent++
+			}
+		}
+		c.hist.add(func(h *history) {
+			h.stopDups += sent
+			if len(held) > 0 {
+				h.held = append(h.held, heldKeys{at: t0, keys: held})
+			}
+		})
+		c.hist.note(kind, w.name, fmt.Sprintf("stopped %s; held %s; %d duplicates sent", stopFor.Round(100*time.Millisecond), fmtKeys(held), sent))
+		time.Sleep(stopFor - time.Since(t0))
+		w.signal(syscall.SIGCONT, false)
+
+	case faultTermWorker:
+		w.scrape()
+		done := w.signal(syscall.SIGTERM, true)
+		if done == nil {
+			return
+		}
+		c.hist.nemesis(kind, w.name)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			w.signal(syscall.SIGKILL, true)
+			<-done
+			c.hist.note("term_timeout", w.name, "did not exit within 20 s of SIGTERM; killed")
+		}
+		c.startWorker(w)
+
+	case faultKillRedis:
+		c.redisUp.Store(false)
+		if err := c.rd.Kill(); err != nil {
+			c.t.Logf("kill redis: %v", err)
+		}
+		c.hist.nemesis(kind, "redis")
+		time.Sleep(pause(time.Second, 3*time.Second))
+		if err := c.rd.Start(); err != nil {
+			c.t.Errorf("restart redis: %v", err)
+			return
+		}
+		c.redisUp.Store(true)
+
+	case faultStopPostgres:
+		c.pgUp.Store(false)
+		if err := c.pg.StopImmediate(); err != nil {
+			c.t.Logf("stop postgres: %v", err)
+		}
+		c.hist.nemesis(kind, "postgres")
+		time.Sleep(pause(time.Second, 3*time.Second))
+		if err := c.pg.Start(); err != nil {
+			c.t.Errorf("restart postgres: %v", err)
+			return
+		}
+		c.pgUp.Store(true)
+
+	case faultTerminate:
+		var n int
+		err := c.pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE application_name = 'idemq-worker' AND pid <> pg_backend_pid()`).Scan(&n)
+		note := fmt.Sprintf("%d connections", n)
+		if err != nil {
+			note = err.Error()
+		}
+		c.hist.note(kind, "workers", note)
+	}
+}
+
+// heal makes sure every server and worker runs (none stopped).
+func (c *cluster) heal() {
+	if !c.redisUp.Load() {
+		if err := c.rd.Start(); err != nil {
+			c.t.Errorf("heal: start redis: %v", err)
+		}
+		c.redisUp.Store(true)
+	}
+	if !c.pgUp.Load() {
+		if err := c.pg.Start(); err != nil {
+			c.t.Errorf("heal: start postgres: %v", err)
+		}
+		c.pgUp.Store(true)
+	}
+	for _, w := range c.workers {
+		w.signal(syscall.SIGCONT, false)
+	}
+}

@@ -1,0 +1,478 @@
+//go:build faults
+
+package faults
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemq/idemq/internal/localserver"
+)
+
+// profile sizes a run.
+type profile struct {
+	name        string
+	jobs        int           // jobs per Redis mode
+	spread      time.Duration // the workload sends them over this long
+	nemesis     time.Duration // faults for this long
+	drain       time.Duration // bound on the wait for every key and task to settle after the heal
+	controlJobs int           // jobs of each negative control
+}
+
+var profiles = map[string]profile{
+	"short": {name: "short", jobs: 160, spread: 60 * time.Second, nemesis: 75 * time.Second, drain: 150 * time.Second, controlJobs: 60},
+	"smoke": {name: "smoke", jobs: 40, spread: 15 * time.Second, nemesis: 45 * time.Second, drain: 120 * time.Second, controlJobs: 30},
+	"long":  {name: "long", jobs: 900, spread: 9 * time.Minute, nemesis: 10 * time.Minute, drain: 240 * time.Second, controlJobs: 200},
+}
+
+// faultPoints is the handler fault-point switch the workers of the main runs get.
+const faultPoints = "after_claim:0.01,after_effect:0.01,debit_delay:1500ms"
+
+type report struct {
+	Seed        uint64          `json:"seed"`
+	Profile     string          `json:"profile"`
+	Started     string          `json:"started"`
+	WallSeconds float64         `json:"wall_s"`
+	Runs        []runReport     `json:"runs"`
+	Controls    []controlReport `json:"negative_controls"`
+	Pass        bool            `json:"pass"`
+}
+
+type runReport struct {
+	Mode       string             `json:"redis_mode"`
+	DurationS  float64            `json:"duration_s"`
+	NemesisS   float64            `json:"nemesis_s"`
+	DrainS     float64            `json:"drain_s"`
+	Verdict    verdict            `json:"verdict"`
+	Counters   map[string]float64 `json:"worker_counters"`
+	Nemesis    map[string]int     `json:"nemesis_events"`
+	Events     []event            `json:"history"`
+	Dups       int                `json:"workload_duplicates_sent"`
+	DupErrors  int                `json:"workload_duplicates_unsent"`
+	StopDups   int                `json:"stop_duplicates_sent"`
+	Nudges     int                `json:"drain_nudges"`
+	RetryRuns  int                `json:"drain_retry_tasks_run"`
+	HeldKilled int                `json:"held_keys_tracked"`
+	Pass       bool               `json:"pass"`
+	Failures   []string           `json:"failures,omitempty"`
+}
+
+type controlReport struct {
+	Name     string             `json:"name"`
+	Skipped  string             `json:"skipped,omitempty"`
+	Verdict  verdict            `json:"verdict"`
+	Counters map[string]float64 `json:"worker_counters,omitempty"`
+	Pass     bool               `json:"pass"`
+	Failures []string           `json:"failures,omitempty"`
+}
+
+// TestProof is the whole proof: the workload under the nemesis with Redis in both
+// persistence modes (in parallel), then the negative controls with the same seed.
+func TestProof(t *testing.T) {
+	p, ok := profiles[envOr("IDEMQ_FAULTS_PROFILE", "short")]
+	if !ok {
+		t.Fatalf("IDEMQ_FAULTS_PROFILE: want short or long")
+	}
+	seed := uint64(time.Now().UnixNano() % 1_000_000_000)
+	if s := os.Getenv("IDEMQ_FAULTS_SEED"); s != "" {
+		n, err := strconv.ParseUint(s, 10, 64)
+		if err != nil {
+			t.Fatalf("IDEMQ_FAULTS_SEED: %v", err)
+		}
+		seed = n
+	}
+	t.Logf("fault suite: profile %s, seed %d (replay with IDEMQ_FAULTS_SEED=%d)", p.name, seed, seed)
+	start := time.Now()
+	rep := &report{Seed: seed, Profile: p.name, Started: start.UTC().Format(time.RFC3339)}
+	var mu sync.Mutex
+
+	t.Run("nemesis", func(t *testing.T) {
+		for _, m := range []struct {
+			name string
+			mode localserver.Persistence
+		}{{"none", localserver.PersistNone}, {"aof-always", localserver.PersistAOFAlways}} {
+			t.Run("redis="+m.name, func(t *testing.T) {
+				t.Parallel()
+				r := runMain(t, p, seed, m.name, m.mode)
+				mu.Lock()
+				rep.Runs = append(rep.Runs, r)
+				mu.Unlock()
+			})
+		}
+	})
+	t.Run("controls", func(t *testing.T) {
+		t.Run("no_guards", func(t *testing.T) {
+			t.Parallel()
+			r := runNoGuards(t, p, seed)
+			mu.Lock()
+			rep.Controls = append(rep.Controls, r)
+			mu.Unlock()
+		})
+		t.Run("no_fencing", func(t *testing.T) {
+			t.Parallel()
+			r := runNoFencing(t, p, seed)
+			mu.Lock()
+			rep.Controls = append(rep.Controls, r)
+			mu.Unlock()
+		})
+	})
+	sort.Slice(rep.Runs, func(i, j int) bool { return rep.Runs[i].Mode > rep.Runs[j].Mode })
+	sort.Slice(rep.Controls, func(i, j int) bool { return rep.Controls[i].Name < rep.Controls[j].Name })
+	rep.WallSeconds = time.Since(start).Seconds()
+	rep.Pass = !t.Failed() && len(rep.Runs) == 2
+	for _, r := range rep.Runs {
+		rep.Pass = rep.Pass && r.Pass
+	}
+	for _, c := range rep.Controls {
+		rep.Pass = rep.Pass && (c.Pass || c.Skipped != "")
+	}
+	t.Logf("report:\n%s", table(rep))
+	path := os.Getenv("IDEMQ_FAULTS_REPORT")
+	if path == "" {
+		path = filepath.Join(t.TempDir(), "report.json")
+	}
+	if err := os.WriteFile(path, []byte(jsonString(rep)+"\n"), 0o644); err != nil {
+		t.Errorf("write report: %v", err)
+	}
+	if tpath := strings.TrimSuffix(path, ".json") + ".txt"; os.Getenv("IDEMQ_FAULTS_REPORT") != "" {
+		os.WriteFile(tpath, []byte(table(rep)), 0o644)
+	}
+	t.Logf("JSON report: %s", path)
+	if !rep.Pass {
+		t.Errorf("FAIL")
+	}
+}
+
+func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localserver.Persistence) runReport {
+	began := time.Now()
+	hist := newHistory()
+	c := startCluster(t, clusterConfig{mode: mode, workers: 4, honorKeys: true,
+		workerEnv: []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints}}, hist)
+	ctx, cancel := context.WithTimeout(context.Background(), p.nemesis+p.drain+5*time.Minute)
+	defer cancel()
+	jobs := plan(seed, p.jobs, p.spread)
+
+	nemesisDone := make(chan struct{})
+	go func() {
+		defer close(nemesisDone)
+		c.runNemesis(ctx, seed, p.nemesis)
+	}()
+	driveErr := c.drive(ctx, jobs)
+	<-nemesisDone
+	c.heal()
+	hist.note("heal", "", "")
+	t.Logf("redis=%s: nemesis over after %s; healed", modeName, time.Since(began).Round(time.Second))
+	healed := time.Now()
+	r := runReport{Mode: modeName, NemesisS: p.nemesis.Seconds()}
+	if err := c.enqueueBad(ctx); err != nil {
+		r.Failures = append(r.Failures, err.Error())
+	}
+	r.Nudges, r.RetryRuns = c.drain(ctx, p.drain)
+	r.DrainS = time.Since(healed).Seconds()
+	r.Counters = c.counters()
+	v, err := c.check(ctx)
+	if err != nil {
+		t.Fatalf("checker: %v", err)
+	}
+	r.Verdict, r.DurationS = v, time.Since(began).Seconds()
+	r.Nemesis = hist.byKind()
+	hist.mu.Lock()
+	r.Events, r.Dups, r.DupErrors, r.StopDups = hist.events, hist.dups, hist.dupErrors, hist.stopDups
+	for _, h := range hist.held {
+		r.HeldKilled += len(h.keys)
+	}
+	hist.mu.Unlock()
+
+	fail := func(ok bool, format string, args ...any) {
+		if !ok {
+			r.Failures = append(r.Failures, fmt.Sprintf(format, args...))
+		}
+	}
+	fail(driveErr == nil, "workload: %v", driveErr)
+	fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
+	fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
+	fail(v.Lost == 0, "%d keys lost", v.Lost)
+	fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
+	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
+	fail(v.WrongResult == 0, "%d results name another effect than the one that exists", v.WrongResult)
+	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
+	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
+	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
+	fail(v.BadArchived == len(badPayloads), "%d of %d bad payloads archived with a reason: %v", v.BadArchived, len(badPayloads), v.BadProblems)
+	for _, k := range allFaults {
+		fail(r.Nemesis[k] > 0, "fault %s never injected", k)
+	}
+	r.Pass = len(r.Failures) == 0
+	if !r.Pass {
+		t.Errorf("redis=%s: %s; examples: %v", modeName, strings.Join(r.Failures, "; "), v.Examples)
+	}
+	return r
+}
+
+// drain waits, up to bound, until every expected key is completed and no task is left in
+// asynq. Test-only nudges keep it short: every 10 s, a key still in progress whose lease
+// has ended (its holder died; asynq itself would redeliver only after 60-120 s) gets a
+// duplicate delivery, and due-later retries are run now.
+func (c *cluster) drain(ctx context.Context, bound time.Duration) (nudges, retryRuns int) {
+	start := time.Now()
+	var lastNudge time.Time
+	for n := 0; time.Since(start) < bound && ctx.Err() == nil; n++ {
+		pending, left, err := c.settled(ctx)
+		if err == nil && pending == 0 && left == 0 {
+			return
+		}
+		if time.Since(start) > 10*time.Second && time.Since(lastNudge) > 10*time.Second {
+			lastNudge = time.Now()
+			rows, err := c.pool.Query(ctx, `SELECT p.idempotency_key FROM processed_jobs p JOIN faults_expected e ON e.key = p.idempotency_key
+				WHERE p.status = 'in_progress' AND p.locked_until < now() - interval '1 second'`)
+			if err == nil {
+				var keys []string
+				for rows.Next() {
+					var k string
+					rows.Scan(&k)
+					keys = append(keys, k)
+				}
+				rows.Close()
+				for _, k := range keys {
+					if s, err := c.specFor(ctx, k); err == nil && c.enqueueDup(ctx, s, fmt.Sprintf("%s#nudge%d", k, n)) == nil {
+						nudges++
+					}
+				}
+			}
+			if m, err := c.insp.RunAllRetryTasks("default"); err == nil {
+				retryRuns += m
+			}
+		}
+		time.Sleep(2 * time.Second)
+	}
+	return
+}
+
+// runNoGuards is negative control (a): the same seed's workload (its first jobs) with the
+// ledger and lock off (IDEMQ_UNSAFE_NO_GUARDS) and the provider ignoring keys. The
+// checker must find duplicate effects.
+func runNoGuards(t *testing.T, p profile, seed uint64) controlReport {
+	r := controlReport{Name: "a: no ledger/lock, provider keys off"}
+	hist := newHistory()
+	c := startCluster(t, clusterConfig{mode: localserver.PersistNone, workers: 4, honorKeys: false,
+		workerEnv: []string{"IDEMQ_UNSAFE_NO_GUARDS=true"}}, hist)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	jobs := plan(seed, p.jobs, p.spread)[:p.controlJobs]
+	for i := range jobs {
+		jobs[i].at /= 4 // same jobs, sent faster
+	}
+	if err := c.drive(ctx, jobs); err != nil {
+		r.Failures = append(r.Failures, "workload: "+err.Error())
+	}
+	c.waitQuiet(ctx, 90*time.Second)
+	v, err := c.check(ctx)
+	if err != nil {
+		t.Fatalf("checker: %v", err)
+	}
+	r.Verdict, r.Counters = v, c.counters()
+	if v.DuplicateEffects == 0 {
+		r.Failures = append(r.Failures, "the checker found no duplicate effect with the guards off: it cannot see what they prevent")
+	}
+	r.Pass = len(r.Failures) == 0
+	if !r.Pass {
+		t.Errorf("control %s: %v", r.Name, r.Failures)
+	}
+	t.Logf("control %s: %d duplicate effects found (%d duplicates sent)", r.Name, v.DuplicateEffects, hist.dups)
+	return r
+}
+
+// runNoFencing is negative control (b): fencing off (IDEMQ_UNSAFE_NO_FENCING, a ledger
+// switch), provider keys off, and a scripted stale owner: a worker stopped past its lease
+// while a duplicate takes its keys over, then resumed. The checker must find duplicates.
+func runNoFencing(t *testing.T, p profile, seed uint64) controlReport {
+	r := controlReport{Name: "b: fencing off, provider keys off, scripted stale owner"}
+	help, _ := runIdemq(nil, "help", "worker")
+	if !strings.Contains(help, "IDEMQ_UNSAFE_NO_FENCING") {
+		r.Skipped = "the worker has no IDEMQ_UNSAFE_NO_FENCING switch (idempotency.Config.UnsafeNoFencing, to be added by the ledger owner): control (b) cannot run"
+		t.Skip(r.Skipped)
+		return r
+	}
+	hist := newHistory()
+	c := startCluster(t, clusterConfig{mode: localserver.PersistNone, workers: 2, honorKeys: false, startAfter: 1,
+		workerEnv: []string{"IDEMQ_UNSAFE_NO_FENCING=true"}}, hist)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var jobs []job
+	for _, j := range plan(seed, p.jobs, 0) {
+		if j.charge != nil && len(jobs) < 8 {
+			j.dup = false
+			jobs = append(jobs, j)
+		}
+	}
+	if err := c.drive(ctx, jobs); err != nil {
+		r.Failures = append(r.Failures, "workload: "+err.Error())
+	}
+	// Wait until worker0 holds charges, stop it, let worker1 take them over.
+	var snap map[string]leaseRow
+	for deadline := time.Now().Add(30 * time.Second); len(snap) == 0 && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		snap, _ = c.inProgressCharges(ctx)
+	}
+	w0 := c.workers[0]
+	w0.signal(syscall.SIGSTOP, false)
+	t0 := time.Now()
+	c.startWorker(c.workers[1])
+	held := c.heldBy(ctx, snap)
+	for _, k := range held {
+		if s, err := c.specFor(ctx, k); err == nil {
+			c.enqueueDup(ctx, s, k+"#stale")
+		}
+	}
+	time.Sleep(lease + 3*time.Second - time.Since(t0))
+	w0.signal(syscall.SIGCONT, false)
+	c.waitQuiet(ctx, 90*time.Second)
+	v, err := c.check(ctx)
+	if err != nil {
+		t.Fatalf("checker: %v", err)
+	}
+	r.Verdict, r.Counters = v, c.counters()
+	if len(held) == 0 {
+		r.Failures = append(r.Failures, "the stopped worker held no charge: no stale owner was scripted")
+	}
+	if v.DuplicateEffects == 0 && v.WrongResult == 0 {
+		r.Failures = append(r.Failures, "the checker found no duplicate effect and no wrong result with fencing off")
+	}
+	r.Pass = len(r.Failures) == 0
+	if !r.Pass {
+		t.Errorf("control %s: %v", r.Name, r.Failures)
+	}
+	return r
+}
+
+// waitQuiet waits until no task is left in asynq but completed or deliberately archived.
+func (c *cluster) waitQuiet(ctx context.Context, bound time.Duration) {
+	for deadline := time.Now().Add(bound); time.Now().Before(deadline); time.Sleep(time.Second) {
+		if left, _, _, err := c.asynqState(ctx); err == nil && len(left) == 0 {
+			return
+		}
+	}
+}
+
+// table prints the report as a table: one column per run, then the controls.
+func table(rep *report) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "seed %d, profile %s, wall %s\n", rep.Seed, rep.Profile, (time.Duration(rep.WallSeconds) * time.Second).String())
+	tw := tabwriter.NewWriter(&b, 0, 4, 2, ' ', 0)
+	head := "metric"
+	for _, r := range rep.Runs {
+		head += "\tredis=" + r.Mode
+	}
+	fmt.Fprintln(tw, head+"\t")
+	row := func(name string, f func(r runReport) any) {
+		line := name
+		for _, r := range rep.Runs {
+			line += fmt.Sprintf("\t%v", f(r))
+		}
+		fmt.Fprintln(tw, line+"\t")
+	}
+	row("duration (nemesis / drain)", func(r runReport) any {
+		return fmt.Sprintf("%.0fs (%.0fs / %.0fs)", r.DurationS, r.NemesisS, r.DrainS)
+	})
+	row("jobs expected", func(r runReport) any { return r.Verdict.Expected })
+	row("completed", func(r runReport) any { return r.Verdict.Completed })
+	row("lost", func(r runReport) any { return r.Verdict.Lost })
+	row("stuck", func(r runReport) any { return r.Verdict.Stuck })
+	row("duplicate effects", func(r runReport) any { return r.Verdict.DuplicateEffects })
+	row("results naming another effect", func(r runReport) any { return r.Verdict.WrongResult + r.Verdict.MissingEffect })
+	row("claims per key (ledger attempts)", func(r runReport) any { return histogram(r.Verdict.ClaimsPerKey) })
+	row("duplicates sent (workload/stop/nudge)", func(r runReport) any {
+		return fmt.Sprintf("%d/%d/%d", r.Dups, r.StopDups, r.Nudges)
+	})
+	row("suppressed by lock (busy)", func(r runReport) any { return r.Counters["lock:busy"] })
+	row("suppressed by ledger: cache hit", func(r runReport) any { return r.Counters["ledger:cache_hit"] })
+	row("suppressed by ledger: busy", func(r runReport) any { return r.Counters["ledger:busy"] })
+	row("takeovers after lease expiry", func(r runReport) any { return r.Counters["ledger:takeover"] })
+	row("fenced completions (lease_lost)", func(r runReport) any { return r.Counters["ledger:lease_lost"] })
+	row("self-fenced", func(r runReport) any { return r.Counters["ledger:self_fenced"] })
+	row("provider keys reused (requests)", func(r runReport) any {
+		return fmt.Sprintf("%d (%d)", r.Verdict.KeyReuses, r.Verdict.ReusedRequests)
+	})
+	row("nemesis events", func(r runReport) any { return kinds(r.Nemesis) })
+	row("recovery after kill/stop p50/p95/max (n)", func(r runReport) any {
+		return fmt.Sprintf("%.1f/%.1f/%.1fs (%d)", r.Verdict.RecoveryP50, r.Verdict.RecoveryP95, r.Verdict.RecoveryMax, r.Verdict.RecoveryN)
+	})
+	row("e2e latency p50/p99", func(r runReport) any {
+		return fmt.Sprintf("%.2f/%.2fs", r.Verdict.LatencyP50, r.Verdict.LatencyP99)
+	})
+	row("asynq leftover / bad archived", func(r runReport) any {
+		return fmt.Sprintf("%d / %d of %d", len(r.Verdict.Leftover), r.Verdict.BadArchived, len(badPayloads))
+	})
+	row("result", func(r runReport) any { return passFail(r.Pass) })
+	tw.Flush()
+	for _, c := range rep.Controls {
+		if c.Skipped != "" {
+			fmt.Fprintf(&b, "negative control %s: SKIPPED: %s\n", c.Name, c.Skipped)
+			continue
+		}
+		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results: %s\n",
+			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult, passFail(c.Pass))
+	}
+	for _, r := range rep.Runs {
+		for _, f := range r.Failures {
+			fmt.Fprintf(&b, "redis=%s FAILURE: %s\n", r.Mode, f)
+		}
+	}
+	fmt.Fprintf(&b, "overall: %s\n", passFail(rep.Pass))
+	return b.String()
+}
+
+func histogram(m map[string]int) string {
+	var ks []int
+	for k := range m {
+		n, _ := strconv.Atoi(k)
+		ks = append(ks, n)
+	}
+	slices.Sort(ks)
+	var parts []string
+	for _, k := range ks {
+		parts = append(parts, fmt.Sprintf("%d:%d", k, m[strconv.Itoa(k)]))
+	}
+	return strings.Join(parts, " ")
+}
+
+func kinds(m map[string]int) string {
+	var ks []string
+	for k := range m {
+		if k != "heal" {
+			ks = append(ks, k)
+		}
+	}
+	sort.Strings(ks)
+	var parts []string
+	for _, k := range ks {
+		parts = append(parts, fmt.Sprintf("%s=%d", k, m[k]))
+	}
+	return strings.Join(parts, " ")
+}
+
+func passFail(ok bool) string {
+	if ok {
+		return "PASS"
+	}
+	return "FAIL"
+}
+
+func firstN(s []string, n int) []string { return s[:min(n, len(s))] }
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}

@@ -1,0 +1,241 @@
+//go:build faults
+
+package faults
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/hibiken/asynq"
+
+	"github.com/idemq/idemq/tasks"
+)
+
+// createExpected is the suite's own record of every job it means to run, written before
+// the job is sent: the checker's list of what must exist exactly once.
+const createExpected = `CREATE TABLE faults_expected (
+	key         text PRIMARY KEY,
+	kind        text NOT NULL,     -- charge | debit
+	ref         text NOT NULL,     -- order_id or reference
+	dup         boolean NOT NULL,  -- also sent a second time straight to asynq
+	recorded_at timestamptz NOT NULL DEFAULT now()
+)`
+
+// job is one planned job of the workload.
+type job struct {
+	at       time.Duration // when to send it, from the start of the workload
+	charge   *tasks.Charge
+	debit    *tasks.Debit
+	dup      bool
+	dupAfter time.Duration // when the duplicate follows the API request
+}
+
+func (j job) key() string {
+	if j.charge != nil {
+		return j.charge.Key()
+	}
+	return j.debit.Key()
+}
+
+func (j job) spec() tasks.Spec {
+	var s tasks.Spec
+	var err error
+	if j.charge != nil {
+		s, err = tasks.ChargeSpec(*j.charge)
+	} else {
+		s, err = tasks.DebitSpec(*j.debit)
+	}
+	if err != nil {
+		panic(err) // the plan builds valid jobs
+	}
+	return s
+}
+
+// plan derives n jobs from seed: half charges, half debits, about 20% with a duplicate,
+// sent evenly over spread.
+func plan(seed uint64, n int, spread time.Duration) []job {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	jobs := make([]job, n)
+	for i := range jobs {
+		j := job{at: spread * time.Duration(i) / time.Duration(n)}
+		if rng.IntN(2) == 0 {
+			j.charge = &tasks.Charge{OrderID: fmt.Sprintf("o-%d", i), CustomerID: fmt.Sprintf("c-%d", rng.IntN(n/2+1)),
+				AmountCents: int64(100 + rng.IntN(10000)), Currency: "EUR"}
+		} else {
+			j.debit = &tasks.Debit{AccountID: fmt.Sprintf("a-%d", rng.IntN(n/2+1)), AmountCents: int64(1 + rng.IntN(500)),
+				Reference: fmt.Sprintf("r-%d", i)}
+		}
+		if rng.Float64() < 0.2 {
+			j.dup, j.dupAfter = true, time.Duration(rng.IntN(3000))*time.Millisecond
+		}
+		jobs[i] = j
+	}
+	return jobs
+}
+
+// drive sends the jobs on their schedule: record the key, POST it to the API (retrying
+// through outages), then send the duplicate straight to asynq under TaskID key#dup. It
+// returns when every job was accepted and every duplicate sent or given up.
+func (c *cluster) drive(ctx context.Context, jobs []job) error {
+	start := time.Now()
+	var wg sync.WaitGroup
+	errs := make(chan error, len(jobs))
+	sem := make(chan struct{}, 16)
+	for _, j := range jobs {
+		if d := j.at - time.Since(start); d > 0 {
+			select {
+			case <-time.After(d):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			if err := c.send(ctx, j); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return errors.Join(collect(errs)...)
+}
+
+func collect(ch chan error) []error {
+	var out []error
+	for e := range ch {
+		out = append(out, e)
+	}
+	return out
+}
+
+func (c *cluster) send(ctx context.Context, j job) error {
+	key, kind, ref := j.key(), "debit", ""
+	if j.charge != nil {
+		kind, ref = "charge", j.charge.OrderID
+	} else {
+		ref = j.debit.Reference
+	}
+	if err := retry(ctx, time.Minute, func() error {
+		_, err := c.pool.Exec(ctx, `INSERT INTO faults_expected (key, kind, ref, dup) VALUES ($1, $2, $3, $4)
+			ON CONFLICT (key) DO NOTHING`, key, kind, ref, j.dup)
+		return err
+	}); err != nil {
+		return fmt.Errorf("record %s: %w", key, err)
+	}
+	path, body := "/v1/wallet/debits", any(j.debit)
+	if j.charge != nil {
+		path, body = "/v1/charges", j.charge
+	}
+	b, _ := json.Marshal(body)
+	if err := retry(ctx, 90*time.Second, func() error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, c.apiURL+path, bytes.NewReader(b))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		switch resp.StatusCode {
+		case http.StatusAccepted, http.StatusOK:
+			return nil
+		case http.StatusBadRequest, http.StatusUnprocessableEntity:
+			return backoffStop{fmt.Errorf("POST %s %s: %d", path, b, resp.StatusCode)}
+		}
+		return fmt.Errorf("POST %s: %d", path, resp.StatusCode)
+	}); err != nil {
+		return fmt.Errorf("send %s: %w", key, err)
+	}
+	if !j.dup {
+		return nil
+	}
+	time.Sleep(j.dupAfter)
+	if err := c.enqueueDup(ctx, j.spec(), j.spec().Key+"#dup"); err != nil {
+		c.hist.add(func(h *history) { h.dupErrors++ })
+		return nil // Redis down the whole time: a lost duplicate is no loss
+	}
+	c.hist.add(func(h *history) { h.dups++ })
+	return nil
+}
+
+// enqueueDup publishes a second delivery of a job straight to asynq under taskID (test
+// only: the API dedups).
+func (c *cluster) enqueueDup(ctx context.Context, s tasks.Spec, taskID string) error {
+	return retry(ctx, 20*time.Second, func() error {
+		_, err := c.client.EnqueueContext(ctx, s.Task(taskID, time.Now()))
+		if errors.Is(err, asynq.ErrTaskIDConflict) {
+			return nil
+		}
+		return err
+	})
+}
+
+// specFor rebuilds a job's Spec from its recorded key and the stored intent.
+func (c *cluster) specFor(ctx context.Context, key string) (tasks.Spec, error) {
+	var s tasks.Spec
+	var timeoutMS, retentionMS int64
+	err := c.pool.QueryRow(ctx, `SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms
+		FROM job_intents WHERE idempotency_key = $1`, key).Scan(&s.Key, &s.Type, &s.Payload, &s.Queue, &s.MaxRetry, &timeoutMS, &retentionMS)
+	s.Timeout, s.Retention = time.Duration(timeoutMS)*time.Millisecond, time.Duration(retentionMS)*time.Millisecond
+	return s, err
+}
+
+// badPayloads are deliberate bad inputs: each must be archived with a reason, no retry and
+// no ledger row.
+var badPayloads = map[string]*asynq.Task{
+	"bad-malformed":     asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":`)),
+	"bad-missing-field": asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a"}`)),
+	"bad-negative":      asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":"o","customer_id":"c","amount_cents":-1,"currency":"EUR"}`)),
+}
+
+func (c *cluster) enqueueBad(ctx context.Context) error {
+	for id, task := range badPayloads {
+		if err := retry(ctx, 20*time.Second, func() error {
+			_, err := c.client.EnqueueContext(ctx, task, asynq.TaskID(id), asynq.MaxRetry(3))
+			if errors.Is(err, asynq.ErrTaskIDConflict) {
+				return nil
+			}
+			return err
+		}); err != nil {
+			return fmt.Errorf("enqueue %s: %w", id, err)
+		}
+	}
+	return nil
+}
+
+// backoffStop ends a retry at once.
+type backoffStop struct{ error }
+
+// retry calls f until it succeeds, returns backoffStop, or d has passed.
+func retry(ctx context.Context, d time.Duration, f func() error) error {
+	deadline := time.Now().Add(d)
+	wait := 100 * time.Millisecond
+	for {
+		err := f()
+		var stop backoffStop
+		if err == nil {
+			return nil
+		}
+		if errors.As(err, &stop) {
+			return stop.error
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return err
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
