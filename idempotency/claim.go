@@ -87,7 +87,7 @@ type Result struct {
 // final SELECT, evaluated after the upsert, restores lock_timeout, so that a DoTx
 // handler's own waits are not cut short. Settings are local to the transaction.
 //
-// $7 is true for DoTx: the row is written completed at once (the row lock, held until
+// $7 is true for DoTx: the row (and the key's outbox intent) is written completed at once (the row lock, held until
 // the transaction ends, is the lease, and nobody sees the row before it commits, with
 // the effect, or rolls back with it), so the completion only has to store the result;
 // and the transaction id comes back with the claim, for a commit whose answer is lost.
@@ -124,6 +124,10 @@ WITH cur AS (
 	       OR p.payload_sha256 = excluded.payload_sha256)
 	RETURNING p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
 	          p.locked_until, p.started_at, p.completed_at, p.generation
+), intent AS (
+	-- DoTx writes the row completed: settle the outbox intent in the same transaction.
+	` + settleIntentSQL + `'done'
+	WHERE $7::bool AND idempotency_key = $1 AND state IN ('pending', 'published') AND EXISTS (SELECT 1 FROM up)
 )
 SELECT true, true, up.*, now(), CASE WHEN $7::bool THEN pg_current_xact_id()::text END,
        pg_postmaster_start_time()::text,
@@ -358,7 +362,7 @@ RETURNING locked_until`
 func (l *Ledger) Heartbeat(ctx context.Context, c *Claim) (time.Time, error) {
 	lease := l.leaseFor(c.deadline)
 	var until time.Time
-	err := l.hbPool.QueryRow(ctx, heartbeatSQL, c.Key, c.Fence, c.owner, lease.Microseconds()).Scan(&until)
+	err := l.hbPool.QueryRow(ctx, l.fenced(heartbeatSQL), c.Key, c.Fence, c.owner, lease.Microseconds()).Scan(&until)
 	if errors.Is(err, pgx.ErrNoRows) {
 		l.leaseLost(c, "heartbeat")
 		return time.Time{}, fmt.Errorf("%w: heartbeat of key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
@@ -374,27 +378,37 @@ func (l *Ledger) leaseLost(c *Claim, what string) {
 	l.log.Warn("idempotency: lease lost; "+what+" refused", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
 }
 
-// The fenced updates that end a claim ($1 key, $2 fence, $3 owner). Leased mode returns
-// the transaction id (returningXID) before committing; DoTx wraps them in fencedInTx.
+// The fenced updates that end a claim ($1 key, $2 fence, $3 owner). Each returns the
+// transaction id before committing (see finish), and turns synchronous_commit on for the
+// commit that follows. A completion settles the key's outbox intent (done; dead for a
+// permanent failure) in the same statement, so the two commit together.
 const (
-	completeUpdate = `
-UPDATE processed_jobs
-SET status = 'completed', result = $4, last_error = coalesce($5, last_error), completed_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
-	failRetryUpdate = `
+	xidColumns = `pg_current_xact_id()::text, pg_postmaster_start_time()::text, set_config('synchronous_commit', 'on', true)`
+
+	completeSQL = `
+WITH c AS (
+	UPDATE processed_jobs
+	SET status = 'completed', result = $4, last_error = coalesce($5, last_error), completed_at = now(), updated_at = now()
+	WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
+	RETURNING idempotency_key
+), i AS (` + settleIntentSQL + `'done' WHERE idempotency_key IN (SELECT idempotency_key FROM c) AND state IN ('pending', 'published'))
+SELECT ` + xidColumns + ` FROM c`
+
+	failRetrySQL = `
 UPDATE processed_jobs SET locked_until = now(), last_error = $4, updated_at = now()
-WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
-	failPermanentUpdate = `
-UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'`
+WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
+RETURNING ` + xidColumns
 
-	// returningXID also turns synchronous_commit on for the commit that follows (only a
-	// row that was updated will be committed).
-	returningXID = ` RETURNING pg_current_xact_id()::text, pg_postmaster_start_time()::text, set_config('synchronous_commit', 'on', true)`
+	failPermanentSQL = `
+WITH c AS (
+	UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
+	WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
+	RETURNING idempotency_key
+), i AS (` + settleIntentSQL + `'dead' WHERE idempotency_key IN (SELECT idempotency_key FROM c) AND state IN ('pending', 'published'))
+SELECT ` + xidColumns + ` FROM c`
 
-	completeSQL      = completeUpdate + returningXID
-	failRetrySQL     = failRetryUpdate + returningXID
-	failPermanentSQL = failPermanentUpdate + returningXID
+	// settleIntentSQL is completed by a state and a WHERE clause.
+	settleIntentSQL = `UPDATE job_intents SET finished_at = now(), updated_at = now(), state = `
 )
 
 // Complete records result for c's key, durably (synchronous_commit on), if c still holds
@@ -466,6 +480,9 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
 	defer conn.Release()
+	if l.cfg.UnsafeNoFencing {
+		q, name = l.fenced(q), name+"_nofence"
+	}
 	sd, err := conn.Conn().Prepare(ctx, name, q) // once per connection
 	if err != nil {
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)

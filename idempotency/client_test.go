@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
@@ -276,5 +278,81 @@ func TestReconcileRepublishesLostTasks(t *testing.T) {
 	s, err := c.Stats(ctx, 0)
 	if err != nil || s.Published != 3 || s.Pending != 0 {
 		t.Fatalf("stats: %+v %v", s, err)
+	}
+}
+
+func TestCompletionSettlesIntentInTheSameTransaction(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	l := idempotency.New(pool, nil)
+	t.Cleanup(l.Close)
+	ctx := testenv.Context(t, 30*time.Second)
+	for _, ref := range []string{"tx", "leased", "failed", "rolled-back"} {
+		if _, err := c.Enqueue(ctx, debitSpec(t, ref, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	req := func(ref string) idempotency.Request {
+		s := debitSpec(t, ref, 1)
+		return idempotency.Request{Key: s.Key, TaskType: s.Type, Fingerprint: idempotency.Fingerprint(s.Type, s.Payload)}
+	}
+	if _, err := l.DoTx(ctx, req("tx"), func(context.Context, pgx.Tx) (json.RawMessage, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Do(ctx, req("leased"), func(context.Context) (json.RawMessage, error) { return json.RawMessage(`1`), nil }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Do(ctx, req("failed"), func(context.Context) (json.RawMessage, error) {
+		return nil, idempotency.Permanent(errors.New("refused"))
+	}); err == nil {
+		t.Fatal("a permanent error was not returned")
+	}
+	if _, err := l.DoTx(ctx, req("rolled-back"), func(context.Context, pgx.Tx) (json.RawMessage, error) {
+		return nil, errors.New("retry me")
+	}); err == nil {
+		t.Fatal("the handler's error was not returned")
+	}
+	for ref, want := range map[string]string{"tx": idempotency.IntentDone, "leased": idempotency.IntentDone,
+		"failed": idempotency.IntentDead, "rolled-back": idempotency.IntentPublished} {
+		info, err := c.Intent(ctx, "debit:"+ref)
+		if err != nil || info.State != want {
+			t.Errorf("%s: intent %+v (%v), want state %s", ref, info, err, want)
+		}
+	}
+	// Purge takes the intents with the ledger rows.
+	if n, err := l.Purge(ctx, 0, 10); err != nil || n != 3 {
+		t.Fatalf("purge: %d, %v; want the 3 terminal rows", n, err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM job_intents`); n != 1 {
+		t.Fatalf("%d intents left after the purge, want 1 (the unfinished one)", n)
+	}
+}
+
+// TestUnsafeNoFencingLetsAStaleOwnerWrite is the ledger-level negative control: with
+// fencing off, the stale owner's heartbeat and completion go through.
+func TestUnsafeNoFencingLetsAStaleOwnerWrite(t *testing.T) {
+	t.Parallel()
+	for _, unsafe := range []bool{false, true} {
+		l, _ := newLedger(t, &idempotency.Config{Lease: 200 * time.Millisecond, UnsafeNoFencing: unsafe})
+		ctx := testenv.Context(t, 30*time.Second)
+		first, err := l.Claim(ctx, req("k"))
+		if err != nil || first.Claim == nil {
+			t.Fatal(first, err)
+		}
+		time.Sleep(300 * time.Millisecond)
+		second, err := l.Claim(ctx, req("k"))
+		if err != nil || second.Claim == nil {
+			t.Fatal(second, err)
+		}
+		_, hbErr := l.Heartbeat(ctx, first.Claim)
+		cErr := l.Complete(ctx, first.Claim, json.RawMessage(`"stale"`))
+		if unsafe {
+			if hbErr != nil || cErr != nil || string(get(t, l, "k").Result) != `"stale"` {
+				t.Fatalf("fencing off: heartbeat %v, complete %v; want both to go through", hbErr, cErr)
+			}
+		} else if !errors.Is(hbErr, idempotency.ErrLeaseLost) || !errors.Is(cErr, idempotency.ErrLeaseLost) {
+			t.Fatalf("fencing on: heartbeat %v, complete %v; want ErrLeaseLost", hbErr, cErr)
+		}
 	}
 }

@@ -168,7 +168,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 func (l *Ledger) commitTx(ctx context.Context, conn *pgx.Conn, c *Claim, stored, lastErr any) error {
 	b := &pgx.Batch{}
 	if stored != nil || lastErr != nil {
-		b.Queue(storeResultTxSQL, c.Key, c.Fence, c.owner, stored, lastErr)
+		b.Queue(l.fenced(storeResultTxSQL), c.Key, c.Fence, c.owner, stored, lastErr)
 	}
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)

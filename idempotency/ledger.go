@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -69,6 +70,11 @@ type Config struct {
 	WriteTimeout time.Duration
 	// Logger receives lease losses, self-fencing and replaced results. Default: discard.
 	Logger *slog.Logger
+	// UnsafeNoFencing is for negative-control tests only: fenced writes (Heartbeat,
+	// Complete, Fail, the DoTx completion) stop checking the fence and owner, and Do stops
+	// fencing itself, so a stale owner can extend, complete or overwrite what a newer owner
+	// holds. It exists to show what fencing prevents. Never set it for real work.
+	UnsafeNoFencing bool
 	// Observe, if set, is called for each Event with the request's task type, for
 	// metrics. It must be fast and safe for concurrent use.
 	Observe func(ev Event, taskType string)
@@ -142,6 +148,15 @@ func (l *Ledger) Close() {
 	if l.ownHBPool {
 		l.hbPool.Close()
 	}
+}
+
+// fenced returns q, a fenced write, as it runs on this ledger: unchanged, or without its
+// fence and owner checks under Config.UnsafeNoFencing (the parameters stay, unchecked).
+func (l *Ledger) fenced(q string) string {
+	if !l.cfg.UnsafeNoFencing {
+		return q
+	}
+	return strings.ReplaceAll(q, "AND fence = $2 AND owner = $3", "AND $2::bigint > 0 AND $3::uuid IS NOT NULL")
 }
 
 func (l *Ledger) observe(ev Event, taskType string) {

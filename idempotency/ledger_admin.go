@@ -168,17 +168,23 @@ func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error
 // The outer conditions are checked again on the row version it deletes, so a row re-run
 // meanwhile stays.
 const purgeSQL = `
-DELETE FROM processed_jobs
-WHERE idempotency_key IN (
-	SELECT idempotency_key FROM processed_jobs
-	WHERE started_at < now() - $1::bigint * interval '1 microsecond'
+WITH d AS (
+	DELETE FROM processed_jobs
+	WHERE idempotency_key IN (
+		SELECT idempotency_key FROM processed_jobs
+		WHERE started_at < now() - $1::bigint * interval '1 microsecond'
+		  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+		LIMIT $2 FOR UPDATE SKIP LOCKED)
 	  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
-	LIMIT $2 FOR UPDATE SKIP LOCKED)
-  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'`
+	RETURNING idempotency_key
+), i AS (
+	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+)
+SELECT count(*) FROM d`
 
-// Purge deletes completed and failed rows that completed more than olderThan ago, in
-// transactions of at most batch rows (default 1000 when batch <= 0), until none is left
-// or ctx ends. In-progress and needs_attention rows are never purged. It returns how many
+// Purge deletes completed and failed rows that completed more than olderThan ago, with
+// their outbox intents, in transactions of at most batch rows (default 1000 when
+// batch <= 0), until none is left or ctx ends. In-progress and needs_attention rows are never purged. It returns how many
 // rows it deleted. A key delivered again after its row is purged runs again: keep the
 // window longer than anything can still deliver the key. Safe for concurrent use.
 func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) (int64, error) {
@@ -190,12 +196,12 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	}
 	var total int64
 	for {
-		tag, err := l.pool.Exec(ctx, purgeSQL, olderThan.Microseconds(), batch)
-		if err != nil {
+		var n int64
+		if err := l.pool.QueryRow(ctx, purgeSQL, olderThan.Microseconds(), batch).Scan(&n); err != nil {
 			return total, fmt.Errorf("idempotency: purge: %w", err)
 		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < int64(batch) {
+		total += n
+		if n < int64(batch) {
 			return total, nil
 		}
 	}

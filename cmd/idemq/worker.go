@@ -71,10 +71,14 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	}
 
 	m := metrics.New()
+	if cfg.UnsafeNoFencing {
+		log.Warn("IDEMQ_UNSAFE_NO_FENCING is set: stale owners can complete and extend leases they lost (tests only)")
+	}
 	ledger := idempotency.New(pool, &idempotency.Config{
-		Lease:  cfg.Lease,
-		MaxAge: cfg.MaxAge,
-		Logger: log,
+		Lease:           cfg.Lease,
+		MaxAge:          cfg.MaxAge,
+		UnsafeNoFencing: cfg.UnsafeNoFencing,
+		Logger:          log,
 		Observe: func(ev idempotency.Event, taskType string) {
 			m.LedgerEvents.WithLabelValues(string(ev), taskType).Inc()
 		},
