@@ -18,10 +18,11 @@ import (
 // installed binaries. Close kills it and removes its files. Its methods are safe to call
 // from several goroutines.
 type Server struct {
-	p     *process
-	port  int
-	dir   string
-	ready func() error
+	p          *process
+	port       int
+	dir        string
+	ready      func() error
+	stopSignal syscall.Signal
 }
 
 // Close kills the server and removes its directory.
@@ -38,9 +39,9 @@ func (s *Server) Port() int { return s.port }
 // for them to exit.
 func (s *Server) Kill() error { return s.p.stop(syscall.SIGKILL, true, 10*time.Second) }
 
-// Stop shuts the server down cleanly (Postgres: fast shutdown; Redis: SHUTDOWN, which saves
-// the AOF) and waits for it to exit.
-func (s *Server) Stop() error { return s.p.stop(syscall.SIGTERM, false, 30*time.Second) }
+// Stop shuts the server down cleanly (Postgres: fast shutdown, SIGINT, which does not wait
+// for clients to disconnect; Redis: SIGTERM, which syncs the AOF) and waits for it to exit.
+func (s *Server) Stop() error { return s.p.stop(s.stopSignal, false, 30*time.Second) }
 
 // Start starts a stopped or killed server again on the same port and data, and waits until
 // it answers.
@@ -120,7 +121,7 @@ func StartPostgres() (*Postgres, error) {
 		return nil, err
 	}
 	s := &Postgres{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
-	s.port, s.dir = port, root
+	s.port, s.dir, s.stopSignal = port, root, syscall.SIGINT
 	s.p = &process{
 		name: "private postgres", dir: root, log: filepath.Join(root, "postgres.log"), cred: cred,
 		argv: []string{postgres, "-D", data, "-p", strconv.Itoa(port), "-k", root,
@@ -200,7 +201,7 @@ func StartRedis(mode Persistence) (*Redis, error) {
 	}
 	addr := fmt.Sprintf("127.0.0.1:%d", port)
 	s := &Redis{URL: "redis://" + addr + "/0", Addr: addr}
-	s.port, s.dir = port, dir
+	s.port, s.dir, s.stopSignal = port, dir, syscall.SIGTERM
 	s.p = &process{name: "private redis", dir: dir, log: filepath.Join(dir, "redis.log"), argv: argv}
 	s.ready = func() error {
 		c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: time.Second})

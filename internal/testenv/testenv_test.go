@@ -172,3 +172,23 @@ func TestPrivateRedisPauseResume(t *testing.T) {
 	}
 	t.Fatalf("no answer after resume: %v", err)
 }
+
+func TestPrivatePostgresStopDoesNotWaitForClients(t *testing.T) {
+	t.Parallel()
+	pg := testenv.StartPostgres(t)
+	pool := testenv.Pool(t, pg.URL)
+	ctx := testenv.Context(t, time.Minute)
+	if err := pool.Ping(ctx); err != nil { // leaves an idle connection open
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if err := pg.Stop(); err != nil {
+		t.Fatalf("stop with an idle client: %v", err)
+	}
+	if d := time.Since(start); d > 20*time.Second {
+		t.Fatalf("stop took %s: it waited for the idle client", d)
+	}
+	if err := pg.Start(); err != nil {
+		t.Fatal(err)
+	}
+}
