@@ -224,12 +224,39 @@ func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
 	if err != nil {
 		return nil, err
 	}
+	i.zeroEpochs()
+	return &i, nil
+}
+
+const unfinishedIntentsSQL = `SELECT idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),
+	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch')
+	FROM job_intents WHERE state IN ('pending', 'published') ORDER BY created_at LIMIT $1`
+
+// UnfinishedIntents returns up to limit intents still pending or published (accepted, not
+// yet completed or failed), oldest first.
+func (c *Client) UnfinishedIntents(ctx context.Context, limit int) ([]IntentInfo, error) {
+	rows, err := c.pool.Query(ctx, unfinishedIntentsSQL, limit)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (IntentInfo, error) {
+		var i IntentInfo
+		err := row.Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration, &i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt)
+		i.zeroEpochs()
+		return i, err
+	})
+}
+
+// TaskID is the asynq TaskID of the intent's current publish: the key, or key#r<n> after
+// n republishes.
+func (i *IntentInfo) TaskID() string { return taskID(i.Key, i.PublishGeneration) }
+
+func (i *IntentInfo) zeroEpochs() {
 	for _, t := range []*time.Time{&i.PublishedAt, &i.FinishedAt} {
 		if t.Unix() == 0 {
 			*t = time.Time{}
 		}
 	}
-	return &i, nil
 }
 
 // Wake asks every relay to look for pending intents now (a NOTIFY outside any

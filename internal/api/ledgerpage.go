@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"embed"
 	"encoding/json"
 	"errors"
@@ -40,6 +41,7 @@ var statuses = []string{idempotency.StatusInProgress, idempotency.StatusComplete
 
 type listPage struct {
 	Rows     []idempotency.Record
+	Intents  []idempotency.IntentInfo // accepted jobs not finished yet (the outbox)
 	Status   string
 	Statuses []string
 	Limit    int
@@ -75,12 +77,25 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	p.Rows = rows
+	if il, ok := s.deps.Enqueuer.(intentLister); ok && p.Status == "" {
+		if p.Intents, err = il.UnfinishedIntents(r.Context(), p.Limit); err != nil {
+			s.log.Error("api: ledger page: outbox", "err", err)
+		}
+	}
 	s.render(w, "list.html", p)
 }
 
+// intentLister is the outbox listing the ledger page shows, when the Enqueuer offers it
+// (*idempotency.Client does).
+type intentLister interface {
+	UnfinishedIntents(ctx context.Context, limit int) ([]idempotency.IntentInfo, error)
+}
+
 type rowPage struct {
-	Row       idempotency.Record
-	TaskState string // asynq's state of the task with TaskID = key, "" when Redis has none
+	Key       string
+	Row       *idempotency.Record     // nil: no worker has claimed the key yet
+	Intent    *idempotency.IntentInfo // nil: not recorded through the outbox (or purged)
+	TaskState string                  // asynq's state of the task with TaskID = key, "" when Redis has none
 	TaskLink  string
 }
 
@@ -88,20 +103,30 @@ type rowPage struct {
 // id when Redis still has it.
 func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
+	p := rowPage{Key: key}
 	rec, err := s.deps.Ledger.Get(r.Context(), key)
-	if errors.Is(err, idempotency.ErrNotFound) {
-		w.WriteHeader(http.StatusNotFound)
-		s.render(w, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})
-		return
-	}
-	if err != nil {
+	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
 		s.log.Error("api: ledger row page", "key", key, "err", err)
 		http.Error(w, "read the ledger: internal error", http.StatusInternalServerError)
 		return
 	}
-	p := rowPage{Row: *rec}
-	if info, err := s.insp.GetTaskInfo(tasks.Queue, key); err == nil {
-		p.TaskState, p.TaskLink = info.State.String(), taskLink(key)
+	p.Row = rec
+	if il, ok := s.deps.Enqueuer.(IntentLookup); ok {
+		if in, err := il.Intent(r.Context(), key); err == nil {
+			p.Intent = in
+		}
+	}
+	if p.Row == nil && p.Intent == nil {
+		w.WriteHeader(http.StatusNotFound)
+		s.render(w, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})
+		return
+	}
+	id := key
+	if p.Intent != nil {
+		id = p.Intent.TaskID()
+	}
+	if info, err := s.insp.GetTaskInfo(tasks.Queue, id); err == nil {
+		p.TaskState, p.TaskLink = info.State.String(), taskLink(id)
 	}
 	s.render(w, "row.html", p)
 }

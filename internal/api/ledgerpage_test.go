@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -55,7 +56,7 @@ func TestLedgerPage(t *testing.T) {
 		`<code>charge:o-1</code>`, `href="/monitoring/queues/default/tasks/charge:o-1">pending in asynqmon</a>`,
 		"&#34;charge_id&#34;: &#34;ch_1&#34;", "attempts")
 	// A row without a task in Redis says so.
-	a.do(t, "GET", "/ledger/charge:o-2%3Cscript%3E", "").want(t, 200, "not in Redis under TaskID")
+	a.do(t, "GET", "/ledger/charge:o-2%3Cscript%3E", "").want(t, 200, "not in Redis (done and past its retention")
 	a.do(t, "GET", "/ledger/charge:nope", "").want(t, 404, `No ledger row for key <code>charge:nope</code>`)
 
 	// Search: a known key goes to its page, an unknown one says it is missing.
@@ -71,6 +72,26 @@ func TestLedgerPage(t *testing.T) {
 	}
 	a.do(t, "GET", "/ledger/?key=charge:zzz", "").want(t, 200, `id="missing"`, "charge:zzz")
 	a.do(t, "GET", "/", "").want(t, 200, `id="rows"`)
+}
+
+func TestLedgerPageShowsIntents(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	a.publish(t, "waiting") // accepted and published, no worker yet
+	a.publish(t, "done")
+	a.complete(t, "done", `{"charge_id":"ch_d"}`)
+
+	// The list shows the unfinished outbox; the finished key is not in it.
+	page := a.do(t, "GET", "/ledger/", "").want(t, 200, `id="intents"`,
+		`<a href="/ledger/charge:waiting">charge:waiting</a>`, `<span class="status intent-published">published</span>`)
+	if strings.Contains(page.body[strings.Index(page.body, `id="intents"`):], "charge:done") {
+		t.Fatal("a finished job is listed in the outbox")
+	}
+	// A key no worker claimed yet has a page: accepted, its intent and its task.
+	a.do(t, "GET", "/ledger/charge:waiting", "").want(t, 200, `<span class="status accepted">accepted</span>`,
+		`id="intent"`, `task id <code>charge:waiting</code>`, `pending in asynqmon</a>`)
+	// A completed key shows its intent settled in the same transaction.
+	a.do(t, "GET", "/ledger/charge:done", "").want(t, 200, `<span class="status intent-done">done</span>`, "ch_d")
 }
 
 func TestPrettyResult(t *testing.T) {
