@@ -45,6 +45,7 @@ func commands() []command {
 		ledgerCommand(),
 		fakepayCommand(),
 		healthcheckCommand(),
+		benchCommand(),
 	}
 }
 

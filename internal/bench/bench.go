@@ -1,0 +1,319 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Options configures a run. Main fills it from flags; the zero value of a field means
+// its default, written in the field's doc.
+type Options struct {
+	RedisURL    string // Redis server; the run leases an empty database on it
+	DatabaseURL string // Postgres database; the run creates, migrates and drops a schema on it
+
+	// Workloads to measure, in order: noop, debit, charge (the main table), scale (1, 2
+	// and 4 servers) and io (a handler that sleeps Options.IOWait). Default: noop, debit,
+	// charge.
+	Workloads []string
+	// Reps is the number of repetitions; each runs every configuration once, interleaved.
+	// Default 3.
+	Reps int
+	// Seconds is the drain time each measurement aims at: N is sized from the rate the
+	// configuration reached in the warm-up or the previous repetition. Default 2.
+	Seconds float64
+	// N, when positive, fixes the number of tasks of every measurement instead.
+	N int
+	// MinN and MaxN bound an automatic N. Defaults 200 and 200000.
+	MinN, MaxN int
+	// Warmup runs every configuration once, unrecorded, with WarmupN tasks before the
+	// first repetition (it also gives the first estimate of each rate). Default 500;
+	// negative skips the warm-up.
+	WarmupN int
+	// Concurrency is each asynq server's concurrency. Default 50.
+	Concurrency int
+	// PoolBudget is the Postgres connections a measurement's servers share; each server
+	// gets min(Concurrency+4, PoolBudget/servers), at least 4. Default 40.
+	PoolBudget int
+	// ScaleServers are the server counts of the scale workload. Default 1, 2, 4.
+	ScaleServers []int
+	// IOWait is the simulated I/O of the io workload's handler. Default 10ms.
+	IOWait time.Duration
+}
+
+func (o *Options) defaults() {
+	if len(o.Workloads) == 0 {
+		o.Workloads = []string{"noop", "debit", "charge"}
+	}
+	if o.Reps <= 0 {
+		o.Reps = 3
+	}
+	if o.Seconds <= 0 {
+		o.Seconds = 2
+	}
+	if o.MinN <= 0 {
+		o.MinN = 200
+	}
+	if o.MaxN <= 0 {
+		o.MaxN = 200000
+	}
+	if o.WarmupN == 0 {
+		o.WarmupN = 500
+	}
+	if o.Concurrency <= 0 {
+		o.Concurrency = 50
+	}
+	if o.PoolBudget <= 0 {
+		o.PoolBudget = 40
+	}
+	if len(o.ScaleServers) == 0 {
+		o.ScaleServers = []int{1, 2, 4}
+	}
+	if o.IOWait <= 0 {
+		o.IOWait = 10 * time.Millisecond
+	}
+}
+
+// CPU is CPU time per task, in microseconds, by party.
+type CPU struct {
+	Go       float64 `json:"go_us"`       // this process: asynq, the middleware, the in-process provider, pgx, go-redis
+	Redis    float64 `json:"redis_us"`    // the redis-server process (shared: other clients' load counts too)
+	Postgres float64 `json:"postgres_us"` // this run's backends + WAL writer, checkpointer, background writer
+	Total    float64 `json:"total_us"`
+}
+
+// Sample is one measurement.
+type Sample struct {
+	Workload       string  `json:"workload"`
+	Config         string  `json:"config"`
+	Servers        int     `json:"servers"`
+	Concurrency    int     `json:"concurrency"`
+	PoolPerServer  int     `json:"pool_per_server"`
+	Rep            int     `json:"rep"`
+	N              int     `json:"n"`
+	DrainSeconds   float64 `json:"drain_s"`
+	TasksPerSecond float64 `json:"tasks_per_s"`
+	OverheadP50us  float64 `json:"overhead_p50_us"`
+	OverheadP99us  float64 `json:"overhead_p99_us"`
+	CPU            CPU     `json:"cpu_per_task"`
+	Errors         int     `json:"errors"`
+	// Ratios to bare asynq (configuration A) of the same workload, server count and
+	// repetition.
+	ThroughputRatio float64 `json:"throughput_ratio"`
+	CPURatio        float64 `json:"cpu_ratio"`
+}
+
+// Report is a whole run.
+type Report struct {
+	Started     time.Time `json:"started"`
+	WallSeconds float64   `json:"wall_s"`
+	Host        Host      `json:"host"`
+	Options     struct {
+		Workloads    []string `json:"workloads"`
+		Reps         int      `json:"reps"`
+		Seconds      float64  `json:"seconds"`
+		N            int      `json:"n,omitempty"`
+		Concurrency  int      `json:"concurrency"`
+		PoolBudget   int      `json:"pool_budget"`
+		ScaleServers []int    `json:"scale_servers"`
+		IOWaitMS     float64  `json:"io_wait_ms"`
+	} `json:"options"`
+	Samples []Sample `json:"samples"`
+	Rows    []Row    `json:"rows"`
+}
+
+// Host describes where the run happened.
+type Host struct {
+	CPUs      int    `json:"cpus"`
+	GoVersion string `json:"go"`
+	Hostname  string `json:"hostname"`
+	Load      string `json:"loadavg_at_start"`
+}
+
+// Run measures opt's workloads and returns the report; progress lines go to progress.
+func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) {
+	opt.defaults()
+	rep := &Report{Started: time.Now().UTC()}
+	rep.Host.CPUs = runtime.NumCPU()
+	rep.Host.GoVersion = runtime.Version()
+	rep.Host.Hostname, _ = os.Hostname()
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		rep.Host.Load = strings.Join(strings.Fields(string(b))[:3], " ")
+	}
+	o := &rep.Options
+	o.Workloads, o.Reps, o.Seconds, o.N, o.Concurrency, o.PoolBudget, o.ScaleServers = opt.Workloads, opt.Reps, opt.Seconds, opt.N, opt.Concurrency, opt.PoolBudget, opt.ScaleServers
+	o.IOWaitMS = float64(opt.IOWait) / 1e6
+
+	e, err := setup(ctx, opt)
+	if err != nil {
+		return nil, err
+	}
+	defer e.close()
+
+	// The plan: one list of (workload, servers, config), run in this order every
+	// repetition.
+	type step struct {
+		w       *workload
+		servers int
+		config  string
+	}
+	var plan []step
+	for _, name := range opt.Workloads {
+		switch name {
+		case "noop":
+			w := noopWorkload("noop", 0)
+			for _, c := range w.configs {
+				plan = append(plan, step{w, 1, c})
+			}
+		case "debit", "charge":
+			w := debitWorkload()
+			if name == "charge" {
+				w = chargeWorkload(e.charger)
+			}
+			for _, c := range w.configs {
+				plan = append(plan, step{w, 1, c})
+			}
+		case "scale":
+			w := noopWorkload("scale", 0)
+			for _, k := range opt.ScaleServers {
+				for _, c := range []string{ConfigBare, ConfigFull, ConfigFullTx} {
+					plan = append(plan, step{w, k, c})
+				}
+			}
+		case "io":
+			w := noopWorkload("io", opt.IOWait)
+			for _, c := range w.configs {
+				plan = append(plan, step{w, 1, c})
+			}
+		default:
+			return nil, fmt.Errorf("bench: unknown workload %q (want noop, debit, charge, scale, io)", name)
+		}
+	}
+	key := func(s step) string { return fmt.Sprintf("%s/%d/%s", s.w.name, s.servers, s.config) }
+	rate := map[string]float64{}
+	size := func(s step) int {
+		if opt.N > 0 {
+			return opt.N
+		}
+		r, ok := rate[key(s)]
+		if !ok {
+			r = 1000
+		}
+		return min(max(int(r*opt.Seconds), opt.MinN), opt.MaxN)
+	}
+	start := time.Now()
+	if opt.WarmupN > 0 && opt.N <= 0 {
+		fmt.Fprintf(progress, "warm-up: %d configurations × %d tasks\n", len(plan), opt.WarmupN)
+		for _, s := range plan {
+			smp, err := e.measure(ctx, s.w, s.config, s.servers, opt.WarmupN, 0)
+			if err != nil {
+				return nil, err
+			}
+			rate[key(s)] = smp.TasksPerSecond
+		}
+	}
+	for r := 1; r <= opt.Reps; r++ {
+		for _, s := range plan {
+			smp, err := e.measure(ctx, s.w, s.config, s.servers, size(s), r)
+			if err != nil {
+				return nil, err
+			}
+			rate[key(s)] = smp.TasksPerSecond
+			rep.Samples = append(rep.Samples, smp)
+			fmt.Fprintf(progress, "rep %d/%d  %-6s k=%d %s %-22s n=%-6d %8.0f tasks/s  drain %5.2fs  overhead p50 %7.0fµs p99 %7.0fµs  cpu %6.0fµs/task  errors %d\n",
+				r, opt.Reps, s.w.name, s.servers, s.config, ConfigNames[s.config], smp.N, smp.TasksPerSecond, smp.DrainSeconds, smp.OverheadP50us, smp.OverheadP99us, smp.CPU.Total, smp.Errors)
+		}
+	}
+	rep.WallSeconds = time.Since(start).Seconds()
+	rep.summarize()
+	return rep, nil
+}
+
+// Main is `idemq bench`: it parses args, runs, prints the table to stdout (progress to
+// stderr) and writes the JSON and the chart where asked.
+func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
+	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait)")
+	fs.IntVar(&opt.Reps, "reps", 3, "repetitions; each runs every configuration once, interleaved")
+	fs.Float64Var(&opt.Seconds, "seconds", 2, "drain time each measurement aims at (N is sized from the configuration's last rate); a full run uses 15")
+	fs.IntVar(&opt.N, "n", 0, "fixed number of tasks per measurement (0: sized by -seconds)")
+	fs.IntVar(&opt.WarmupN, "warmup", 500, "tasks of the unrecorded warm-up of each configuration (negative: none)")
+	fs.IntVar(&opt.Concurrency, "concurrency", 50, "concurrency of each asynq server")
+	fs.IntVar(&opt.PoolBudget, "pool", 40, "Postgres connections shared by a measurement's servers (each gets min(concurrency+4, pool/servers))")
+	servers := fs.String("servers", "1,2,4", "server counts of the scale workload")
+	fs.DurationVar(&opt.IOWait, "io-wait", 10*time.Millisecond, "simulated I/O of the io workload's handler")
+	jsonPath := fs.String("json", "", "write the report as JSON here (default docs/bench.json with -write-docs)")
+	svgPath := fs.String("svg", "", "write the chart here (default docs/bench.svg with -write-docs)")
+	writeDocs := fs.Bool("write-docs", false, "write docs/bench.json and docs/bench.svg (run from the repository root)")
+	showFlags := fs.Bool("flags", false, "list the flags and exit")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 3 minutes.\nA full run: idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\n\nFlags:")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *showFlags {
+		fs.SetOutput(stdout)
+		fs.Usage()
+		return nil
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	opt.Workloads = strings.Split(*workloads, ",")
+	for _, s := range strings.Split(*servers, ",") {
+		k, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || k < 1 {
+			return fmt.Errorf("bench: -servers: %q is not a positive whole number", s)
+		}
+		opt.ScaleServers = append(opt.ScaleServers, k)
+	}
+	if *writeDocs {
+		if *jsonPath == "" {
+			*jsonPath = filepath.Join("docs", "bench.json")
+		}
+		if *svgPath == "" {
+			*svgPath = filepath.Join("docs", "bench.svg")
+		}
+	}
+	started := time.Now()
+	rep, err := Run(ctx, opt, stderr)
+	if err != nil {
+		return err
+	}
+	rep.WallSeconds = time.Since(started).Seconds()
+	if err := rep.WriteTable(stdout); err != nil {
+		return err
+	}
+	var errs []error
+	if *jsonPath != "" {
+		errs = append(errs, writeFile(*jsonPath, rep.WriteJSON))
+	}
+	if *svgPath != "" {
+		errs = append(errs, writeFile(*svgPath, rep.WriteSVG))
+	}
+	return errors.Join(errs...)
+}
+
+func writeFile(path string, write func(io.Writer) error) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("bench: %w", err)
+	}
+	if err := write(f); err != nil {
+		f.Close()
+		return fmt.Errorf("bench: write %s: %w", path, err)
+	}
+	return f.Close()
+}

@@ -1,0 +1,239 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/handlers"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/tasks"
+)
+
+// The configurations, in the order each repetition runs them.
+const (
+	ConfigBare      = "A" // bare asynq around the business function
+	ConfigLock      = "B" // + Redis lock (lock.Obtain / Release)
+	ConfigLedger    = "C" // + ledger, leased mode (Ledger.Do)
+	ConfigLedgerTx  = "D" // + ledger, transactional mode (Ledger.DoTx)
+	ConfigFull      = "E" // full stack, leased (idempotency.Leased)
+	ConfigFullTx    = "F" // full stack, transactional (idempotency.Transactional)
+	typeNoop        = "bench:noop"
+	lockTTL         = 30 * time.Second
+	noopTaskTimeout = 30 * time.Second
+)
+
+// ConfigNames describes each configuration.
+var ConfigNames = map[string]string{
+	ConfigBare:     "bare asynq",
+	ConfigLock:     "+ Redis lock",
+	ConfigLedger:   "+ ledger leased (Do)",
+	ConfigLedgerTx: "+ ledger tx (DoTx)",
+	ConfigFull:     "full stack leased",
+	ConfigFullTx:   "full stack tx",
+}
+
+// noopJob is the payload of the no-op workload: a key, scoped to itself.
+type noopJob struct {
+	ID string `json:"id"`
+}
+
+func (j noopJob) Key() string       { return "noop:" + j.ID }
+func (j noopJob) LockScope() string { return j.Key() }
+
+var _ tasks.Job = noopJob{}
+
+func decodeNoop(b []byte) (noopJob, error) {
+	var j noopJob
+	if err := json.Unmarshal(b, &j); err != nil {
+		return j, err
+	}
+	if j.ID == "" {
+		return j, errors.New("id: required")
+	}
+	return j, nil
+}
+
+// innerKey carries, in a delivery's context, where the business function adds the time
+// it took; the recorder subtracts it from the delivery's time to get the overhead.
+type innerKey struct{}
+
+func addInner(ctx context.Context, since time.Time) {
+	if p, ok := ctx.Value(innerKey{}).(*time.Duration); ok {
+		*p += time.Since(since)
+	}
+}
+
+// workload is one kind of task and what each configuration runs for it.
+type workload struct {
+	name     string
+	taskType string
+	configs  []string
+	// spec returns task i of a measurement whose keys start with prefix.
+	spec func(prefix string, i int) tasks.Spec
+	// handler returns the asynq handler of config on st.
+	handler func(config string, st *stack) asynq.Handler
+}
+
+// parts are a workload's pieces: its decoder and business function, leased (no tx)
+// and/or transactional.
+type parts[T tasks.Job] struct {
+	taskType string
+	decode   func([]byte) (T, error)
+	leased   func(ctx context.Context, job T) (json.RawMessage, error)
+	tx       func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)
+	// bareRaw makes the bare configuration call leased without decoding the payload
+	// (the no-op handler of bare asynq).
+	bareRaw bool
+}
+
+func (p parts[T]) handler(config string, st *stack) asynq.Handler {
+	switch config {
+	case ConfigBare:
+		if p.bareRaw {
+			return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+				var zero T
+				_, err := p.leased(ctx, zero)
+				return err
+			})
+		}
+		if p.leased != nil {
+			return idempotency.UnguardedLeased(p.taskType, p.decode, p.leased)
+		}
+		return idempotency.UnguardedTransactional(st.pool, p.taskType, p.decode, p.tx)
+	case ConfigLock:
+		// The bare handler under the lock of the job's scope (so a real handler's payload
+		// is decoded twice: once here for the scope, once by the bare handler).
+		bare := p.handler(ConfigBare, st)
+		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+			job, err := p.decode(t.Payload())
+			if err != nil {
+				return fmt.Errorf("%s: %v: %w", p.taskType, err, asynq.SkipRetry)
+			}
+			lk, err := st.locker.Obtain(ctx, job.LockScope(), lockTTL, nil)
+			if err != nil {
+				return err
+			}
+			defer lk.Release(context.WithoutCancel(ctx))
+			return bare.ProcessTask(ctx, t)
+		})
+	case ConfigLedger:
+		return p.decoded(func(ctx context.Context, job T) error {
+			_, err := st.ledger.Do(ctx, request(ctx, p.taskType, job), func(ctx context.Context) (json.RawMessage, error) {
+				return p.leased(ctx, job)
+			})
+			return err
+		})
+	case ConfigLedgerTx:
+		return p.decoded(func(ctx context.Context, job T) error {
+			_, err := st.ledger.DoTx(ctx, request(ctx, p.taskType, job), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				return p.tx(ctx, tx, job)
+			})
+			return err
+		})
+	case ConfigFull:
+		return idempotency.Leased(st.worker, p.taskType, p.decode, p.leased)
+	case ConfigFullTx:
+		return idempotency.Transactional(st.worker, p.taskType, p.decode, p.tx)
+	}
+	panic("bench: unknown configuration " + config)
+}
+
+func (p parts[T]) decoded(run func(ctx context.Context, job T) error) asynq.Handler {
+	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		job, err := p.decode(t.Payload())
+		if err != nil {
+			return fmt.Errorf("%s: %v: %w", p.taskType, err, asynq.SkipRetry)
+		}
+		return run(ctx, job)
+	})
+}
+
+func request(ctx context.Context, taskType string, job tasks.Job) idempotency.Request {
+	r := idempotency.Request{Key: job.Key(), TaskType: taskType}
+	if d, ok := ctx.Deadline(); ok {
+		r.Deadline = d
+	}
+	return r
+}
+
+// noopWorkload does nothing, or sleeps for work (simulated I/O), in every configuration.
+func noopWorkload(name string, work time.Duration) *workload {
+	leased := func(ctx context.Context, _ noopJob) (json.RawMessage, error) {
+		start := time.Now()
+		if work > 0 {
+			time.Sleep(work)
+		}
+		addInner(ctx, start)
+		return nil, nil
+	}
+	p := parts[noopJob]{
+		taskType: typeNoop,
+		decode:   decodeNoop,
+		leased:   leased,
+		tx:       func(ctx context.Context, _ pgx.Tx, j noopJob) (json.RawMessage, error) { return leased(ctx, j) },
+		bareRaw:  true,
+	}
+	configs := []string{ConfigBare, ConfigLock, ConfigLedger, ConfigLedgerTx, ConfigFull, ConfigFullTx}
+	if work > 0 {
+		configs = []string{ConfigBare, ConfigFull, ConfigFullTx}
+	}
+	return &workload{
+		name: name, taskType: typeNoop, configs: configs, handler: p.handler,
+		spec: func(prefix string, i int) tasks.Spec {
+			j := noopJob{ID: fmt.Sprintf("%s-%d", prefix, i)}
+			b, _ := json.Marshal(j)
+			return tasks.Spec{Key: j.Key(), Type: typeNoop, Payload: b, Queue: tasks.Queue,
+				MaxRetry: tasks.DefaultMaxRetry, Timeout: noopTaskTimeout, Retention: tasks.DefaultRetention}
+		},
+	}
+}
+
+// debitWorkload is the real wallet:debit handler (transactional): bare asynq runs it in
+// a plain transaction.
+func debitWorkload() *workload {
+	debit := func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
+		start := time.Now()
+		defer addInner(ctx, start)
+		return handlers.Debit(ctx, tx, d)
+	}
+	p := parts[tasks.Debit]{taskType: tasks.TypeDebit, decode: tasks.DecodeDebit, tx: debit}
+	return &workload{
+		name: "debit", taskType: tasks.TypeDebit, handler: p.handler,
+		configs: []string{ConfigBare, ConfigLock, ConfigLedgerTx, ConfigFullTx},
+		spec: func(prefix string, i int) tasks.Spec {
+			s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("acct-%s-%d", prefix, i), AmountCents: 100 + int64(i%900), Reference: fmt.Sprintf("%s-%d", prefix, i)})
+			if err != nil {
+				panic(err)
+			}
+			return s
+		},
+	}
+}
+
+// chargeWorkload is the real payment:charge handler (leased): an HTTP call to the
+// in-process provider, which records the request and the charge in Postgres.
+func chargeWorkload(charger *handlers.Charger) *workload {
+	charge := func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		start := time.Now()
+		defer addInner(ctx, start)
+		return charger.Charge(ctx, c.Key(), c)
+	}
+	p := parts[tasks.Charge]{taskType: tasks.TypeCharge, decode: tasks.DecodeCharge, leased: charge}
+	return &workload{
+		name: "charge", taskType: tasks.TypeCharge, handler: p.handler,
+		configs: []string{ConfigBare, ConfigLock, ConfigLedger, ConfigFull},
+		spec: func(prefix string, i int) tasks.Spec {
+			s, err := tasks.ChargeSpec(tasks.Charge{OrderID: fmt.Sprintf("%s-%d", prefix, i), CustomerID: fmt.Sprintf("cust-%s-%d", prefix, i), AmountCents: 500 + int64(i%900), Currency: "EUR"})
+			if err != nil {
+				panic(err)
+			}
+			return s
+		},
+	}
+}

@@ -1,0 +1,417 @@
+package bench
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net/http/httptest"
+	"net/url"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/handlers"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/fakepay"
+	"github.com/idemq/idemq/internal/localserver"
+	"github.com/idemq/idemq/lock"
+	"github.com/idemq/idemq/migrations"
+	"github.com/idemq/idemq/tasks"
+)
+
+// env is what a run sets up once: a migrated Postgres schema of its own, a leased empty
+// Redis database, the in-process provider.
+type env struct {
+	opt      Options
+	schema   string
+	dsn      string
+	appName  string
+	redisDB  *localserver.RedisDB
+	rdb      *redis.Client // enqueues and empties the database between measurements
+	admin    *pgxpool.Pool // truncates between measurements, lists backends for CPU
+	fpPool   *pgxpool.Pool
+	fakepay  *httptest.Server
+	charger  *handlers.Charger
+	probe    *cpuProbe
+	measured atomic.Int64
+}
+
+func setup(ctx context.Context, opt Options) (_ *env, err error) {
+	e := &env{opt: opt}
+	defer func() {
+		if err != nil {
+			e.close()
+		}
+	}()
+	suffix := randomHex(4)
+	e.schema = "idemq_bench_" + suffix
+	e.appName = "idemq-bench-" + suffix
+	conn, err := pgx.Connect(ctx, opt.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("bench: connect to Postgres (DATABASE_URL): %w", err)
+	}
+	_, err = conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{e.schema}.Sanitize())
+	conn.Close(ctx)
+	if err != nil {
+		e.schema = ""
+		return nil, fmt.Errorf("bench: create schema: %w", err)
+	}
+	u, err := url.Parse(opt.DatabaseURL)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		return nil, fmt.Errorf("bench: DATABASE_URL must be a postgres:// URL")
+	}
+	q := u.Query()
+	q.Set("search_path", e.schema)
+	q.Set("application_name", e.appName)
+	u.RawQuery = q.Encode()
+	e.dsn = u.String()
+	if e.admin, err = e.openPool(ctx, 2); err != nil {
+		return nil, err
+	}
+	db := stdlib.OpenDBFromPool(e.admin)
+	_, err = migrations.Up(ctx, db)
+	db.Close()
+	if err != nil {
+		return nil, fmt.Errorf("bench: %w", err)
+	}
+
+	if e.redisDB, err = localserver.LeaseRedisDB(ctx, opt.RedisURL, true); err != nil {
+		return nil, fmt.Errorf("bench: %w", err)
+	}
+	if e.rdb, err = openRedis(ctx, e.redisDB.URL); err != nil {
+		return nil, err
+	}
+
+	if e.fpPool, err = e.openPool(ctx, 16); err != nil {
+		return nil, err
+	}
+	e.fakepay = httptest.NewServer(fakepay.New(e.fpPool, fakepay.Config{HonorKeys: true}))
+	e.charger = handlers.NewCharger(e.fakepay.URL, nil)
+	e.probe = newCPUProbe(ctx, e.rdb, e.admin, e.appName)
+	return e, nil
+}
+
+func (e *env) close() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if e.fakepay != nil {
+		e.fakepay.Close()
+	}
+	if e.fpPool != nil {
+		e.fpPool.Close()
+	}
+	if e.rdb != nil {
+		e.rdb.Close()
+	}
+	if e.redisDB != nil {
+		e.redisDB.Release(false)
+	}
+	if e.admin != nil {
+		e.admin.Close()
+	}
+	if e.schema != "" {
+		if conn, err := pgx.Connect(ctx, e.opt.DatabaseURL); err == nil {
+			conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{e.schema}.Sanitize()+" CASCADE")
+			conn.Close(ctx)
+		}
+	}
+}
+
+func (e *env) openPool(ctx context.Context, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(e.dsn)
+	if err != nil {
+		return nil, fmt.Errorf("bench: DATABASE_URL: %w", err)
+	}
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("bench: connect to Postgres: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("bench: connect to Postgres (DATABASE_URL): %w", err)
+	}
+	return pool, nil
+}
+
+func openRedis(ctx context.Context, u string) (*redis.Client, error) {
+	opt, err := redis.ParseURL(u)
+	if err != nil {
+		return nil, fmt.Errorf("bench: REDIS_URL: %w", err)
+	}
+	opt.ContextTimeoutEnabled = true
+	c := redis.NewClient(opt)
+	if err := c.Ping(ctx).Err(); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("bench: connect to Redis (REDIS_URL): %w", err)
+	}
+	return c, nil
+}
+
+// stack is what one worker (one asynq server) has of its own, as an `idemq worker`
+// process would: a Redis client, a Postgres pool, a ledger, a locker.
+type stack struct {
+	rdb    *redis.Client
+	pool   *pgxpool.Pool
+	ledger *idempotency.Ledger
+	locker *lock.Locker
+	worker *idempotency.Worker
+}
+
+// poolSize is each server's Postgres pool: the worker's concurrency+4, within a budget
+// of Options.PoolBudget connections shared by the servers (the shared Postgres allows
+// 100 clients in all).
+func (e *env) poolSize(servers int) int32 {
+	return int32(max(4, min(e.opt.Concurrency+4, e.opt.PoolBudget/servers)))
+}
+
+func (e *env) newStack(ctx context.Context, servers int) (*stack, error) {
+	st := &stack{}
+	var err error
+	if st.rdb, err = openRedis(ctx, e.redisDB.URL); err != nil {
+		return nil, err
+	}
+	if st.pool, err = e.openPool(ctx, e.poolSize(servers)); err != nil {
+		st.rdb.Close()
+		return nil, err
+	}
+	// Open every connection now, so that the measurement does not pay for it.
+	conns := make([]*pgxpool.Conn, 0, st.pool.Config().MaxConns)
+	for range st.pool.Config().MaxConns {
+		c, err := st.pool.Acquire(ctx)
+		if err != nil {
+			break
+		}
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	st.ledger = idempotency.New(st.pool, nil)
+	st.locker = lock.New(st.rdb, nil)
+	st.worker = idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL})
+	return st, nil
+}
+
+func (st *stack) close() {
+	st.ledger.Close()
+	st.pool.Close()
+	st.rdb.Close()
+}
+
+// reset empties the Redis database and the tables the workloads write, so every
+// measurement starts from the same state.
+func (e *env) reset(ctx context.Context) error {
+	if err := e.rdb.FlushDB(ctx).Err(); err != nil {
+		return fmt.Errorf("bench: empty the leased Redis database: %w", err)
+	}
+	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs, wallet_entries, fakepay_charges, fakepay_requests, job_intents`); err != nil {
+		return fmt.Errorf("bench: truncate: %w", err)
+	}
+	return nil
+}
+
+// enqueue publishes n tasks of w with keys starting with prefix, from 16 goroutines.
+func (e *env) enqueue(ctx context.Context, w *workload, prefix string, n int) error {
+	client := asynq.NewClientFromRedisClient(e.rdb)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var firstErr error
+	now := time.Now()
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= n || ctx.Err() != nil {
+					return
+				}
+				s := w.spec(prefix, i)
+				if _, err := client.EnqueueContext(ctx, s.Task(s.Key, now)); err != nil {
+					mu.Lock()
+					if firstErr == nil {
+						firstErr = fmt.Errorf("bench: enqueue %s: %w", s.Key, err)
+					}
+					mu.Unlock()
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if firstErr == nil {
+		firstErr = ctx.Err()
+	}
+	return firstErr
+}
+
+// recorder wraps a configuration's handler: it times each delivery and the business
+// function inside it.
+type recorder struct {
+	n        int
+	first    atomic.Int64 // unix ns of the first delivery's start
+	last     atomic.Int64 // unix ns of the last successful delivery's end
+	done     atomic.Int64
+	errs     atomic.Int64
+	lastErr  atomic.Value
+	overhead []time.Duration
+	finished chan struct{}
+	once     sync.Once
+}
+
+func newRecorder(n int) *recorder {
+	return &recorder{n: n, overhead: make([]time.Duration, n), finished: make(chan struct{})}
+}
+
+func (r *recorder) wrap(h asynq.Handler) asynq.Handler {
+	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		start := time.Now()
+		r.first.CompareAndSwap(0, start.UnixNano())
+		var inner time.Duration
+		err := h.ProcessTask(context.WithValue(ctx, innerKey{}, &inner), t)
+		end := time.Now()
+		if err != nil {
+			r.errs.Add(1)
+			r.lastErr.Store(err.Error())
+			return err
+		}
+		i := int(r.done.Add(1))
+		if i <= r.n {
+			r.overhead[i-1] = end.Sub(start) - inner
+		}
+		for {
+			l := r.last.Load()
+			if end.UnixNano() <= l || r.last.CompareAndSwap(l, end.UnixNano()) {
+				break
+			}
+		}
+		if i >= r.n {
+			r.once.Do(func() { close(r.finished) })
+		}
+		return nil
+	})
+}
+
+// measure runs one measurement: n tasks of w through config on servers asynq servers.
+func (e *env) measure(ctx context.Context, w *workload, config string, servers, n, rep int) (Sample, error) {
+	s := Sample{Workload: w.name, Config: config, Servers: servers, Rep: rep, N: n, Concurrency: e.opt.Concurrency}
+	if err := e.reset(ctx); err != nil {
+		return s, err
+	}
+	prefix := fmt.Sprintf("%s%d-%s", config, e.measured.Add(1), randomHex(2))
+	if err := e.enqueue(ctx, w, prefix, n); err != nil {
+		return s, err
+	}
+	stacks := make([]*stack, 0, servers)
+	defer func() {
+		for _, st := range stacks {
+			st.close()
+		}
+	}()
+	for range servers {
+		st, err := e.newStack(ctx, servers)
+		if err != nil {
+			return s, err
+		}
+		stacks = append(stacks, st)
+	}
+	s.PoolPerServer = int(e.poolSize(servers))
+
+	rec := newRecorder(n)
+	srvs := make([]*asynq.Server, 0, servers)
+	stopAll := func() {
+		var wg sync.WaitGroup
+		for _, srv := range srvs {
+			wg.Add(1)
+			go func() { defer wg.Done(); srv.Shutdown() }()
+		}
+		wg.Wait()
+		srvs = nil
+	}
+	defer stopAll()
+	before := e.probe.snap(ctx)
+	for _, st := range stacks {
+		cfg := asynq.Config{
+			Concurrency:              e.opt.Concurrency,
+			Queues:                   map[string]int{tasks.Queue: 1},
+			TaskCheckInterval:        50 * time.Millisecond,
+			DelayedTaskCheckInterval: 100 * time.Millisecond,
+			ShutdownTimeout:          10 * time.Second,
+			LogLevel:                 asynq.ErrorLevel,
+			RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 100 * time.Millisecond },
+		}
+		idempotency.Configure(&cfg)
+		srv := asynq.NewServerFromRedisClient(st.rdb, cfg)
+		mux := asynq.NewServeMux()
+		mux.Handle(w.taskType, rec.wrap(w.handler(config, st)))
+		if err := srv.Start(mux); err != nil {
+			return s, fmt.Errorf("bench: start asynq server: %w", err)
+		}
+		srvs = append(srvs, srv)
+	}
+	timeout := 2*time.Minute + time.Duration(10*e.opt.Seconds*float64(time.Second))
+	deadline := time.After(timeout)
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+wait:
+	for {
+		select {
+		case <-rec.finished:
+			break wait
+		case <-ctx.Done():
+			return s, ctx.Err()
+		case <-tick.C:
+			// Errors are retried (every 100 ms); more errors than tasks means a broken
+			// configuration, not a slow one.
+			if rec.errs.Load() <= int64(n)+10 {
+				continue
+			}
+		case <-deadline:
+		}
+		msg, _ := rec.lastErr.Load().(string)
+		return s, fmt.Errorf("bench: %s %s: %d of %d tasks done (%d errors; last: %s)", w.name, config, rec.done.Load(), n, rec.errs.Load(), msg)
+	}
+	after := e.probe.snap(ctx)
+	stopAll()
+
+	drain := time.Duration(rec.last.Load() - rec.first.Load())
+	s.DrainSeconds = drain.Seconds()
+	s.TasksPerSecond = float64(n) / drain.Seconds()
+	s.Errors = int(rec.errs.Load())
+	oh := slices.Clone(rec.overhead)
+	slices.Sort(oh)
+	s.OverheadP50us = micros(percentile(oh, 0.50))
+	s.OverheadP99us = micros(percentile(oh, 0.99))
+	d := before.to(after)
+	s.CPU = CPU{Go: d.self / float64(n) * 1e6, Redis: d.redis / float64(n) * 1e6, Postgres: d.pg / float64(n) * 1e6}
+	s.CPU.Total = s.CPU.Go + s.CPU.Redis + s.CPU.Postgres
+	return s, nil
+}
+
+func percentile(sorted []time.Duration, p float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(p*float64(len(sorted))+0.5) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}
