@@ -40,3 +40,12 @@ screenshots:
 ## demo: the whole story on one machine (see README)
 demo:
 	$(GO) run ./cmd/idemq demo
+
+## faults-short: the fault-injection proof, short profile (about 5 minutes; private Postgres and Redis)
+faults-short:
+	$(GO) test -tags faults -count=1 -run TestProof -timeout 15m ./internal/faults/ -v
+
+## faults: the fault-injection proof, long profile (about 15 minutes); report in docs/proof-report.{json,txt}
+faults:
+	IDEMQ_FAULTS_PROFILE=long IDEMQ_FAULTS_REPORT=$(CURDIR)/docs/proof-report.json \
+		$(GO) test -tags faults -count=1 -run TestProof -timeout 40m ./internal/faults/ -v

@@ -236,7 +236,7 @@ type clusterConfig struct {
 
 const (
 	lease      = 5 * time.Second
-	fakepayMax = 2 * time.Second // IDEMQ_FAKEPAY_DELAY: provider latency 0..2 s
+	fakepayMax = 3 * time.Second // IDEMQ_FAKEPAY_DELAY: provider latency 0..3 s
 )
 
 func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {

@@ -62,13 +62,27 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		c.startWorker(w)
 
 	case faultStopWorker:
-		snap, _ := c.inProgressCharges(ctx)
-		if w.signal(syscall.SIGSTOP, false) == nil {
+		// Stop a worker that holds charges: try the workers in turn (each stopped for
+		// about lease/3 + 1.3 s to see whose leases stop moving) until one does.
+		var held []string
+		var t0 time.Time
+		for _, i := range rng.Perm(len(c.workers)) {
+			w = c.workers[i]
+			snap, _ := c.inProgressCharges(ctx)
+			if w.signal(syscall.SIGSTOP, false) == nil {
+				continue
+			}
+			t0 = time.Now()
+			if held = c.heldBy(ctx, snap); len(held) > 0 {
+				break
+			}
+			w.signal(syscall.SIGCONT, false)
+		}
+		if len(held) == 0 {
+			c.hist.note(kind, w.name, "no worker held a charge in progress; nothing stopped")
 			return
 		}
-		t0 := time.Now()
 		stopFor := pause(lease+2*time.Second, lease+4*time.Second)
-		held := c.heldBy(ctx, snap)
 		// A duplicate delivery for each key the stopped worker holds, so that another
 		// worker takes it over once the lease has ended, while this one is still stopped.
 		sent := 0
@@ -80,9 +94,7 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		}
 		c.hist.add(func(h *history) {
 			h.stopDups += sent
-			if len(held) > 0 {
-				h.held = append(h.held, heldKeys{at: t0, keys: held})
-			}
+			h.held = append(h.held, heldKeys{at: t0, keys: held})
 		})
 		c.hist.note(kind, w.name, fmt.Sprintf("stopped %s; held %s; %d duplicates sent", stopFor.Round(100*time.Millisecond), fmtKeys(held), sent))
 		time.Sleep(stopFor - time.Since(t0))

@@ -31,9 +31,9 @@ type profile struct {
 }
 
 var profiles = map[string]profile{
-	"short": {name: "short", jobs: 160, spread: 60 * time.Second, nemesis: 75 * time.Second, drain: 150 * time.Second, controlJobs: 60},
-	"smoke": {name: "smoke", jobs: 40, spread: 15 * time.Second, nemesis: 45 * time.Second, drain: 120 * time.Second, controlJobs: 30},
-	"long":  {name: "long", jobs: 900, spread: 9 * time.Minute, nemesis: 10 * time.Minute, drain: 240 * time.Second, controlJobs: 200},
+	"smoke": {name: "smoke", jobs: 120, spread: 40 * time.Second, nemesis: 45 * time.Second, drain: 150 * time.Second, controlJobs: 40},
+	"short": {name: "short", jobs: 400, spread: 75 * time.Second, nemesis: 80 * time.Second, drain: 150 * time.Second, controlJobs: 80},
+	"long":  {name: "long", jobs: 2400, spread: 9*time.Minute + 30*time.Second, nemesis: 10 * time.Minute, drain: 240 * time.Second, controlJobs: 200},
 }
 
 // faultPoints is the handler fault-point switch the workers of the main runs get.
@@ -342,8 +342,8 @@ func runNoFencing(t *testing.T, p profile, seed uint64) controlReport {
 		t.Fatalf("checker: %v", err)
 	}
 	r.Verdict, r.Counters = v, c.counters()
-	if len(held) == 0 {
-		r.Failures = append(r.Failures, "the stopped worker held no charge: no stale owner was scripted")
+	if len(held) == 0 || r.Counters["ledger:takeover"] == 0 {
+		r.Failures = append(r.Failures, fmt.Sprintf("no stale owner was scripted: the stopped worker held %d charges, %v takeovers", len(held), r.Counters["ledger:takeover"]))
 	}
 	if v.DuplicateEffects == 0 && v.WrongResult == 0 {
 		r.Failures = append(r.Failures, "the checker found no duplicate effect and no wrong result with fencing off")
@@ -420,8 +420,12 @@ func table(rep *report) string {
 			fmt.Fprintf(&b, "negative control %s: SKIPPED: %s\n", c.Name, c.Skipped)
 			continue
 		}
-		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results: %s\n",
-			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult, passFail(c.Pass))
+		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results; takeovers %v, fenced completions %v: %s\n",
+			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult,
+			c.Counters["ledger:takeover"], c.Counters["ledger:lease_lost"], passFail(c.Pass))
+		for _, f := range c.Failures {
+			fmt.Fprintf(&b, "  FAILURE: %s\n", f)
+		}
 	}
 	for _, r := range rep.Runs {
 		for _, f := range r.Failures {

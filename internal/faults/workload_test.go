@@ -199,9 +199,13 @@ var badPayloads = map[string]*asynq.Task{
 }
 
 func (c *cluster) enqueueBad(ctx context.Context) error {
+	// A fresh client: asynq's client adds a queue to asynq:queues only on its first
+	// enqueue, so after Redis lost everything the Inspector answers "queue not found" until
+	// a new client publishes to the queue.
+	client := asynq.NewClientFromRedisClient(c.rdb)
 	for id, task := range badPayloads {
 		if err := retry(ctx, 20*time.Second, func() error {
-			_, err := c.client.EnqueueContext(ctx, task, asynq.TaskID(id), asynq.MaxRetry(3))
+			_, err := client.EnqueueContext(ctx, task, asynq.TaskID(id), asynq.MaxRetry(3))
 			if errors.Is(err, asynq.ErrTaskIDConflict) {
 				return nil
 			}
