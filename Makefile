@@ -23,6 +23,14 @@ lint:
 cover:
 	$(GO) test -race -count=1 -cover $(PKGS)
 
+## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
+## 3 minutes); writes docs/bench.json and docs/bench.svg. A full run:
+## make bench BENCH_FLAGS="-seconds 15 -workloads noop,debit,charge,scale,io -write-docs"
+BENCH_FLAGS ?= -write-docs
+.PHONY: bench
+bench:
+	$(GO) run ./cmd/idemq bench $(BENCH_FLAGS)
+
 ## migrate: apply migrations to DATABASE_URL
 migrate: build
 	$(BIN) migrate
