@@ -195,12 +195,24 @@ func (c *cluster) asynqState(ctx context.Context) (leftover []string, badArchive
 	iter := c.rdb.Scan(ctx, 0, prefix+"*", 500).Iterator()
 	for iter.Next(ctx) {
 		id := strings.TrimPrefix(iter.Val(), prefix)
-		state, err := c.rdb.HGet(ctx, iter.Val(), "state").Result()
+		fields, err := c.rdb.HGetAll(ctx, iter.Val()).Result()
 		if err != nil {
 			return nil, 0, nil, fmt.Errorf("read task %s: %w", id, err)
 		}
+		state := fields["state"]
 		_, isBad := badPayloads[id]
 		switch {
+		case len(fields) == 0: // gone since the scan
+		case fields["msg"] == "":
+			// Not a task: a hash without a message, which asynq can never run. Seen after
+			// Redis lost its data: a delivery still running writes its result
+			// (ResultWriter, an HSET) and so creates a hash holding only "result".
+			var names []string
+			for k := range fields {
+				names = append(names, k)
+			}
+			sort.Strings(names)
+			c.hist.add(func(h *history) { h.resultOnly[id] = strings.Join(names, ",") })
 		case state == "completed" && !isBad:
 		case state == "archived" && isBad:
 		default:

@@ -21,6 +21,8 @@ type history struct {
 	nudges    int // duplicates sent after the heal for in-progress keys whose lease ended
 	dups      int // workload duplicates sent straight to asynq
 	dupErrors int // workload duplicates that could not be sent (Redis down throughout)
+	// resultOnly are asynq task hashes without a message (id → field names).
+	resultOnly map[string]string
 }
 
 type event struct {
@@ -36,7 +38,7 @@ type heldKeys struct {
 	keys []string
 }
 
-func newHistory() *history { return &history{start: time.Now()} }
+func newHistory() *history { return &history{start: time.Now(), resultOnly: map[string]string{}} }
 
 func (h *history) nemesis(kind, target string) {
 	h.note(kind, target, "")
