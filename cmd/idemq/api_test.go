@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -14,8 +13,6 @@ import (
 
 	"github.com/hibiken/asynq"
 
-	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -107,29 +104,4 @@ func TestAPICommand(t *testing.T) {
 		t.Fatalf("idemq api did not stop within 20s of SIGTERM:\n%s", stderr.String())
 	}
 	exited <- nil // for the cleanup
-}
-
-// TestRecordJSONMatchesAPI keeps `idemq ledger show --json` and GET /v1/jobs/{key} in one
-// shape: the CLI's recordJSON and api.Record must marshal a row identically.
-func TestRecordJSONMatchesAPI(t *testing.T) {
-	t.Parallel()
-	now := time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
-	for _, r := range []idempotency.Record{
-		{Key: "charge:o-1", TaskType: "payment:charge", Status: "completed", Fence: 7, Owner: "0b7e", Generation: 1,
-			Result: json.RawMessage(`{"charge_id":"ch_1"}`), Attempts: 2, LastError: "x", LockedUntil: now,
-			CreatedAt: now, UpdatedAt: now, CompletedAt: now},
-		{Key: "debit:r-1", TaskType: "wallet:debit", Status: "in_progress", Fence: 1, CreatedAt: now, UpdatedAt: now},
-	} {
-		cli, err := json.Marshal(toJSON(r))
-		if err != nil {
-			t.Fatal(err)
-		}
-		web, err := json.Marshal(api.NewRecord(r))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if string(cli) != string(web) {
-			t.Errorf("ledger show --json:\n%s\nGET /v1/jobs:\n%s", cli, web)
-		}
-	}
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
 )
 
@@ -116,43 +117,14 @@ func printDone(w io.Writer, asJSON bool, v any, format string, args ...any) erro
 	return err
 }
 
-// recordJSON is a ledger row as the CLI and the API print it.
-type recordJSON struct {
-	Key         string          `json:"key"`
-	Type        string          `json:"type"`
-	Status      string          `json:"status"`
-	Fence       int64           `json:"fence"`
-	Owner       string          `json:"owner,omitempty"`
-	Generation  int             `json:"generation"`
-	Attempts    int             `json:"attempts"`
-	LastError   string          `json:"last_error,omitempty"`
-	Result      json.RawMessage `json:"result,omitempty"`
-	LockedUntil *time.Time      `json:"locked_until,omitempty"`
-	CreatedAt   time.Time       `json:"created_at"`
-	UpdatedAt   time.Time       `json:"updated_at"`
-	CompletedAt *time.Time      `json:"completed_at,omitempty"`
-}
-
-func toJSON(r idempotency.Record) recordJSON {
-	opt := func(t time.Time) *time.Time {
-		if t.IsZero() {
-			return nil
-		}
-		return &t
-	}
-	return recordJSON{Key: r.Key, Type: r.TaskType, Status: r.Status, Fence: r.Fence, Owner: r.Owner,
-		Generation: r.Generation, Attempts: r.Attempts, LastError: r.LastError, Result: r.Result,
-		LockedUntil: opt(r.LockedUntil), CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt)}
-}
-
 func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error {
 	if asJSON {
 		if one {
-			return json.NewEncoder(w).Encode(toJSON(rs[0]))
+			return json.NewEncoder(w).Encode(api.NewRecord(rs[0]))
 		}
-		out := make([]recordJSON, len(rs))
+		out := make([]api.Record, len(rs))
 		for i, r := range rs {
-			out[i] = toJSON(r)
+			out[i] = api.NewRecord(r)
 		}
 		return json.NewEncoder(w).Encode(out)
 	}
