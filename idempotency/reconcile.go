@@ -59,14 +59,7 @@ func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileS
 	if err != nil {
 		return st, fmt.Errorf("idempotency: list stale intents: %w", err)
 	}
-	stale, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (intentRow, error) {
-		var r intentRow
-		var timeout, retention int64
-		err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
-			&timeout, &retention, &r.gen, &r.createdAt)
-		r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
-		return r, err
-	})
+	stale, err := pgx.CollectRows(rows, scanIntentRow)
 	if err != nil {
 		return st, fmt.Errorf("idempotency: list stale intents: %w", err)
 	}

@@ -52,14 +52,17 @@ func (c *Client) takePending(ctx context.Context, keys []string) ([]intentRow, e
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (intentRow, error) {
-		var r intentRow
-		var timeout, retention int64
-		err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
-			&timeout, &retention, &r.gen, &r.createdAt)
-		r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
-		return r, err
-	})
+	return pgx.CollectRows(rows, scanIntentRow)
+}
+
+// scanIntentRow reads the columns takePendingSQL and staleIntentsSQL return.
+func scanIntentRow(row pgx.CollectableRow) (intentRow, error) {
+	var r intentRow
+	var timeout, retention int64
+	err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
+		&timeout, &retention, &r.gen, &r.createdAt)
+	r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
+	return r, err
 }
 
 // publish hands one intent's task to asynq. A TaskID conflict means asynq has (or had)
