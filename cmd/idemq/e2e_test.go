@@ -439,3 +439,36 @@ func TestDemo(t *testing.T) {
 	}
 	t.Logf("idemq demo:\n%s", out)
 }
+
+func TestWorkerDrainsOnSIGTERM(t *testing.T) {
+	t.Parallel()
+	// Each charge takes 1–2 s at the provider; SIGTERM arrives while they run.
+	s := startStack(t, 1, []string{"IDEMQ_FAKEPAY_DELAY=2s"}, nil)
+	ctx := testenv.Context(t, time.Minute)
+	for i := range 5 {
+		task, _ := tasks.NewChargeTask(tasks.Charge{OrderID: fmt.Sprintf("drain-%d", i), CustomerID: fmt.Sprintf("c-%d", i), AmountCents: 1, Currency: "EUR"})
+		s.enqueue(t, task)
+	}
+	for n := 0; n < 5; time.Sleep(20 * time.Millisecond) {
+		s.pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE status = 'in_progress'`).Scan(&n)
+		if ctx.Err() != nil {
+			t.Fatalf("only %d of 5 charges started", n)
+		}
+	}
+	start := time.Now()
+	s.workers[0].signal(syscall.SIGTERM)
+	select {
+	case <-s.workers[0].done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the worker did not exit within 15 s of SIGTERM (IDEMQ_SHUTDOWN_TIMEOUT=5s)")
+	}
+	if code := s.workers[0].cmd.ProcessState.ExitCode(); code != 0 {
+		t.Fatalf("worker exited %d after SIGTERM, want 0", code)
+	}
+	var completed int
+	s.pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE status = 'completed'`).Scan(&completed)
+	if completed != 5 {
+		t.Fatalf("%d of 5 charges completed by the drain, want all (they were running when SIGTERM came)", completed)
+	}
+	t.Logf("SIGTERM with 5 charges running: the worker finished them and exited 0 in %s", time.Since(start).Round(10*time.Millisecond))
+}
