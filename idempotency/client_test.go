@@ -268,6 +268,11 @@ func TestReconcileRepublishesLostTasks(t *testing.T) {
 	if err != nil || st.Missing != 3 || st.Republished != 3 {
 		t.Fatalf("after the queue vanished: %+v %v; want 3 republished", st, err)
 	}
+	// The queue is registered again although this client enqueued to it before: asynq's
+	// Inspector (the dashboard) sees it.
+	if _, err := insp.GetQueueInfo(tasks.Queue); err != nil {
+		t.Fatalf("after republishing into an emptied Redis: %v; want the queue registered", err)
+	}
 	if alerts.Load() != 2 {
 		t.Fatalf("alerts = %d, want 2 (the second generation of deleted and orphan)", alerts.Load())
 	}

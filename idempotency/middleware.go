@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,10 +13,16 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/lock"
 	"github.com/idemq/idemq/tasks"
 )
+
+//go:embed result_write.lua
+var writeResultLua string
+
+var writeResultScript = redis.NewScript(writeResultLua)
 
 // MaxResultWriteBytes caps what the middleware writes to a task's ResultWriter (what the
 // asynqmon dashboard shows); the ledger keeps the whole result.
@@ -41,6 +48,12 @@ type WorkerConfig struct {
 
 	// Logger receives a line per notable outcome. Default: discard.
 	Logger *slog.Logger
+
+	// Redis, if set, writes each result to the task's asynq hash only while asynq still
+	// holds the task (a compare-and-set script). Without it the middleware uses the task's
+	// ResultWriter, which after Redis lost the task re-creates a hash holding only the
+	// result, which asynq can never run or expire. Default: nil.
+	Redis redis.Scripter
 
 	// ObserveLock, if set, is called with each lock outcome (EventLockObtained,
 	// EventLockBusy, EventLockLost, EventLockError) and the task type, for metrics. It must
@@ -283,8 +296,19 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 		log.Debug("result too large for the task's result", "bytes", len(result))
 		return
 	}
-	if _, err := w.Write(result); err != nil {
-		log.Debug("write task result", "err", err)
+	queue, _ := asynq.GetQueueName(ctx)
+	switch {
+	case h.w.cfg.Redis != nil && queue != "":
+		n, err := writeResultScript.Run(ctx, h.w.cfg.Redis, []string{asynqTaskKey(queue, w.TaskID())}, []byte(result)).Int()
+		if err != nil {
+			log.Debug("write task result", "err", err)
+		} else if n < 0 {
+			log.Info("task gone from Redis; result kept in the ledger only", "task_id", w.TaskID())
+		}
+	default:
+		if _, err := w.Write(result); err != nil {
+			log.Debug("write task result", "err", err)
+		}
 	}
 }
 

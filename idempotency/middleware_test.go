@@ -316,3 +316,73 @@ func TestRetryDelayDefersOtherErrors(t *testing.T) {
 		t.Fatal("IsFailure: an ordinary error must count, a busy key must not")
 	}
 }
+
+// TestMiddlewareDoesNotWriteResultsForLostTasks: when Redis loses a task while its handler
+// runs, the result stays in the ledger and no hash without a message is left in Redis.
+func TestMiddlewareDoesNotWriteResultsForLostTasks(t *testing.T) {
+	t.Parallel()
+	rdb := testenv.Redis(t)
+	f := newMW(t, 5*time.Second, &idempotency.WorkerConfig{Redis: rdb})
+	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		if c.OrderID == "lost" {
+			// Redis loses everything while the handler runs (a restart without persistence).
+			if err := rdb.FlushDB(ctx).Err(); err != nil {
+				return nil, err
+			}
+		}
+		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
+	}
+	cfg := asynq.Config{Concurrency: 1, LogLevel: asynq.FatalLevel}
+	idempotency.Configure(&cfg)
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
+	mux := asynq.NewServeMux()
+	mux.Handle(tasks.TypeCharge, f.charge)
+	if err := srv.Start(mux); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	client := asynq.NewClientFromRedisClient(rdb)
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	ctx := testenv.Context(t, 30*time.Second)
+	waitCompleted := func(key string) {
+		for {
+			r, err := f.ledger.Get(ctx, key)
+			if err == nil && r.Status == idempotency.StatusCompleted {
+				return
+			}
+			if ctx.Err() != nil {
+				t.Fatalf("%s never completed", key)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+
+	// A task Redis keeps gets its result written, for the dashboard.
+	if _, err := client.Enqueue(chargeTask(t, "kept", 1)); err != nil {
+		t.Fatal(err)
+	}
+	waitCompleted("charge:kept")
+	for {
+		if info, err := insp.GetTaskInfo(tasks.Queue, "charge:kept"); err == nil && info.State == asynq.TaskStateCompleted {
+			if string(info.Result) != `{"charge":"kept"}` {
+				t.Fatalf("kept task's result %q", info.Result)
+			}
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatal("the kept task never showed completed")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	// A task Redis loses mid-handler: completed in the ledger, nothing re-created in Redis.
+	if _, err := client.Enqueue(chargeTask(t, "lost", 1)); err != nil {
+		t.Fatal(err)
+	}
+	waitCompleted("charge:lost")
+	time.Sleep(200 * time.Millisecond) // asynq's own completion attempt comes after the handler
+	fields, err := rdb.HGetAll(ctx, "asynq:{default}:t:charge:lost").Result()
+	if err != nil || len(fields) != 0 {
+		t.Fatalf("the lost task's hash holds %v (%v); want none (a result-only hash is never cleaned up)", fields, err)
+	}
+}

@@ -71,6 +71,17 @@ func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileS
 	if err != nil {
 		return st, err
 	}
+	var missing []intentRow
+	for i, r := range stale {
+		if !present[i] {
+			missing = append(missing, r)
+		}
+	}
+	if len(missing) > 0 {
+		if err := c.registerQueues(ctx, missing); err != nil {
+			return st, fmt.Errorf("idempotency: register queues: %w", err)
+		}
+	}
 	limiter := rate.NewLimiter(rate.Limit(c.cfg.RepublishPerSecond), 1)
 	for i, r := range stale {
 		if present[i] {
@@ -128,6 +139,9 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 
 // asynqTaskKey is where asynq keeps a task's hash (asynq's internal base.TaskKey).
 func asynqTaskKey(queue, id string) string { return "asynq:{" + queue + "}:t:" + id }
+
+// asynqQueuesKey is asynq's set of all queues (its internal base.AllQueues).
+const asynqQueuesKey = "asynq:queues"
 
 // RunReconciler reconciles every ClientConfig.ReconcileEvery with the grace period, and at
 // once, with no grace, when Redis restarted (its run_id changed, so it may have come back

@@ -75,6 +75,22 @@ func (c *Client) publish(ctx context.Context, r intentRow) error {
 	return nil
 }
 
+// registerQueues adds the batch's queues to asynq's set of queues. asynq's client does
+// that only on its first enqueue to a queue, so after Redis restarted empty a long-lived
+// client would never register the queue again, and asynq's Inspector (the dashboard, the
+// queue metrics) would answer "queue not found" although tasks are processed.
+func (c *Client) registerQueues(ctx context.Context, batch []intentRow) error {
+	seen := map[string]bool{}
+	var queues []any
+	for _, r := range batch {
+		if !seen[r.spec.Queue] {
+			seen[r.spec.Queue] = true
+			queues = append(queues, r.spec.Queue)
+		}
+	}
+	return c.rdb.SAdd(ctx, asynqQueuesKey, queues...).Err()
+}
+
 // publishPending publishes one batch of pending intents (only keys, when not nil) and
 // returns how many it published. On a publish error it stops, gives the rest of the
 // batch back for a retry after a pause, and returns the error.
@@ -85,9 +101,15 @@ func (c *Client) publishPending(ctx context.Context, keys []string) (int, error)
 	}
 	done := make([]string, 0, len(batch))
 	var pubErr error
+	if len(batch) > 0 {
+		pubErr = c.registerQueues(ctx, batch)
+	}
 	var failed []string
 	for i, r := range batch {
-		if pubErr = c.publish(ctx, r); pubErr != nil {
+		if pubErr == nil {
+			pubErr = c.publish(ctx, r)
+		}
+		if pubErr != nil {
 			for _, r := range batch[i:] {
 				failed = append(failed, r.spec.Key)
 				c.observe(EventRelayError, r.spec.Type)

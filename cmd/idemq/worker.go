@@ -88,6 +88,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	w := idempotency.NewWorker(ledger, locker, &idempotency.WorkerConfig{
 		LockTTL:    cfg.LockTTL,
 		BusyBudget: busyBudget,
+		Redis:      rdb,
 		Logger:     log,
 		ObserveLock: func(ev idempotency.Event, taskType string) {
 			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
