@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -255,6 +256,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	jsonPath := fs.String("json", "", "write the report as JSON here (default docs/bench.json with -write-docs)")
 	svgPath := fs.String("svg", "", "write the chart here (default docs/bench.svg with -write-docs)")
 	writeDocs := fs.Bool("write-docs", false, "write docs/bench.json and docs/bench.svg (run from the repository root)")
+	from := fs.String("from", "", "do not measure: print the table and write the chart (and JSON) of the report in this JSON file")
 	showFlags := fs.Bool("flags", false, "list the flags and exit")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\n\nFlags:")
@@ -287,12 +289,24 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			*svgPath = filepath.Join("docs", "bench.svg")
 		}
 	}
-	started := time.Now()
-	rep, err := Run(ctx, opt, stderr)
-	if err != nil {
-		return err
+	var rep *Report
+	if *from != "" {
+		b, err := os.ReadFile(*from)
+		if err != nil {
+			return fmt.Errorf("bench: %w", err)
+		}
+		rep = &Report{}
+		if err := json.Unmarshal(b, rep); err != nil {
+			return fmt.Errorf("bench: %s: %w", *from, err)
+		}
+	} else {
+		started := time.Now()
+		var err error
+		if rep, err = Run(ctx, opt, stderr); err != nil {
+			return err
+		}
+		rep.WallSeconds = time.Since(started).Seconds()
 	}
-	rep.WallSeconds = time.Since(started).Seconds()
 	if err := rep.WriteTable(stdout); err != nil {
 		return err
 	}

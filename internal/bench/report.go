@@ -111,12 +111,12 @@ func rng(s Stat, format string) string {
 	return fmt.Sprintf(format+" ("+format+"–"+format+")", s.Median, s.Min, s.Max)
 }
 
-func workloadLabel(row Row) string {
+func (r *Report) workloadLabel(row Row) string {
 	switch row.Workload {
 	case "scale":
 		return fmt.Sprintf("noop, %d server(s)", row.Servers)
 	case "io":
-		return "noop + sleep"
+		return fmt.Sprintf("noop + %g ms sleep", r.Options.IOWaitMS)
 	}
 	return row.Workload
 }
@@ -139,7 +139,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			errs = fmt.Sprintf(" (%d errors)", row.Errors)
 		}
 		fmt.Fprintf(&b, "| %s | %s %s%s | %.0f | %s | %s | %.0f / %.0f | %.0f + %.0f + %.0f = %.0f | %s |\n",
-			workloadLabel(row), row.Config, row.Name, errs, row.N.Median, rng(row.TasksPerSecond, "%.0f"), ratio,
+			r.workloadLabel(row), row.Config, row.Name, errs, row.N.Median, rng(row.TasksPerSecond, "%.0f"), ratio,
 			row.OverheadP50us.Median, row.OverheadP99us.Median,
 			row.CPUGo.Median, row.CPURedis.Median, row.CPUPostgres.Median, row.CPUTotal.Median, cpuRatio)
 	}
@@ -172,7 +172,7 @@ func (r *Report) WriteSVG(w io.Writer) error {
 	var body strings.Builder
 	prev := ""
 	for _, row := range r.Rows {
-		label := workloadLabel(row)
+		label := r.workloadLabel(row)
 		if label != prev {
 			if prev != "" {
 				y += 8
