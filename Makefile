@@ -24,7 +24,7 @@ cover:
 	$(GO) test -race -count=1 -cover $(PKGS)
 
 ## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
-## 3 minutes); writes docs/bench.json and docs/bench.svg. A full run:
+## 2 minutes); writes docs/bench.json and docs/bench.svg. A full run (about 20–30 minutes):
 ## make bench BENCH_FLAGS="-seconds 15 -workloads noop,debit,charge,scale,io -write-docs"
 BENCH_FLAGS ?= -write-docs
 .PHONY: bench

@@ -19,7 +19,7 @@ func benchCommand() command {
 		name:  "bench",
 		usage: "bench [-reps 3] [-seconds 2] [-concurrency 50] [-workloads noop,debit,charge[,scale,io]] [-n N] [-json PATH] [-svg PATH] [-write-docs]",
 		summary: "measure bare asynq against + lock, + ledger (leased, transactional) and the full stack, interleaved, with ratios " +
-			"(defaults take ~2 min; a full run, ~30 min: -seconds 15 -workloads noop,debit,charge,scale,io; `idemq bench -flags` lists the flags)",
+			"(defaults take ~2 min; a full run, ~20–30 min: -seconds 15 -workloads noop,debit,charge,scale,io; `idemq bench -flags` lists the flags)",
 		spec: func() any { return &benchConfig{} },
 		run: func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error {
 			c := spec.(*benchConfig)

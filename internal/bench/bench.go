@@ -259,7 +259,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	from := fs.String("from", "", "do not measure: print the table and write the chart (and JSON) of the report in this JSON file")
 	showFlags := fs.Bool("flags", false, "list the flags and exit")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\n\nFlags:")
+		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
