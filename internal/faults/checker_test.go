@@ -16,30 +16,33 @@ import (
 
 // verdict is what the offline checker found in the database and in asynq.
 type verdict struct {
-	Expected         int            `json:"jobs_expected"`
-	Completed        int            `json:"completed"`
-	Lost             int            `json:"lost"`              // no ledger row at all
-	Stuck            int            `json:"stuck"`             // a row that is not completed
-	WrongResult      int            `json:"wrong_result"`      // completed, but the result does not name the one effect
-	MissingEffect    int            `json:"missing_effect"`    // completed with no effect
-	DuplicateEffects int            `json:"duplicate_effects"` // effects beyond one per job (charges + entries)
-	DupCharges       int            `json:"duplicate_charges"`
-	DupEntries       int            `json:"duplicate_wallet_entries"`
-	StrayEffects     int            `json:"stray_effects"` // effects of no expected job
-	StrayLedgerRows  int            `json:"stray_ledger_rows"`
-	KeyReuses        int            `json:"provider_keys_reused"`       // idempotency keys sent to the provider more than once
-	ReusedRequests   int            `json:"provider_requests_replayed"` // requests the provider answered from an earlier charge
-	ClaimsPerKey     map[string]int `json:"claims_per_key_histogram"`   // ledger attempts per key → keys
-	LatencyP50       float64        `json:"e2e_latency_p50_s"`
-	LatencyP99       float64        `json:"e2e_latency_p99_s"`
-	RecoveryN        int            `json:"recovery_samples"`
-	RecoveryP50      float64        `json:"recovery_p50_s"`
-	RecoveryP95      float64        `json:"recovery_p95_s"`
-	RecoveryMax      float64        `json:"recovery_max_s"`
-	Leftover         []string       `json:"asynq_leftover"` // tasks neither completed nor (deliberately) archived
-	BadArchived      int            `json:"bad_payloads_archived"`
-	BadProblems      []string       `json:"bad_payload_problems,omitempty"`
-	Examples         []string       `json:"examples,omitempty"` // a few offending keys
+	Expected         int `json:"jobs_expected"`
+	Completed        int `json:"completed"`
+	Lost             int `json:"lost"`              // no ledger row at all
+	Stuck            int `json:"stuck"`             // a row that is not completed
+	WrongResult      int `json:"wrong_result"`      // completed, but the result does not name the one effect
+	MissingEffect    int `json:"missing_effect"`    // completed with no effect
+	DuplicateEffects int `json:"duplicate_effects"` // effects beyond one per job (charges + entries)
+	DupCharges       int `json:"duplicate_charges"`
+	DupEntries       int `json:"duplicate_wallet_entries"`
+	StrayEffects     int `json:"stray_effects"` // effects of no expected job
+	// OlderResult counts charges whose stored result names an older charge of the order
+	// than its newest: a stale owner's completion won over the owner that took it over.
+	OlderResult     int            `json:"result_names_older_charge"`
+	StrayLedgerRows int            `json:"stray_ledger_rows"`
+	KeyReuses       int            `json:"provider_keys_reused"`       // idempotency keys sent to the provider more than once
+	ReusedRequests  int            `json:"provider_requests_replayed"` // requests the provider answered from an earlier charge
+	ClaimsPerKey    map[string]int `json:"claims_per_key_histogram"`   // ledger attempts per key → keys
+	LatencyP50      float64        `json:"e2e_latency_p50_s"`
+	LatencyP99      float64        `json:"e2e_latency_p99_s"`
+	RecoveryN       int            `json:"recovery_samples"`
+	RecoveryP50     float64        `json:"recovery_p50_s"`
+	RecoveryP95     float64        `json:"recovery_p95_s"`
+	RecoveryMax     float64        `json:"recovery_max_s"`
+	Leftover        []string       `json:"asynq_leftover"` // tasks neither completed nor (deliberately) archived
+	BadArchived     int            `json:"bad_payloads_archived"`
+	BadProblems     []string       `json:"bad_payload_problems,omitempty"`
+	Examples        []string       `json:"examples,omitempty"` // a few offending keys
 }
 
 type effects struct {
@@ -50,11 +53,11 @@ type effects struct {
 // check reads the final state. It never mutates anything.
 func (c *cluster) check(ctx context.Context) (verdict, error) {
 	var v verdict
-	charges, err := c.effects(ctx, `SELECT order_id, id FROM fakepay_charges`)
+	charges, err := c.effects(ctx, `SELECT order_id, id FROM fakepay_charges ORDER BY created_at, id`)
 	if err != nil {
 		return v, err
 	}
-	entries, err := c.effects(ctx, `SELECT reference, id::text FROM wallet_entries`)
+	entries, err := c.effects(ctx, `SELECT reference, id::text FROM wallet_entries ORDER BY id`)
 	if err != nil {
 		return v, err
 	}
@@ -121,6 +124,9 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 		case eff.count == 1 && eff.ids[0] != named:
 			v.WrongResult++
 			example("%s: result names %q, the effect is %q", key, named, eff.ids[0])
+		case eff.count > 1 && kind == "charge" && named != eff.ids[len(eff.ids)-1]:
+			v.OlderResult++
+			example("%s: result names %q, not the newest charge of %v", key, named, eff.ids)
 		}
 	}
 	if err := rows.Err(); err != nil {

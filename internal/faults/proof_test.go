@@ -101,7 +101,11 @@ func TestProof(t *testing.T) {
 	rep := &report{Seed: seed, Profile: p.name, Started: start.UTC().Format(time.RFC3339)}
 	var mu sync.Mutex
 
+	only := os.Getenv("IDEMQ_FAULTS_ONLY") // "controls" or "nemesis": a part alone, while working on the suite
 	t.Run("nemesis", func(t *testing.T) {
+		if only == "controls" {
+			t.Skip("IDEMQ_FAULTS_ONLY=controls")
+		}
 		for _, m := range []struct {
 			name string
 			mode localserver.Persistence
@@ -116,6 +120,9 @@ func TestProof(t *testing.T) {
 		}
 	})
 	t.Run("controls", func(t *testing.T) {
+		if only == "nemesis" {
+			t.Skip("IDEMQ_FAULTS_ONLY=nemesis")
+		}
 		t.Run("no_guards", func(t *testing.T) {
 			t.Parallel()
 			r := runNoGuards(t, p, seed)
@@ -134,7 +141,7 @@ func TestProof(t *testing.T) {
 	sort.Slice(rep.Runs, func(i, j int) bool { return rep.Runs[i].Mode > rep.Runs[j].Mode })
 	sort.Slice(rep.Controls, func(i, j int) bool { return rep.Controls[i].Name < rep.Controls[j].Name })
 	rep.WallSeconds = time.Since(start).Seconds()
-	rep.Pass = !t.Failed() && len(rep.Runs) == 2
+	rep.Pass = !t.Failed() && (len(rep.Runs) == 2 || only == "controls")
 	for _, r := range rep.Runs {
 		rep.Pass = rep.Pass && r.Pass
 	}
@@ -210,7 +217,7 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	fail(v.Lost == 0, "%d keys lost", v.Lost)
 	fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
 	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
-	fail(v.WrongResult == 0, "%d results name another effect than the one that exists", v.WrongResult)
+	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
 	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
 	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
 	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
@@ -339,8 +346,23 @@ func runNoFencing(t *testing.T, p profile, seed uint64) controlReport {
 			c.enqueueDup(ctx, s, k+"#stale")
 		}
 	}
-	time.Sleep(lease + 3*time.Second - time.Since(t0))
+	// Resume the stale owner just after the first takeover, while the new owner is still
+	// inside its provider call (0-3 s): its own completion then races the new owner's.
+	for deadline := t0.Add(lease + 4*time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		now, _ := c.inProgressCharges(ctx)
+		moved := false
+		for _, k := range held {
+			if r, ok := now[k]; ok && r.fence != snap[k].fence {
+				moved = true
+			}
+		}
+		if moved {
+			time.Sleep(300 * time.Millisecond)
+			break
+		}
+	}
 	w0.signal(syscall.SIGCONT, false)
+	c.hist.note("resume_stale_owner", w0.name, fmt.Sprintf("%s after the stop", time.Since(t0).Round(100*time.Millisecond)))
 	c.waitQuiet(ctx, 90*time.Second)
 	v, err := c.check(ctx)
 	if err != nil {
@@ -394,7 +416,9 @@ func table(rep *report) string {
 	row("lost", func(r runReport) any { return r.Verdict.Lost })
 	row("stuck", func(r runReport) any { return r.Verdict.Stuck })
 	row("duplicate effects", func(r runReport) any { return r.Verdict.DuplicateEffects })
-	row("results naming another effect", func(r runReport) any { return r.Verdict.WrongResult + r.Verdict.MissingEffect })
+	row("results naming another effect", func(r runReport) any {
+		return r.Verdict.WrongResult + r.Verdict.MissingEffect + r.Verdict.OlderResult
+	})
 	row("claims per key (ledger attempts)", func(r runReport) any { return histogram(r.Verdict.ClaimsPerKey) })
 	row("duplicates sent (workload/stop/nudge)", func(r runReport) any {
 		return fmt.Sprintf("%d/%d/%d", r.Dups, r.StopDups, r.Nudges)
@@ -426,8 +450,8 @@ func table(rep *report) string {
 			fmt.Fprintf(&b, "negative control %s: SKIPPED: %s\n", c.Name, c.Skipped)
 			continue
 		}
-		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results; takeovers %v, fenced completions %v: %s\n",
-			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult,
+		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results, %d results naming an older charge; takeovers %v, fenced completions %v: %s\n",
+			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult, c.Verdict.OlderResult,
 			c.Counters["ledger:takeover"], c.Counters["ledger:lease_lost"], passFail(c.Pass))
 		for _, f := range c.Failures {
 			fmt.Fprintf(&b, "  FAILURE: %s\n", f)
