@@ -210,9 +210,9 @@ func (c *cluster) asynqState(ctx context.Context) (leftover []string, badArchive
 		switch {
 		case len(fields) == 0: // gone since the scan
 		case fields["msg"] == "":
-			// Not a task: a hash without a message, which asynq can never run. Seen after
-			// Redis lost its data: a delivery still running writes its result
-			// (ResultWriter, an HSET) and so creates a hash holding only "result".
+			// Not a task: a hash without a message, which asynq can never run or expire.
+			// Seen after Redis lost its data, when a delivery still running wrote its
+			// result with asynq's ResultWriter (an HSET) before a1a0150.
 			var names []string
 			for k := range fields {
 				names = append(names, k)

@@ -65,8 +65,7 @@ type runReport struct {
 	RetryRuns  int                `json:"drain_retry_tasks_run"`
 	HeldKilled int                `json:"held_keys_tracked"`
 	// ResultOnly are asynq hashes holding no task message, only fields such as "result"
-	// (id → fields): not a task, never run, but left in Redis for ever. Reported, not
-	// failed: see docs/proof.md.
+	// (id → fields): not a task, never run, but left in Redis for ever (docs/proof.md).
 	ResultOnly map[string]string `json:"asynq_hashes_without_message,omitempty"`
 	Pass       bool              `json:"pass"`
 	Failures   []string          `json:"failures,omitempty"`
@@ -221,6 +220,7 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
 	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
 	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
+	fail(len(r.ResultOnly) == 0, "%d asynq hashes without a task message (a result written after Redis lost the task): %v", len(r.ResultOnly), r.ResultOnly)
 	fail(v.BadArchived == len(badPayloads), "%d of %d bad payloads archived with a reason: %v", v.BadArchived, len(badPayloads), v.BadProblems)
 	for _, k := range allFaults {
 		fail(r.Nemesis[k] > 0, "fault %s never injected", k)

@@ -200,8 +200,8 @@ var badPayloads = map[string]*asynq.Task{
 
 func (c *cluster) enqueueBad(ctx context.Context) error {
 	// A fresh client: asynq's client adds a queue to asynq:queues only on its first
-	// enqueue, so after Redis lost everything the Inspector answers "queue not found" until
-	// a new client publishes to the queue.
+	// enqueue, so the suite's long-lived client would not register the queue again after
+	// Redis lost everything (the relay and reconciler do since a1a0150).
 	client := asynq.NewClientFromRedisClient(c.rdb)
 	for id, task := range badPayloads {
 		if err := retry(ctx, 20*time.Second, func() error {
