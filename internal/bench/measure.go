@@ -261,7 +261,8 @@ type recorder struct {
 	n        int
 	first    atomic.Int64 // unix ns of the first delivery's start
 	last     atomic.Int64 // unix ns of the last successful delivery's end
-	done     atomic.Int64
+	slot     atomic.Int64 // next overhead slot
+	done     atomic.Int64 // successful deliveries
 	errs     atomic.Int64
 	lastErr  atomic.Value
 	overhead []time.Duration
@@ -285,9 +286,9 @@ func (r *recorder) wrap(h asynq.Handler) asynq.Handler {
 			r.lastErr.Store(err.Error())
 			return err
 		}
-		i := int(r.done.Add(1))
-		if i <= r.n {
-			r.overhead[i-1] = end.Sub(start) - inner
+		// Record first, count last: whoever counts the n-th task sees every record.
+		if slot := int(r.slot.Add(1)); slot <= r.n {
+			r.overhead[slot-1] = end.Sub(start) - inner
 		}
 		for {
 			l := r.last.Load()
@@ -295,7 +296,7 @@ func (r *recorder) wrap(h asynq.Handler) asynq.Handler {
 				break
 			}
 		}
-		if i >= r.n {
+		if int(r.done.Add(1)) >= r.n {
 			r.once.Do(func() { close(r.finished) })
 		}
 		return nil
