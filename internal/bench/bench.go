@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
@@ -137,6 +138,29 @@ type Host struct {
 	GoVersion string `json:"go"`
 	Hostname  string `json:"hostname"`
 	Load      string `json:"loadavg_at_start"`
+	Revision  string `json:"revision,omitempty"` // the commit the binary was built from ("+dirty" when modified)
+}
+
+func revision() string {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return ""
+	}
+	var rev, dirty string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			if s.Value == "true" {
+				dirty = "+dirty"
+			}
+		}
+	}
+	if rev == "" {
+		return ""
+	}
+	return rev[:min(12, len(rev))] + dirty
 }
 
 // Run measures opt's workloads and returns the report; progress lines go to progress.
@@ -146,6 +170,7 @@ func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) 
 	rep.Host.CPUs = runtime.NumCPU()
 	rep.Host.GoVersion = runtime.Version()
 	rep.Host.Hostname, _ = os.Hostname()
+	rep.Host.Revision = revision()
 	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
 		rep.Host.Load = strings.Join(strings.Fields(string(b))[:3], " ")
 	}

@@ -80,7 +80,7 @@ func BenchmarkHandler(b *testing.B) {
 	b.Cleanup(ledger.Close)
 	locker := lock.New(rdb, nil)
 	st := &stack{rdb: rdb, pool: pool, ledger: ledger, locker: locker,
-		worker: idempotency.NewWorker(ledger, locker, &idempotency.WorkerConfig{LockTTL: lockTTL})}
+		worker: idempotency.NewWorker(ledger, locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: rdb})}
 	w := noopWorkload("noop", 0)
 	var seq atomic.Int64
 	prefix := strconv.FormatInt(time.Now().UnixNano(), 36)

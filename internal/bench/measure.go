@@ -197,7 +197,8 @@ func (e *env) newStack(ctx context.Context, servers int) (*stack, error) {
 	}
 	st.ledger = idempotency.New(st.pool, nil)
 	st.locker = lock.New(st.rdb, nil)
-	st.worker = idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL})
+	// As `idemq worker` does: results reach asynq through the compare-and-set script.
+	st.worker = idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: st.rdb})
 	return st, nil
 }
 

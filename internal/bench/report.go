@@ -125,8 +125,12 @@ func (r *Report) workloadLabel(row Row) string {
 // min–max in parentheses; ratios are to bare asynq in the same repetition.
 func (r *Report) WriteTable(w io.Writer) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "idemq bench: %d rep(s), concurrency %d per server, %d CPUs, %s, wall %.0fs, started %s (load %s)\n\n",
+	fmt.Fprintf(&b, "idemq bench: %d rep(s), concurrency %d per server, %d CPUs, %s, wall %.0fs, started %s (load %s)",
 		r.Options.Reps, r.Options.Concurrency, r.Host.CPUs, r.Host.GoVersion, r.WallSeconds, r.Started.Format("2006-01-02 15:04 MST"), r.Host.Load)
+	if r.Host.Revision != "" {
+		fmt.Fprintf(&b, ", revision %s", r.Host.Revision)
+	}
+	b.WriteString("\n\n")
 	b.WriteString("| workload | configuration | N | tasks/s | ÷ bare | overhead p50 / p99 (µs) | CPU µs/task: Go + Redis + PG = total | CPU ÷ bare |\n")
 	b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|\n")
 	for _, row := range r.Rows {
