@@ -127,8 +127,22 @@ type stack struct {
 	workerEnv                 []string
 }
 
+// stackSlot lets one test at a time run a stack of processes: each opens tens of Postgres
+// connections (a worker's pool is IDEMQ_CONCURRENCY + 4, plus heartbeats and the relay),
+// and the shared test server allows 100.
+var stackSlot = make(chan struct{}, 1)
+
+// takeStackSlot waits for the slot and gives it back when the test ends, after its
+// processes are gone (cleanups run last-registered first).
+func takeStackSlot(t *testing.T) {
+	t.Helper()
+	stackSlot <- struct{}{}
+	t.Cleanup(func() { <-stackSlot })
+}
+
 func startStack(t *testing.T, workers int, fakepayEnv, workerEnv []string) *stack {
 	t.Helper()
+	takeStackSlot(t)
 	s := &stack{dsn: testenv.PostgresURL(t), redisURL: testenv.RedisURL(t)}
 	s.pool = testenv.Pool(t, s.dsn)
 	rdb := testenv.RedisClient(t, s.redisURL)
@@ -427,6 +441,7 @@ func TestDemo(t *testing.T) {
 			env = append(env[:i], env[i+1:]...)
 		}
 	}
+	takeStackSlot(t)
 	out, stderr, err := idemq(t, env, "demo", "--charges", "25", "--debits", "25")
 	if err != nil {
 		t.Fatalf("idemq demo: %v\n%s\n%s", err, out, stderr)
