@@ -69,22 +69,6 @@ func (p *proc) tail(n int) string {
 	return string(b)
 }
 
-// waitHTTP waits until url answers 200.
-func waitHTTP(t *testing.T, url string, d time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for time.Now().Before(deadline) {
-		if resp, err := http.Get(url); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("%s did not answer 200 within %s", url, d)
-}
-
 // metricSum adds up the samples of a counter whose labels contain every one of match.
 func metricSum(t *testing.T, url, name string, match ...string) float64 {
 	t.Helper()
@@ -152,7 +136,7 @@ func startStack(t *testing.T, workers int, fakepayEnv, workerEnv []string) *stac
 	fp := testenv.FreePort(t)
 	s.fakepayURL = fmt.Sprintf("http://127.0.0.1:%d", fp)
 	startIdemq(t, "fakepay", append([]string{"DATABASE_URL=" + s.dsn, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp)}, fakepayEnv...), "fakepay")
-	waitHTTP(t, s.fakepayURL+"/healthz", 20*time.Second)
+	testenv.WaitHTTP(t, s.fakepayURL+"/healthz", 20*time.Second)
 
 	s.workerEnv = append([]string{
 		"DATABASE_URL=" + s.dsn, "REDIS_URL=" + s.redisURL, "IDEMQ_FAKEPAY_URL=" + s.fakepayURL,
@@ -169,7 +153,7 @@ func (s *stack) startWorker(t *testing.T, i int) *proc {
 	port := testenv.FreePort(t)
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	w := startIdemq(t, fmt.Sprintf("worker%d", i), append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port)}, s.workerEnv...), "worker")
-	waitHTTP(t, url+"/readyz", 30*time.Second)
+	testenv.WaitHTTP(t, url+"/readyz", 30*time.Second)
 	if i < len(s.workers) {
 		s.workers[i], s.metrics[i] = w, url+"/metrics"
 	} else {

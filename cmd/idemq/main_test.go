@@ -18,22 +18,7 @@ import (
 // binary is the idemq binary built once for the tests that run it as a process.
 var binary string
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "idemq-bin-")
-	if err != nil {
-		panic(err)
-	}
-	binary = filepath.Join(dir, "idemq")
-	// Built without the race detector: the end-to-end tests run several of these processes
-	// at once on small machines; the in-process tests cover races.
-	if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
-		os.RemoveAll(dir)
-		panic("build idemq: " + err.Error() + "\n" + string(out))
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testenv.RunWithIdemq(m, &binary) }
 
 // idemq runs the binary with env added to a clean environment and returns its output.
 func idemq(t *testing.T, env []string, args ...string) (stdout, stderr string, err error) {

@@ -25,26 +25,13 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/internal/localserver"
+	"github.com/idemq/idemq/internal/testenv"
 )
 
 // binary is the idemq binary, built once per test run by TestMain.
 var binary string
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "idemq-faults-bin-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	binary = filepath.Join(dir, "idemq")
-	if out, err := exec.Command("go", "build", "-o", binary, "github.com/idemq/idemq/cmd/idemq").CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "build idemq: %v\n%s", err, out)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testenv.RunWithIdemq(m, &binary) }
 
 var errRunning = errors.New("already running")
 
@@ -288,8 +275,8 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 			t.Fatal(err)
 		}
 	}
-	waitHTTP(t, fakepayURL+"/healthz", 30*time.Second)
-	waitHTTP(t, c.apiURL+"/healthz", 30*time.Second)
+	testenv.WaitHTTP(t, fakepayURL+"/healthz", 30*time.Second)
+	testenv.WaitHTTP(t, c.apiURL+"/healthz", 30*time.Second)
 
 	workerEnv := append([]string{
 		// application_name lets the nemesis terminate the workers' connections only.
@@ -310,7 +297,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	}
 	for _, w := range c.workers {
 		if w.doneCh() != nil {
-			waitHTTP(t, strings.TrimSuffix(w.metricsURL, "/metrics")+"/readyz", 30*time.Second)
+			testenv.WaitHTTP(t, strings.TrimSuffix(w.metricsURL, "/metrics")+"/readyz", 30*time.Second)
 		}
 	}
 	c.scrapeWG.Add(1)
@@ -402,19 +389,4 @@ func runIdemq(env []string, args ...string) (string, error) {
 	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
-}
-
-func waitHTTP(t *testing.T, url string, d time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for time.Now().Before(deadline) {
-		if resp, err := http.Get(url); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("%s did not answer 200 within %s", url, d)
 }
