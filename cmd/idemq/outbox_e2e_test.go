@@ -17,7 +17,7 @@ func startAPI(t *testing.T, env []string) string {
 	port := testenv.FreePort(t)
 	startIdemq(t, "api", append([]string{fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", port)}, env...), "api")
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	waitHTTP(t, base+"/healthz", 30*time.Second)
+	testenv.WaitHTTP(t, base+"/healthz", 30*time.Second)
 	return base
 }
 
