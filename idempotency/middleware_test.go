@@ -11,6 +11,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/testenv"
@@ -52,6 +53,21 @@ func newMW(t *testing.T, lease time.Duration, wcfg *idempotency.WorkerConfig) *m
 		return json.RawMessage(`{"debit":"` + d.Reference + `"}`), nil
 	})
 	return f
+}
+
+// serve runs the fixture's charge handler on an asynq server configured by cfg (and
+// idempotency.Configure) until the test ends.
+func (f *mwFixture) serve(t *testing.T, rdb *redis.Client, cfg asynq.Config) {
+	t.Helper()
+	cfg.LogLevel = asynq.FatalLevel
+	idempotency.Configure(&cfg)
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
+	mux := asynq.NewServeMux()
+	mux.Handle(tasks.TypeCharge, f.charge)
+	if err := srv.Start(mux); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
 }
 
 func chargeTask(t *testing.T, orderID string, amount int64) *asynq.Task {
@@ -253,15 +269,7 @@ func TestMiddlewareWithAsynqServer(t *testing.T) {
 		}
 		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
 	}
-	cfg := asynq.Config{Concurrency: 4, DelayedTaskCheckInterval: 200 * time.Millisecond, LogLevel: asynq.FatalLevel}
-	idempotency.Configure(&cfg)
-	srv := asynq.NewServerFromRedisClient(rdb, cfg)
-	mux := asynq.NewServeMux()
-	mux.Handle(tasks.TypeCharge, f.charge)
-	if err := srv.Start(mux); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
+	f.serve(t, rdb, asynq.Config{Concurrency: 4, DelayedTaskCheckInterval: 200 * time.Millisecond})
 	client := asynq.NewClientFromRedisClient(rdb)
 	insp := asynq.NewInspectorFromRedisClient(rdb)
 	ctx := testenv.Context(t, time.Minute)
@@ -332,15 +340,7 @@ func TestMiddlewareDoesNotWriteResultsForLostTasks(t *testing.T) {
 		}
 		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
 	}
-	cfg := asynq.Config{Concurrency: 1, LogLevel: asynq.FatalLevel}
-	idempotency.Configure(&cfg)
-	srv := asynq.NewServerFromRedisClient(rdb, cfg)
-	mux := asynq.NewServeMux()
-	mux.Handle(tasks.TypeCharge, f.charge)
-	if err := srv.Start(mux); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
+	f.serve(t, rdb, asynq.Config{Concurrency: 1})
 	client := asynq.NewClientFromRedisClient(rdb)
 	insp := asynq.NewInspectorFromRedisClient(rdb)
 	ctx := testenv.Context(t, 30*time.Second)

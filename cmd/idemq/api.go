@@ -12,6 +12,7 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
 )
@@ -37,12 +38,12 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("REDIS_URL: %w", err)
 	}
-	rdb, err := openRedis(ctx, cfg.RedisURL)
+	rdb, err := dial.Redis(ctx, cfg.RedisURL)
 	if err != nil {
 		return err
 	}
 	defer rdb.Close()
-	pool, err := openPool(ctx, cfg.DatabaseURL, 0)
+	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 0)
 	if err != nil {
 		return err
 	}

@@ -12,7 +12,6 @@ import (
 	"math"
 	mrand "math/rand/v2"
 	"net/http"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -30,6 +29,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/migrations"
 	"github.com/idemq/idemq/tasks"
@@ -132,7 +132,7 @@ func demoServers(ctx context.Context, out io.Writer) (redisURL, dbURL string, cl
 	}
 	pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	if rdb, err := openRedis(pctx, redisURL); err == nil {
+	if rdb, err := dial.Redis(pctx, redisURL); err == nil {
 		rdb.Close()
 	} else {
 		fmt.Fprintf(out, "Redis at %s does not answer (%v); starting a private redis-server\n", redisURL, err)
@@ -143,7 +143,7 @@ func demoServers(ctx context.Context, out io.Writer) (redisURL, dbURL string, cl
 		closers = append(closers, srv.Close)
 		redisURL = srv.URL
 	}
-	if pool, err := openPool(pctx, dbURL, 1); err == nil {
+	if pool, err := dial.Postgres(pctx, dbURL, 1); err == nil {
 		pool.Close()
 	} else {
 		fmt.Fprintf(out, "Postgres does not answer (%v); starting a private postgres\n", err)
@@ -167,18 +167,19 @@ func firstNonEmpty(a, b string) string {
 
 // demoStack is one phase's processes and connections.
 type demoStack struct {
-	exe, logDir      string
-	env              []string
-	workers          []*exec.Cmd
-	metrics          []string
-	lastScrape       []map[string]float64
-	mu               sync.Mutex
-	apiURL, fakepay  string
-	pool             *pgxpool.Pool
-	rdb              *redis.Client
-	procs            []*exec.Cmd
-	schema, redisURL string
-	redisDB          *localserver.RedisDB
+	exe, logDir     string
+	env             []string
+	workers         []*exec.Cmd
+	metrics         []string
+	lastScrape      []map[string]float64
+	mu              sync.Mutex
+	apiURL, fakepay string
+	pool            *pgxpool.Pool
+	rdb             *redis.Client
+	procs           []*exec.Cmd
+	schema          *localserver.Schema
+	redisURL        string
+	redisDB         *localserver.RedisDB
 }
 
 func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, guarded bool, out io.Writer) (*demoRun, error) {
@@ -373,25 +374,11 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 	}
 
 	// A Postgres schema of its own, migrated.
-	st.schema = "idemq_demo_" + randomHex(4)
-	admin, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
+	if st.schema, err = localserver.CreateSchema(ctx, dbURL, "idemq_demo_"+randomHex(4), nil); err != nil {
 		return nil, fmt.Errorf("demo: %w", err)
 	}
-	_, err = admin.Exec(ctx, "CREATE SCHEMA "+st.schema)
-	admin.Close(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("demo: create schema: %w", err)
-	}
-	u, err := url.Parse(dbURL)
-	if err != nil {
-		return nil, fmt.Errorf("demo: DATABASE_URL must be a postgres:// URL: %w", err)
-	}
-	q := u.Query()
-	q.Set("search_path", st.schema)
-	u.RawQuery = q.Encode()
-	dsn := u.String()
-	if st.pool, err = openPool(ctx, dsn, 8); err != nil {
+	dsn := st.schema.URL
+	if st.pool, err = dial.Postgres(ctx, dsn, 8); err != nil {
 		return nil, err
 	}
 	if err := migrateDSN(ctx, st.pool); err != nil {
@@ -404,7 +391,7 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 		return nil, fmt.Errorf("demo: %w", err)
 	}
 	st.redisURL = st.redisDB.URL
-	if st.rdb, err = openRedis(ctx, st.redisURL); err != nil {
+	if st.rdb, err = dial.Redis(ctx, st.redisURL); err != nil {
 		return nil, err
 	}
 
@@ -439,7 +426,7 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 		return st, err
 	}
 	fmt.Fprintf(out, "\n%s: API %s, dashboard %s/monitoring/, ledger %s/ledger/ (schema %s, logs in %s)\n",
-		phaseName(guarded), st.apiURL, st.apiURL, st.apiURL, st.schema, st.logDir)
+		phaseName(guarded), st.apiURL, st.apiURL, st.apiURL, st.schema.Name, st.logDir)
 	return st, nil
 }
 
@@ -499,10 +486,10 @@ func (st *demoStack) close(ctx context.Context, keep bool, out io.Writer) {
 		st.redisDB.Release(keep)
 	}
 	if st.pool != nil {
-		if !keep {
-			st.pool.Exec(cctx, "DROP SCHEMA "+st.schema+" CASCADE")
-		}
 		st.pool.Close()
+	}
+	if st.schema != nil && !keep {
+		st.schema.Drop(cctx)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -57,12 +58,12 @@ func enqueueCommand() command {
 			if fs.NArg() > 0 {
 				return fmt.Errorf("enqueue %s: unexpected arguments %q", args[0], fs.Args())
 			}
-			rdb, err := openRedis(ctx, cfg.RedisURL)
+			rdb, err := dial.Redis(ctx, cfg.RedisURL)
 			if err != nil {
 				return err
 			}
 			defer rdb.Close()
-			pool, err := openPool(ctx, cfg.DatabaseURL, 2)
+			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 2)
 			if err != nil {
 				return err
 			}

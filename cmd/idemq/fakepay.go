@@ -6,6 +6,7 @@ import (
 	"io"
 
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/httpserver"
 )
@@ -22,7 +23,7 @@ func fakepayCommand() command {
 				return fmt.Errorf("fakepay: unexpected arguments %q", args)
 			}
 			log := newLogger(stderr, cfg.LogLevel).With("cmd", "fakepay")
-			pool, err := openPool(ctx, cfg.DatabaseURL, 0)
+			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 0)
 			if err != nil {
 				return err
 			}

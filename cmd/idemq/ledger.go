@@ -13,6 +13,7 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 )
 
 func ledgerCommand() command {
@@ -45,7 +46,7 @@ func ledgerCommand() command {
 				return fmt.Errorf("ledger %s: want %d argument(s), got %q", op, n, rest)
 			}
 
-			pool, err := openPool(ctx, cfg.DatabaseURL, 4)
+			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 4)
 			if err != nil {
 				return err
 			}

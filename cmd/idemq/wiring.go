@@ -21,28 +21,6 @@ func newLogger(w io.Writer, level string) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l}))
 }
 
-// openPool connects to Postgres and checks that it answers. maxConns 0 keeps pgx's default.
-func openPool(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(dsn)
-	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
-	}
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect to Postgres: %w", err)
-	}
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := pool.Ping(pctx); err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("connect to Postgres (DATABASE_URL): %w", err)
-	}
-	return pool, nil
-}
-
 // requireSchema refuses to start on a database that `idemq migrate` has not brought up to
 // date, naming the fix.
 func requireSchema(ctx context.Context, pool *pgxpool.Pool) error {

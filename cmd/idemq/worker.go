@@ -16,11 +16,11 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
-	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
 	"github.com/idemq/idemq/lock"
@@ -56,12 +56,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		return fmt.Errorf("IDEMQ_RETENTION=%s is shorter than asynq's task retention plus the longest retry horizon (%s): a retried task could run again after its key was purged", cfg.Retention, min.Round(time.Hour))
 	}
 
-	rdb, err := openRedis(ctx, cfg.RedisURL)
+	rdb, err := dial.Redis(ctx, cfg.RedisURL)
 	if err != nil {
 		return err
 	}
 	defer rdb.Close()
-	pool, err := openPool(ctx, cfg.DatabaseURL, int32(cfg.Concurrency)+4)
+	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, int32(cfg.Concurrency)+4)
 	if err != nil {
 		return err
 	}
@@ -231,24 +231,6 @@ func parseQueues(list []string) (map[string]int, error) {
 		qs[name] = weight
 	}
 	return qs, nil
-}
-
-func openRedis(ctx context.Context, url string) (*redis.Client, error) {
-	opt, err := redis.ParseURL(url)
-	if err != nil {
-		return nil, fmt.Errorf("REDIS_URL: %w", err)
-	}
-	// Let contexts bound every command, so a paused or partitioned Redis cannot hang a
-	// delivery past its deadline.
-	opt.ContextTimeoutEnabled = true
-	rdb := redis.NewClient(opt)
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := rdb.Ping(pctx).Err(); err != nil {
-		rdb.Close()
-		return nil, fmt.Errorf("connect to Redis (REDIS_URL): %w", err)
-	}
-	return rdb, nil
 }
 
 // asynqLogger feeds asynq's log lines to slog.

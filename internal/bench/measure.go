@@ -6,20 +6,19 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/http/httptest"
-	"net/url"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/lock"
@@ -31,7 +30,7 @@ import (
 // Redis database, the in-process provider.
 type env struct {
 	opt      Options
-	schema   string
+	schema   *localserver.Schema
 	dsn      string
 	appName  string
 	redisDB  *localserver.RedisDB
@@ -52,27 +51,12 @@ func setup(ctx context.Context, opt Options) (_ *env, err error) {
 		}
 	}()
 	suffix := randomHex(4)
-	e.schema = "idemq_bench_" + suffix
 	e.appName = "idemq-bench-" + suffix
-	conn, err := pgx.Connect(ctx, opt.DatabaseURL)
+	schema, err := localserver.CreateSchema(ctx, opt.DatabaseURL, "idemq_bench_"+suffix, map[string]string{"application_name": e.appName})
 	if err != nil {
-		return nil, fmt.Errorf("bench: connect to Postgres (DATABASE_URL): %w", err)
+		return nil, fmt.Errorf("bench: %w", err)
 	}
-	_, err = conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{e.schema}.Sanitize())
-	conn.Close(ctx)
-	if err != nil {
-		e.schema = ""
-		return nil, fmt.Errorf("bench: create schema: %w", err)
-	}
-	u, err := url.Parse(opt.DatabaseURL)
-	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		return nil, fmt.Errorf("bench: DATABASE_URL must be a postgres:// URL")
-	}
-	q := u.Query()
-	q.Set("search_path", e.schema)
-	q.Set("application_name", e.appName)
-	u.RawQuery = q.Encode()
-	e.dsn = u.String()
+	e.schema, e.dsn = schema, schema.URL
 	if e.admin, err = e.openPool(ctx, 2); err != nil {
 		return nil, err
 	}
@@ -117,41 +101,23 @@ func (e *env) close() {
 	if e.admin != nil {
 		e.admin.Close()
 	}
-	if e.schema != "" {
-		if conn, err := pgx.Connect(ctx, e.opt.DatabaseURL); err == nil {
-			conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{e.schema}.Sanitize()+" CASCADE")
-			conn.Close(ctx)
-		}
+	if e.schema != nil {
+		e.schema.Drop(ctx)
 	}
 }
 
 func (e *env) openPool(ctx context.Context, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(e.dsn)
+	pool, err := dial.Postgres(ctx, e.dsn, maxConns)
 	if err != nil {
-		return nil, fmt.Errorf("bench: DATABASE_URL: %w", err)
-	}
-	cfg.MaxConns = maxConns
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("bench: connect to Postgres: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("bench: connect to Postgres (DATABASE_URL): %w", err)
+		return nil, fmt.Errorf("bench: %w", err)
 	}
 	return pool, nil
 }
 
 func openRedis(ctx context.Context, u string) (*redis.Client, error) {
-	opt, err := redis.ParseURL(u)
+	c, err := dial.Redis(ctx, u)
 	if err != nil {
-		return nil, fmt.Errorf("bench: REDIS_URL: %w", err)
-	}
-	opt.ContextTimeoutEnabled = true
-	c := redis.NewClient(opt)
-	if err := c.Ping(ctx).Err(); err != nil {
-		c.Close()
-		return nil, fmt.Errorf("bench: connect to Redis (REDIS_URL): %w", err)
+		return nil, fmt.Errorf("bench: %w", err)
 	}
 	return c, nil
 }

@@ -3,8 +3,6 @@ package testenv
 import (
 	"context"
 	"database/sql"
-	"fmt"
-	"net/url"
 	"testing"
 	"time"
 
@@ -12,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/migrations"
 )
 
@@ -54,47 +53,29 @@ func Pool(t testing.TB, dsn string) *pgxpool.Pool {
 }
 
 // schemaURL makes a schema (migrated if migrate is set) on the database at base and
-// returns base with search_path pointing at it.
+// returns its URL (search_path set to it); the schema is dropped when the test ends.
 func schemaURL(t testing.TB, base string, migrate bool) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-
-	admin, err := pgx.Connect(ctx, base)
+	schema, err := localserver.CreateSchema(ctx, base, randomName("t_"+truncate(sanitize(t.Name()), 30)+"_"), nil)
 	if err != nil {
-		fatalf(t, "Postgres at %s does not answer: %v; %s", redact(base), err, postgresHint)
-	}
-	defer admin.Close(context.Background())
-
-	schema := randomName("t_" + truncate(sanitize(t.Name()), 30) + "_")
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		fatalf(t, "create schema: %v", err)
+		fatalf(t, "%v; %s", err, postgresHint)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		conn, err := pgx.Connect(ctx, base)
-		if err != nil {
-			t.Errorf("testenv: drop schema %s: %v", schema, err)
-			return
-		}
-		defer conn.Close(ctx)
-		if _, err := conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
-			t.Errorf("testenv: drop schema %s: %v", schema, err)
+		if err := schema.Drop(ctx); err != nil {
+			t.Errorf("testenv: %v", err)
 		}
 	})
-
-	dsn, err := withSearchPath(base, schema)
-	if err != nil {
-		fatalf(t, "%v", err)
-	}
 	if !migrate {
-		return dsn
+		return schema.URL
 	}
-	if err := Migrate(ctx, dsn); err != nil {
-		fatalf(t, "migrate schema %s: %v", schema, err)
+	if err := Migrate(ctx, schema.URL); err != nil {
+		fatalf(t, "migrate schema %s: %v", schema.Name, err)
 	}
-	return dsn
+	return schema.URL
 }
 
 // Migrate applies idemq's migrations to the database at dsn.
@@ -114,32 +95,11 @@ func OpenDB(t testing.TB, dsn string) *sql.DB {
 	t.Helper()
 	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
-		fatalf(t, "parse %s: %v", redact(dsn), err)
+		fatalf(t, "parse %s: %v", localserver.Redact(dsn), err)
 	}
 	db := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { db.Close() })
 	return db
-}
-
-// withSearchPath adds search_path=schema to a postgres:// URL (pgx sends unknown URL
-// parameters as run-time parameters).
-func withSearchPath(base, schema string) (string, error) {
-	u, err := url.Parse(base)
-	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		return "", fmt.Errorf("testenv: the test database must be a postgres:// URL, got %s", redact(base))
-	}
-	q := u.Query()
-	q.Set("search_path", schema)
-	u.RawQuery = q.Encode()
-	return u.String(), nil
-}
-
-func redact(dsn string) string {
-	u, err := url.Parse(dsn)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	return u.Redacted()
 }
 
 func truncate(s string, n int) string {

@@ -1,0 +1,54 @@
+// Package dial opens idemq's connections to Redis and Postgres and checks that they
+// answer, so a program fails at start with one clear line instead of on its first task.
+package dial
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+)
+
+// Redis connects to the Redis at url and pings it (within 10 s). Commands are bounded by
+// their contexts (ContextTimeoutEnabled), so a paused or partitioned Redis cannot hang a
+// caller past its deadline.
+func Redis(ctx context.Context, url string) (*redis.Client, error) {
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("REDIS_URL: %w", err)
+	}
+	opt.ContextTimeoutEnabled = true
+	rdb := redis.NewClient(opt)
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := rdb.Ping(pctx).Err(); err != nil {
+		rdb.Close()
+		return nil, fmt.Errorf("connect to Redis (REDIS_URL): %w", err)
+	}
+	return rdb, nil
+}
+
+// Postgres opens a pool on dsn of at most maxConns connections (0 keeps pgx's default)
+// and pings it (within 10 s).
+func Postgres(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to Postgres: %w", err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to Postgres (DATABASE_URL): %w", err)
+	}
+	return pool, nil
+}
