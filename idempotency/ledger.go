@@ -75,6 +75,17 @@ type Config struct {
 	// fencing itself, so a stale owner can extend, complete or overwrite what a newer owner
 	// holds. It exists to show what fencing prevents. Never set it for real work.
 	UnsafeNoFencing bool
+	// DisableGroupCommit makes every claim, completion and DoTx commit in a transaction
+	// of its own. By default concurrent requests of one process share commits: leased
+	// claims and completions are sent together in one transaction (group commit), and
+	// DoTx deliveries run one after another in a shared transaction, each in a savepoint
+	// of its own. Either way no caller is answered before its own write is durable.
+	DisableGroupCommit bool
+	// MaxBatch caps how many requests one shared commit carries. Default 64.
+	MaxBatch int
+	// Committers caps how many shared transactions of each kind (leased claims, leased
+	// completions, DoTx batches) are in flight at once. Default 2.
+	Committers int
 	// Observe, if set, is called for each Event with the request's task type, for
 	// metrics. It must be fast and safe for concurrent use.
 	Observe func(ev Event, taskType string)
@@ -90,6 +101,9 @@ type Ledger struct {
 	log       *slog.Logger
 
 	lockTimeoutSQL string // set_config value for lock_timeout, e.g. "2000ms"
+
+	claims, finishes committer // group commit of leased claims and completions
+	txb              txBatcher // DoTx deliveries sharing transactions
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table
@@ -117,6 +131,12 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	}
 	if c.SelfFenceMargin <= 0 {
 		c.SelfFenceMargin = c.Lease / 10
+	}
+	if c.MaxBatch <= 0 {
+		c.MaxBatch = 64
+	}
+	if c.Committers <= 0 {
+		c.Committers = 2
 	}
 	if c.WriteTimeout <= 0 {
 		c.WriteTimeout = 10 * time.Second

@@ -1,0 +1,4 @@
+package idempotency
+
+// committer group-commits leased claims or completions.
+type committer struct{}
