@@ -194,7 +194,7 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 			return ClaimResult{}, err
 		}
 		var r claimRow
-		if err := r.scan(l.pool.QueryRow(ctx, claimSQL, args...)); err != nil {
+		if err := l.claimOne(ctx, req.Key, args, &r); err != nil {
 			return ClaimResult{}, l.claimError(req, err)
 		}
 		if !r.claimed && r.attempted {
@@ -215,6 +215,26 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 		}
 		return res, err
 	}
+}
+
+// claimOne runs claimSQL with args and reads its row into r: in a group commit, or alone
+// when group commit is off.
+func (l *Ledger) claimOne(ctx context.Context, key string, args []any, r *claimRow) error {
+	if l.cfg.DisableGroupCommit {
+		return r.scan(l.pool.QueryRow(ctx, claimSQL, args...))
+	}
+	return l.claims.run(ctx, l, &gcOp{key: key, name: "idemq_claim", sql: claimSQL, args: args,
+		read: func(rr *pgconn.ResultReader, m *pgtype.Map) error {
+			rows := pgx.RowsFromResultReader(m, rr)
+			defer rows.Close()
+			if !rows.Next() {
+				if err := rows.Err(); err != nil {
+					return err
+				}
+				return pgx.ErrNoRows
+			}
+			return r.scan(rows)
+		}})
 }
 
 // newClaim makes the identity of a claim attempt and the claimSQL arguments.
@@ -475,6 +495,9 @@ func (l *Ledger) finish(ctx context.Context, c *Claim, name, q string, args ...a
 }
 
 func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args ...any) error {
+	if !l.cfg.DisableGroupCommit {
+		return l.finishGrouped(ctx, c, name, q, args...)
+	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
@@ -537,6 +560,35 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 	}
 	if err != nil {
 		return l.commitLost(ctx, c, err)
+	}
+	return nil
+}
+
+// finishGrouped is finishOnce in a group commit: the fenced update joins whatever other
+// completions are being committed, and returns once their shared commit is durable.
+func (l *Ledger) finishGrouped(ctx context.Context, c *Claim, name, q string, args ...any) error {
+	if l.cfg.UnsafeNoFencing {
+		q, name = l.fenced(q), name+"_nofence"
+	}
+	ran, updated := false, false
+	op := &gcOp{key: c.Key, name: name, sql: q, args: append([]any{c.Key, c.Fence, c.owner}, args...),
+		read: func(rr *pgconn.ResultReader, _ *pgtype.Map) error {
+			ran, updated = true, false
+			for rr.NextRow() {
+				v := rr.Values()
+				c.xid, c.serverStart, updated = string(v[0]), string(v[1]), true
+			}
+			return nil
+		}}
+	err := l.finishes.run(ctx, l, op)
+	switch {
+	case err != nil && op.sent && updated:
+		return l.commitLost(ctx, c, err)
+	case err != nil && !(op.sent && ran):
+		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
+	case !updated: // the update matched no row, whatever became of the commit
+		l.leaseLost(c, "write")
+		return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
 	}
 	return nil
 }

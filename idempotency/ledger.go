@@ -40,6 +40,13 @@ const (
 	EventCommitResolved Event = "commit_resolved" // a commit outcome was learned from its transaction id
 )
 
+// Kinds of shared commit passed to Config.ObserveBatch.
+const (
+	BatchClaim    = "claim"    // leased claims (Do)
+	BatchComplete = "complete" // leased completions and failures (Do)
+	BatchTx       = "tx"       // DoTx deliveries sharing a transaction
+)
+
 // Config tunes a Ledger. The zero value of each field means its default.
 type Config struct {
 	// Lease is how long a claim holds a key without a heartbeat, by the database clock.
@@ -86,6 +93,10 @@ type Config struct {
 	// Committers caps how many shared transactions of each kind (leased claims, leased
 	// completions, DoTx batches) are in flight at once. Default 2.
 	Committers int
+	// ObserveBatch, if set, is called with the number of requests each shared commit
+	// carried; kind is BatchClaim, BatchComplete or BatchTx. It must be fast and safe for
+	// concurrent use.
+	ObserveBatch func(kind string, size int)
 	// Observe, if set, is called for each Event with the request's task type, for
 	// metrics. It must be fast and safe for concurrent use.
 	Observe func(ev Event, taskType string)
@@ -158,6 +169,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 			l.hbPool = pool
 		}
 	}
+	l.claims.kind, l.finishes.kind = BatchClaim, BatchComplete
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	return l
 }
@@ -177,6 +189,12 @@ func (l *Ledger) fenced(q string) string {
 		return q
 	}
 	return strings.ReplaceAll(q, "AND fence = $2 AND owner = $3", "AND $2::bigint > 0 AND $3::uuid IS NOT NULL")
+}
+
+func (l *Ledger) observeBatch(kind string, size int) {
+	if l.cfg.ObserveBatch != nil {
+		l.cfg.ObserveBatch(kind, size)
+	}
 }
 
 func (l *Ledger) observe(ev Event, taskType string) {
