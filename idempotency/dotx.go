@@ -40,6 +40,20 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 // on and idle_in_transaction_session_timeout at Config.SessionTimeout (cut to
 // req.Deadline). The row lock is the lease: no heartbeat.
 //
+// Concurrent calls share transactions (unless Config.DisableGroupCommit): up to
+// Config.Committers transactions run at once, each carrying the deliveries queued when it
+// began (at most Config.MaxBatch, one per key, in key order), so at low load a
+// transaction carries one delivery and waits for nothing. Each delivery runs in a
+// savepoint of its own, its fn one after another on the shared connection; a delivery
+// that fails or is not claimed rolls back to its savepoint and is answered at once,
+// without touching the others. A delivery that completes is answered after the shared
+// COMMIT, never before its write is durable; if that COMMIT fails, every delivery it
+// carried gets an error and nothing of them was recorded. The idle timeout of a shared
+// transaction is the longest its deliveries allow. A call whose ctx ends while it waits
+// for a transaction returns ctx's error without running. A slow fn delays the deliveries
+// after it in its transaction, and a ctx that ends while one of fn's queries runs closes
+// the shared connection, failing the others (they may be retried).
+//
 // fn must do all its work through tx and no external I/O: the transaction may still roll
 // back after it. tx's Commit and Rollback return an error (DoTx ends the transaction);
 // Begin makes a savepoint, as pgx does. A concurrent duplicate waits up to
@@ -56,6 +70,9 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
 	if err := req.validate(); err != nil {
 		return Result{}, err
+	}
+	if !l.cfg.DisableGroupCommit {
+		return l.doTxBatched(ctx, req, fn)
 	}
 	for round := 0; ; round++ {
 		res, again, err := l.doTxOnce(ctx, req, fn, round)

@@ -1,0 +1,584 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+func batchReq(key string) Request {
+	return Request{Key: key, TaskType: "test:task", Fingerprint: Fingerprint("test:task", []byte(key))}
+}
+
+func batchExec(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+func batchCount(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+// queued reports how many members wait in l's queue.
+func queued(l *Ledger) int {
+	l.txb.mu.Lock()
+	defer l.txb.mu.Unlock()
+	return len(l.txb.queue)
+}
+
+// waitQueued waits until n members wait in l's queue.
+func waitQueued(t *testing.T, l *Ledger, n int) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for queued(l) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d members queued, want %d", queued(l), n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// holdExecutor runs a DoTx whose fn blocks until release is closed, so that with one
+// committer the deliveries made meanwhile queue up and then share one transaction.
+func holdExecutor(t *testing.T, l *Ledger, key string) (release func(), wait func()) {
+	t.Helper()
+	entered, gate := make(chan struct{}), make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		_, err := l.DoTx(context.Background(), batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			close(entered)
+			<-gate
+			return nil, nil
+		})
+		if err != nil {
+			t.Errorf("holder: %v", err)
+		}
+	})
+	<-entered
+	return func() { close(gate) }, wg.Wait
+}
+
+// TestDoTxBatchedManyKeys: many concurrent deliveries of distinct keys each take effect
+// once, and shared transactions really carry more than one.
+func TestDoTxBatchedManyKeys(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 2*time.Minute)
+	pool := testenv.Postgres(t)
+	var mu sync.Mutex
+	events := map[Event]int{}
+	l := New(pool, &Config{Observe: func(ev Event, _ string) { mu.Lock(); events[ev]++; mu.Unlock() }})
+	defer l.Close()
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+
+	const workers, perWorker = 32, 20
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range perWorker {
+				key := fmt.Sprintf("k-%d-%d", w, i)
+				res, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+					if k, _, ok := FromContext(ctx); !ok || k != key {
+						return nil, fmt.Errorf("FromContext = %q, %t", k, ok)
+					}
+					_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+					return json.RawMessage(`{"key":"` + key + `"}`), err
+				})
+				if err != nil {
+					t.Errorf("%s: %v", key, err)
+					return
+				}
+				if res.Cached || res.Key != key || string(res.Result) != `{"key":"`+key+`"}` || res.Fence == 0 {
+					t.Errorf("%s: result %+v", key, res)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	const n = workers * perWorker
+	if got := batchCount(t, pool, `SELECT count(DISTINCT key) FROM effects`); got != n {
+		t.Fatalf("distinct effects = %d, want %d", got, n)
+	}
+	if got := batchCount(t, pool, `SELECT count(*) FROM effects`); got != n {
+		t.Fatalf("effects = %d, want %d", got, n)
+	}
+	if got := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE status = 'completed' AND result IS NOT NULL`); got != n {
+		t.Fatalf("completed rows = %d, want %d", got, n)
+	}
+	mu.Lock()
+	claimed, completed := events[EventClaimed], events[EventCompleted]
+	mu.Unlock()
+	if claimed != n || completed != n {
+		t.Fatalf("claimed %d, completed %d events, want %d", claimed, completed, n)
+	}
+	batches, shared := l.txb.batches.Load(), l.txb.shared.Load()
+	t.Logf("%d deliveries in %d transactions; %d shared one", n, batches, shared)
+	if shared == 0 {
+		t.Fatal("no transaction carried more than one delivery")
+	}
+}
+
+// TestDoTxFailingMembers: in one shared transaction, members that fail in every way
+// leave no trace and cost nobody else; the same members without shared commits behave
+// the same.
+func TestDoTxFailingMembers(t *testing.T) {
+	t.Parallel()
+	for _, shared := range []bool{true, false} {
+		t.Run(fmt.Sprintf("shared=%t", shared), func(t *testing.T) {
+			t.Parallel()
+			testFailingMembers(t, shared)
+		})
+	}
+}
+
+func testFailingMembers(t *testing.T, shared bool) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{Committers: 1, DisableGroupCommit: !shared})
+	defer l.Close()
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+
+	type outcome struct {
+		res      Result
+		err      error
+		panicked any
+		xid      string
+	}
+	effect := func(ctx context.Context, tx pgx.Tx, key string) (string, error) {
+		var xid string
+		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+		if err == nil {
+			err = tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid)
+		}
+		return xid, err
+	}
+	members := map[string]func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error){
+		"a-ok": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			var err error
+			o.xid, err = effect(ctx, tx, "a-ok")
+			return json.RawMessage(`"a"`), err
+		},
+		"b-error": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			effect(ctx, tx, "b-error")
+			return nil, errors.New("boom")
+		},
+		"c-panic": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			effect(ctx, tx, "c-panic")
+			panic("oops")
+		},
+		"d-sql-error": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			effect(ctx, tx, "d-sql-error")
+			_, err := tx.Exec(ctx, `SELECT 1/0`)
+			return nil, err
+		},
+		"e-swallowed-sql-error": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			effect(ctx, tx, "e-swallowed-sql-error")
+			tx.Exec(ctx, `SELECT no_such_column FROM effects`)
+			return json.RawMessage(`1`), nil
+		},
+		"f-ok-nested": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			// A savepoint of the handler's own rolls back inside the member's.
+			pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+				sp.Exec(ctx, `INSERT INTO effects VALUES ('dropped')`)
+				return errors.New("undo this part")
+			})
+			var err error
+			o.xid, err = effect(ctx, tx, "f-ok-nested")
+			return nil, err
+		},
+		"g-refused-result": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			effect(ctx, tx, "g-refused-result")
+			return json.RawMessage(`1e1000000`), nil // valid JSON that jsonb refuses
+		},
+		"h-lease-lost": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			effect(ctx, tx, "h-lease-lost")
+			_, err := tx.Exec(ctx, `UPDATE processed_jobs SET fence = nextval('processed_jobs_fence_seq') WHERE idempotency_key = 'h-lease-lost'`)
+			return json.RawMessage(`2`), err
+		},
+		"i-marker": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			var err error
+			o.xid, err = effect(ctx, tx, "i-marker")
+			return json.RawMessage(`{not json`), err
+		},
+		"j-ok": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
+			var err error
+			o.xid, err = effect(ctx, tx, "j-ok")
+			return json.RawMessage(`"j"`), err
+		},
+	}
+	release, waitHolder := holdExecutor(t, l, "0-holder")
+	if !shared {
+		release()
+	}
+	outcomes := map[string]*outcome{}
+	var wg sync.WaitGroup
+	for key, fn := range members {
+		o := &outcome{}
+		outcomes[key] = o
+		wg.Go(func() {
+			defer func() { o.panicked = recover() }()
+			o.res, o.err = l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				return fn(ctx, tx, o)
+			})
+		})
+	}
+	if shared {
+		waitQueued(t, l, len(members))
+		release()
+	}
+	wg.Wait()
+	waitHolder()
+
+	for _, key := range []string{"a-ok", "f-ok-nested", "i-marker", "j-ok"} {
+		o := outcomes[key]
+		if o.err != nil || o.panicked != nil || o.res.Cached || o.res.Key != key {
+			t.Errorf("%s: %+v, want success", key, o)
+		}
+		if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 1 {
+			t.Errorf("%s: %d effects, want 1", key, n)
+		}
+		if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = $1 AND status = 'completed' AND fence = $2`, key, o.res.Fence); n != 1 {
+			t.Errorf("%s: no completed row with fence %d", key, o.res.Fence)
+		}
+		if shared && o.xid != outcomes["a-ok"].xid {
+			t.Errorf("%s ran in transaction %s, a-ok in %s: want one shared transaction", key, o.xid, outcomes["a-ok"].xid)
+		}
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = 'dropped'`); n != 0 {
+		t.Errorf("a handler's rolled back savepoint left %d effects", n)
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = 'i-marker' AND last_error LIKE 'result is not valid JSON%'`); n != 1 {
+		t.Errorf("i-marker: no error marker stored")
+	}
+	for key, check := range map[string]func(o *outcome) bool{
+		"b-error":               func(o *outcome) bool { return o.err != nil && o.err.Error() == "boom" },
+		"c-panic":               func(o *outcome) bool { return o.panicked == "oops" },
+		"d-sql-error":           func(o *outcome) bool { return o.err != nil && strings.Contains(o.err.Error(), "22012") },
+		"e-swallowed-sql-error": func(o *outcome) bool { return o.err != nil && strings.Contains(o.err.Error(), "ended or broke") },
+		"g-refused-result":      func(o *outcome) bool { return IsPermanent(o.err) },
+		"h-lease-lost":          func(o *outcome) bool { return errors.Is(o.err, ErrLeaseLost) },
+	} {
+		o := outcomes[key]
+		if !check(o) {
+			t.Errorf("%s: error %v, panic %v", key, o.err, o.panicked)
+		}
+		if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 0 {
+			t.Errorf("%s: %d effects, want none", key, n)
+		}
+		want := 0
+		if key == "g-refused-result" {
+			want = 1 // recorded failed, with a claim of its own
+		}
+		if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = $1 AND status IN ('failed', 'completed')`, key); n != want {
+			t.Errorf("%s: %d ledger rows, want %d", key, n, want)
+		}
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE status = 'in_progress'`); n != 0 {
+		t.Errorf("%d rows left in progress", n)
+	}
+}
+
+// TestDoTxBatchedDuplicates: deliveries of one key in one burst take effect once; the
+// others are answered from the cache or busy, never run.
+func TestDoTxBatchedDuplicates(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 2*time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{Committers: 1})
+	defer l.Close()
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	release, waitHolder := holdExecutor(t, l, "holder")
+	const dups = 20
+	results := make([]Result, 2*dups)
+	errs := make([]error, 2*dups)
+	var wg sync.WaitGroup
+	for i := range 2 * dups {
+		key := "dup"
+		if i%2 == 1 {
+			key = fmt.Sprintf("other-%d", i) // distinct keys in between
+		}
+		wg.Go(func() {
+			results[i], errs[i] = l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+				return json.RawMessage(fmt.Sprintf(`{"run":%d}`, i)), err
+			})
+		})
+	}
+	waitQueued(t, l, 2*dups)
+	release()
+	wg.Wait()
+	waitHolder()
+	fresh, cached := 0, 0
+	var first string
+	for i := 0; i < 2*dups; i += 2 {
+		switch {
+		case errors.Is(errs[i], ErrBusy):
+		case errs[i] != nil:
+			t.Errorf("dup %d: %v", i, errs[i])
+		case results[i].Cached:
+			cached++
+		default:
+			fresh++
+			first = string(results[i].Result)
+		}
+	}
+	if fresh != 1 {
+		t.Fatalf("%d fresh runs of one key, want 1", fresh)
+	}
+	for i := 0; i < 2*dups; i += 2 {
+		if errs[i] == nil && !jsonSame(results[i].Result, first) {
+			t.Errorf("dup %d answered %s, the run answered %s", i, results[i].Result, first)
+		}
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = 'dup'`); n != 1 {
+		t.Fatalf("effects of dup = %d, want 1", n)
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key <> 'dup'`); n != dups {
+		t.Fatalf("effects of other keys = %d, want %d", n, dups)
+	}
+	t.Logf("1 run, %d cached, %d busy; %d transactions", cached, dups-1-cached, l.txb.batches.Load())
+}
+
+func jsonSame(a json.RawMessage, b string) bool {
+	var x, y any
+	return json.Unmarshal(a, &x) == nil && json.Unmarshal([]byte(b), &y) == nil && fmt.Sprint(x) == fmt.Sprint(y)
+}
+
+// TestDoTxBatchedLockedKeyAndCancel: a member whose key another session holds is busy
+// after the lock timeout and costs nobody else; a member whose ctx ends while queued
+// leaves without a trace.
+func TestDoTxBatchedLockedKeyAndCancel(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 2*time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{Committers: 1, ClaimLockTimeout: 200 * time.Millisecond, Lease: time.Minute})
+	defer l.Close()
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	// An expired claim on "m-locked" whose row another transaction holds.
+	if _, err := l.Claim(ctx, batchReq("m-locked")); err != nil {
+		t.Fatal(err)
+	}
+	batchExec(t, pool, `UPDATE processed_jobs SET locked_until = now() - interval '1 second' WHERE idempotency_key = 'm-locked'`)
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Rollback(ctx)
+	if _, err := locker.Exec(ctx, `SELECT 1 FROM processed_jobs WHERE idempotency_key = 'm-locked' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+
+	release, waitHolder := holdExecutor(t, l, "0-holder")
+	keys := []string{"a-first", "m-locked", "z-last"}
+	errs := make([]error, len(keys))
+	var wg sync.WaitGroup
+	for i, key := range keys {
+		wg.Go(func() {
+			_, errs[i] = l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+				return nil, err
+			})
+		})
+	}
+	waitQueued(t, l, len(keys))
+	cctx, cancel := context.WithCancel(ctx)
+	cancelled := make(chan error)
+	go func() {
+		_, err := l.DoTx(cctx, batchReq("cancelled"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			return nil, errors.New("ran")
+		})
+		cancelled <- err
+	}()
+	waitQueued(t, l, len(keys)+1)
+	cancel()
+	if err := <-cancelled; !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled while queued: %v, want context.Canceled", err)
+	}
+	if n := queued(l); n != len(keys) {
+		t.Fatalf("%d queued after a cancel, want %d", n, len(keys))
+	}
+	release()
+	wg.Wait()
+	waitHolder()
+	if errs[0] != nil || errs[2] != nil {
+		t.Fatalf("members beside a locked key: %v, %v", errs[0], errs[2])
+	}
+	if !errors.Is(errs[1], ErrBusy) {
+		t.Fatalf("locked key: %v, want ErrBusy", errs[1])
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM effects`); n != 2 {
+		t.Fatalf("effects = %d, want 2", n)
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = 'cancelled'`); n != 0 {
+		t.Fatal("a cancelled delivery left a row")
+	}
+}
+
+// TestDoTxBatchedRestart stops a private Postgres with an immediate shutdown while a
+// shared transaction waits for a member's fn, then restarts it: no member is answered
+// success unless its row and effect are there, and every member answered success has
+// them.
+func TestDoTxBatchedRestart(t *testing.T) {
+	t.Parallel()
+	pg := testenv.StartPostgres(t)
+	ctx := testenv.Context(t, 3*time.Minute)
+	if err := testenv.Migrate(ctx, pg.URL); err != nil {
+		t.Fatal(err)
+	}
+	pool := testenv.Pool(t, pg.URL)
+	l := New(pool, &Config{Committers: 2, WriteTimeout: 5 * time.Second})
+	defer l.Close()
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+
+	succeeded := map[string]bool{}
+	var mu sync.Mutex
+	run := func(wg *sync.WaitGroup, key string, block func()) {
+		wg.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			_, err := l.DoTx(cctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key); err != nil {
+					return nil, err
+				}
+				if block != nil {
+					block()
+				}
+				return json.RawMessage(`{"ok":true}`), nil
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			if err == nil {
+				succeeded[key] = true
+			}
+		})
+	}
+	for round := range 3 {
+		// A burst that shares transactions; one member, later in key order each round,
+		// blocks its transaction until Postgres is stopped.
+		const n = 40
+		blocker := fmt.Sprintf("r%d-b%02d", round, 10+round*10)
+		entered, stopped := make(chan struct{}), make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range n {
+			key := fmt.Sprintf("r%d-b%02d", round, i)
+			var block func()
+			if key == blocker {
+				block = func() { close(entered); <-stopped }
+			}
+			run(&wg, key, block)
+		}
+		select {
+		case <-entered:
+		case <-time.After(time.Minute):
+			t.Fatal("the blocking member never ran")
+		}
+		// Meanwhile the other committer carries later deliveries: they commit.
+		var later sync.WaitGroup
+		for i := range 10 {
+			run(&later, fmt.Sprintf("r%d-c%02d", round, i), nil)
+		}
+		later.Wait()
+		if err := pg.StopImmediate(); err != nil {
+			t.Fatal(err)
+		}
+		close(stopped)
+		time.Sleep(100 * time.Millisecond)
+		if err := pg.Start(); err != nil {
+			t.Fatal(err)
+		}
+		wg.Wait()
+		pool.Reset()
+		mu.Lock()
+		if succeeded[blocker] {
+			t.Fatalf("%s, whose transaction was cut by the stop, reported success", blocker)
+		}
+		for i := range 10 {
+			if key := fmt.Sprintf("r%d-c%02d", round, i); !succeeded[key] {
+				t.Errorf("%s, run beside the blocked transaction before the stop, failed", key)
+			}
+		}
+		mu.Unlock()
+	}
+	rows, err := pool.Query(ctx, `
+		SELECT coalesce(p.idempotency_key, e.key), coalesce(p.status, '(none)'), coalesce(e.n, 0)
+		FROM processed_jobs p FULL JOIN (SELECT key, count(*) AS n FROM effects GROUP BY key) e ON e.key = p.idempotency_key`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recorded := map[string]bool{}
+	for rows.Next() {
+		var key, status string
+		var effects int
+		if err := rows.Scan(&key, &status, &effects); err != nil {
+			t.Fatal(err)
+		}
+		if status != StatusCompleted || effects != 1 {
+			t.Errorf("%s: status %s, %d effects; want completed with one effect, or neither", key, status, effects)
+		}
+		recorded[key] = true
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for key := range succeeded {
+		if !recorded[key] {
+			t.Errorf("%s reported success but is not recorded", key)
+		}
+	}
+	t.Logf("%d recorded, %d reported success (the others got errors and may be retried)", len(recorded), len(succeeded))
+}
+
+// BenchmarkDoTxShared compares DoTx with and without shared transactions, at parallelism
+// 32, each run inserting one effect row:
+//
+//	go test -run '^$' -bench DoTxShared -benchtime 3s ./idempotency/
+func BenchmarkDoTxShared(b *testing.B) {
+	for _, shared := range []bool{false, true} {
+		b.Run(fmt.Sprintf("shared=%t", shared), func(b *testing.B) {
+			pool := testenv.Pool(b, testenv.PostgresURL(b)+"&pool_max_conns=40")
+			if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (key text NOT NULL)`); err != nil {
+				b.Fatal(err)
+			}
+			l := New(pool, &Config{DisableGroupCommit: !shared})
+			b.Cleanup(l.Close)
+			var seq sync.Mutex
+			next := 0
+			b.SetParallelism(16) // 32 goroutines on 2 cores
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					seq.Lock()
+					next++
+					key := fmt.Sprintf("k%d", next)
+					seq.Unlock()
+					_, err := l.DoTx(context.Background(), batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+						_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+						return nil, err
+					})
+					if err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			if n := l.txb.batches.Load(); n > 0 {
+				b.ReportMetric(float64(b.N)/float64(n), "members/tx")
+			}
+		})
+	}
+}
