@@ -40,7 +40,9 @@ type benchEnv struct {
 	prefix string
 }
 
-func setupBench(b *testing.B) *benchEnv {
+func setupBench(b *testing.B) *benchEnv { return setupBenchConfig(b, &idempotency.Config{}) }
+
+func setupBenchConfig(b *testing.B, cfg *idempotency.Config) *benchEnv {
 	b.Helper()
 	pool := testenv.Pool(b, testenv.PostgresURL(b)+"&pool_max_conns=40")
 	ctx := context.Background()
@@ -52,7 +54,8 @@ func setupBench(b *testing.B) *benchEnv {
 			b.Fatal(err)
 		}
 	}
-	l := idempotency.New(pool, &idempotency.Config{Lease: 30 * time.Second})
+	cfg.Lease = 30 * time.Second
+	l := idempotency.New(pool, cfg)
 	b.Cleanup(l.Close)
 	return &benchEnv{pool: pool, ledger: l, prefix: fmt.Sprintf("%d-", time.Now().UnixNano())}
 }
@@ -121,6 +124,29 @@ func BenchmarkDo(b *testing.B) {
 	runAt(b, func(ctx context.Context, key string) error {
 		_, err := env.ledger.Do(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
 			func(ctx context.Context) (json.RawMessage, error) { return nil, nil })
+		return err
+	})
+}
+
+// BenchmarkDoAlone is BenchmarkDo with each claim and completion committed alone.
+func BenchmarkDoAlone(b *testing.B) {
+	env := setupBenchConfig(b, &idempotency.Config{DisableGroupCommit: true})
+	runAt(b, func(ctx context.Context, key string) error {
+		_, err := env.ledger.Do(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
+			func(ctx context.Context) (json.RawMessage, error) { return nil, nil })
+		return err
+	})
+}
+
+// BenchmarkDoTxAlone is BenchmarkDoTx with each delivery in a transaction of its own.
+func BenchmarkDoTxAlone(b *testing.B) {
+	env := setupBenchConfig(b, &idempotency.Config{DisableGroupCommit: true})
+	runAt(b, func(ctx context.Context, key string) error {
+		_, err := env.ledger.DoTx(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
+			func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO effects (key, amount) VALUES ($1, $2)`, key, 1)
+				return nil, err
+			})
 		return err
 	})
 }

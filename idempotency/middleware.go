@@ -46,6 +46,13 @@ type WorkerConfig struct {
 	// failure naming the owner, fence and age. Default: max(2 × the ledger's lease, 15m).
 	BusyBudget time.Duration
 
+	// LockKeyScoped takes the Redis lock also for jobs whose lock scope is their own key.
+	// By default those skip it: the ledger's claim already lets one delivery at a time run
+	// a key (the lease and the fence), so there the lock would only spare a concurrent
+	// duplicate one claim statement, at the price of two Redis round trips and a watchdog
+	// for every delivery. Jobs with a wider scope (a customer, an account) always take it.
+	LockKeyScoped bool
+
 	// Logger receives a line per notable outcome. Default: discard.
 	Logger *slog.Logger
 
@@ -195,7 +202,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		scope = key
 	}
 	runCtx := ctx
-	if h.w.locker != nil {
+	if h.w.locker != nil && (scope != key || h.w.cfg.LockKeyScoped) {
 		var opts *lock.Options
 		if lastAttempt(ctx) {
 			// A busy answer now would archive the task: wait for the lock instead, within
@@ -216,8 +223,8 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		default:
 			h.observeLock(EventLockObtained)
 			watched, stop := lk.Watch(ctx, &lock.WatchOptions{
-				// When the scope is the key, the ledger's fence guards the work:
-				// losing the lock must not cancel it.
+				// When the scope is the key (LockKeyScoped), the ledger's fence guards
+				// the work: losing the lock must not cancel it.
 				IgnoreLoss: scope == key,
 				OnLost: func(cause error) {
 					h.observeLock(EventLockLost)

@@ -386,3 +386,48 @@ func TestMiddlewareDoesNotWriteResultsForLostTasks(t *testing.T) {
 		t.Fatalf("the lost task's hash holds %v (%v); want none (a result-only hash is never cleaned up)", fields, err)
 	}
 }
+
+// keyJob is a job whose lock scope is its own key.
+type keyJob struct {
+	ID string `json:"id"`
+}
+
+func (j keyJob) Key() string       { return "keyjob:" + j.ID }
+func (j keyJob) LockScope() string { return j.Key() }
+
+// TestMiddlewareKeyScopedJobsSkipTheLock: a job scoped to its own key is guarded by the
+// ledger alone unless LockKeyScoped asks for the lock; either way it runs once and its
+// duplicates are answered from the ledger.
+func TestMiddlewareKeyScopedJobsSkipTheLock(t *testing.T) {
+	t.Parallel()
+	for _, locked := range []bool{false, true} {
+		var lockEvents atomic.Int64
+		f := newMW(t, 5*time.Second, &idempotency.WorkerConfig{
+			LockKeyScoped: locked,
+			ObserveLock:   func(idempotency.Event, string) { lockEvents.Add(1) },
+		})
+		var runs atomic.Int64
+		h := idempotency.Leased(f.worker, "test:keyjob", func(b []byte) (keyJob, error) {
+			var j keyJob
+			return j, json.Unmarshal(b, &j)
+		}, func(ctx context.Context, j keyJob) (json.RawMessage, error) {
+			runs.Add(1)
+			return json.RawMessage(`{"id":"` + j.ID + `"}`), nil
+		})
+		ctx := testenv.Context(t, 30*time.Second)
+		for range 3 {
+			if err := h.ProcessTask(ctx, asynq.NewTask("test:keyjob", []byte(`{"id":"k1"}`))); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if n := runs.Load(); n != 1 {
+			t.Errorf("LockKeyScoped=%v: ran %d times for 3 deliveries, want 1", locked, n)
+		}
+		if n := lockEvents.Load(); locked && n != 3 || !locked && n != 0 {
+			t.Errorf("LockKeyScoped=%v: %d lock outcomes for 3 deliveries", locked, n)
+		}
+		if r := get(t, f.ledger, "keyjob:k1"); r.Status != idempotency.StatusCompleted {
+			t.Errorf("LockKeyScoped=%v: row %+v", locked, r)
+		}
+	}
+}
