@@ -26,6 +26,8 @@ cover:
 ## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
 ## 2 minutes); writes docs/bench.json and docs/bench.svg. A full run (about 20–30 minutes):
 ## make bench BENCH_FLAGS="-seconds 15 -workloads noop,debit,charge,scale,io -write-docs"
+## Worker RSS, one process per configuration over 100,000 tasks (a few minutes):
+## make bench BENCH_FLAGS="-memory"
 BENCH_FLAGS ?= -write-docs
 .PHONY: bench
 bench:

@@ -49,6 +49,17 @@ type Options struct {
 	ScaleServers []int
 	// IOWait is the simulated I/O of the io workload's handler. Default 10ms.
 	IOWait time.Duration
+
+	// MemoryTasks is the no-op tasks each configuration's child serves in memory mode
+	// (RunMemory). Default 100000.
+	MemoryTasks int
+	// MemoryConfigs are the configurations memory mode runs, each in a process of its
+	// own: A (bare asynq), E (full stack leased), F (full stack transactional). Default
+	// A, E, F.
+	MemoryConfigs []string
+	// MemProfileDir, when set, is where each memory-mode child writes its heap profile
+	// (memory-<config>.pprof) at the end of the load.
+	MemProfileDir string
 }
 
 func (o *Options) defaults() {
@@ -81,6 +92,12 @@ func (o *Options) defaults() {
 	}
 	if o.IOWait <= 0 {
 		o.IOWait = 10 * time.Millisecond
+	}
+	if o.MemoryTasks <= 0 {
+		o.MemoryTasks = 100000
+	}
+	if len(o.MemoryConfigs) == 0 {
+		o.MemoryConfigs = []string{ConfigBare, ConfigFull, ConfigFullTx}
 	}
 }
 
@@ -128,8 +145,11 @@ type Report struct {
 		ScaleServers []int    `json:"scale_servers"`
 		IOWaitMS     float64  `json:"io_wait_ms"`
 	} `json:"options"`
-	Samples []Sample `json:"samples"`
-	Rows    []Row    `json:"rows"`
+	Samples []Sample `json:"samples,omitempty"`
+	Rows    []Row    `json:"rows,omitempty"`
+	// Memory is memory mode's result (-memory), which runs instead of the throughput
+	// measurements.
+	Memory *MemoryReport `json:"memory,omitempty"`
 }
 
 // Host describes where the run happened.
@@ -166,17 +186,7 @@ func revision() string {
 // Run measures opt's workloads and returns the report; progress lines go to progress.
 func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) {
 	opt.defaults()
-	rep := &Report{Started: time.Now().UTC()}
-	rep.Host.CPUs = runtime.NumCPU()
-	rep.Host.GoVersion = runtime.Version()
-	rep.Host.Hostname, _ = os.Hostname()
-	rep.Host.Revision = revision()
-	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
-		rep.Host.Load = strings.Join(strings.Fields(string(b))[:3], " ")
-	}
-	o := &rep.Options
-	o.Workloads, o.Reps, o.Seconds, o.N, o.Concurrency, o.PoolBudget, o.ScaleServers = opt.Workloads, opt.Reps, opt.Seconds, opt.N, opt.Concurrency, opt.PoolBudget, opt.ScaleServers
-	o.IOWaitMS = float64(opt.IOWait) / 1e6
+	rep := newReport(opt)
 
 	e, err := setup(ctx, opt)
 	if err != nil {
@@ -263,9 +273,31 @@ func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) 
 	return rep, nil
 }
 
+// newReport starts a report: where and how it runs.
+func newReport(opt Options) *Report {
+	rep := &Report{Started: time.Now().UTC()}
+	rep.Host.CPUs = runtime.NumCPU()
+	rep.Host.GoVersion = runtime.Version()
+	rep.Host.Hostname, _ = os.Hostname()
+	rep.Host.Revision = revision()
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		rep.Host.Load = strings.Join(strings.Fields(string(b))[:3], " ")
+	}
+	o := &rep.Options
+	o.Workloads, o.Reps, o.Seconds, o.N, o.Concurrency, o.PoolBudget, o.ScaleServers = opt.Workloads, opt.Reps, opt.Seconds, opt.N, opt.Concurrency, opt.PoolBudget, opt.ScaleServers
+	o.IOWaitMS = float64(opt.IOWait) / 1e6
+	return rep
+}
+
 // Main is `idemq bench`: it parses args, runs, prints the table to stdout (progress to
 // stderr) and writes the JSON and the chart where asked.
+//
+// With -memory-child first among args it is instead a memory-mode child (see RunMemory):
+// one asynq server of one configuration on redisURL and databaseURL until ctx ends.
 func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == childFlag {
+		return runChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
+	}
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
@@ -281,10 +313,14 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	jsonPath := fs.String("json", "", "write the report as JSON here (default docs/bench.json with -write-docs)")
 	svgPath := fs.String("svg", "", "write the chart here (default docs/bench.svg with -write-docs)")
 	writeDocs := fs.Bool("write-docs", false, "write docs/bench.json and docs/bench.svg (run from the repository root)")
+	memory := fs.Bool("memory", false, "measure memory instead of throughput: each configuration of -memory-configs in a process of its own serves -memory-tasks no-op tasks while its RSS is sampled")
+	fs.IntVar(&opt.MemoryTasks, "memory-tasks", 100000, "no-op tasks each configuration serves in -memory mode")
+	memoryConfigs := fs.String("memory-configs", "A,E,F", "configurations of -memory mode: A (bare asynq), E (full stack leased), F (full stack tx)")
+	fs.StringVar(&opt.MemProfileDir, "memprofile", "", "-memory mode: each child writes a heap profile to DIR/memory-<config>.pprof at the end of the load")
 	from := fs.String("from", "", "do not measure: print the table and write the chart (and JSON) of the report in this JSON file")
 	showFlags := fs.Bool("flags", false, "list the flags and exit")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\n\nFlags:")
+		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -299,6 +335,14 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
 	opt.Workloads = strings.Split(*workloads, ",")
+	for _, c := range strings.Split(*memoryConfigs, ",") {
+		switch c = strings.TrimSpace(c); c {
+		case ConfigBare, ConfigFull, ConfigFullTx:
+			opt.MemoryConfigs = append(opt.MemoryConfigs, c)
+		default:
+			return fmt.Errorf("bench: -memory-configs: %q is not A, E or F", c)
+		}
+	}
 	for _, s := range strings.Split(*servers, ",") {
 		k, err := strconv.Atoi(strings.TrimSpace(s))
 		if err != nil || k < 1 {
@@ -307,11 +351,15 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		opt.ScaleServers = append(opt.ScaleServers, k)
 	}
 	if *writeDocs {
+		base := "bench"
+		if *memory {
+			base = "bench-memory"
+		}
 		if *jsonPath == "" {
-			*jsonPath = filepath.Join("docs", "bench.json")
+			*jsonPath = filepath.Join("docs", base+".json")
 		}
 		if *svgPath == "" {
-			*svgPath = filepath.Join("docs", "bench.svg")
+			*svgPath = filepath.Join("docs", base+".svg")
 		}
 	}
 	var rep *Report
@@ -326,8 +374,12 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		}
 	} else {
 		started := time.Now()
+		run := Run
+		if *memory {
+			run = RunMemory
+		}
 		var err error
-		if rep, err = Run(ctx, opt, stderr); err != nil {
+		if rep, err = run(ctx, opt, stderr); err != nil {
 			return err
 		}
 		rep.WallSeconds = time.Since(started).Seconds()

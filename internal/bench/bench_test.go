@@ -6,11 +6,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -24,6 +27,23 @@ func envOr(name, def string) string {
 		return v
 	}
 	return def
+}
+
+// TestMain lets memory mode re-run this test binary as its child: with ChildEnv set, the
+// binary is the child, not the tests.
+func TestMain(m *testing.M) {
+	if os.Getenv(ChildEnv) == "1" {
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		// The arguments are the child's, after "bench".
+		err := Main(ctx, os.Getenv("REDIS_URL"), os.Getenv("DATABASE_URL"), os.Args[2:], os.Stdout, os.Stderr)
+		stop()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
 }
 
 // TestMainTiny runs `idemq bench` at a tiny size over every workload: it checks that the
@@ -58,6 +78,55 @@ func TestMainTiny(t *testing.T) {
 		}
 	}
 	if got, want := strings.Count(out.String(), "\n| "), len(rep.Rows)+1; got != want {
+		t.Errorf("table has %d rows, want %d:\n%s", got, want, out.String())
+	}
+	if svg, err := os.ReadFile(svgPath); err != nil || !bytes.HasPrefix(svg, []byte("<svg")) {
+		t.Errorf("chart: %v %.40q", err, svg)
+	}
+}
+
+// TestMemoryTiny runs `idemq bench -memory` at a tiny size: each configuration in a
+// child process (this test binary again), the table and JSON written. It checks the
+// report's shape, never how much memory anything took.
+func TestMemoryTiny(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 2*time.Minute)
+	dir := t.TempDir()
+	jsonPath, svgPath := filepath.Join(dir, "memory.json"), filepath.Join(dir, "memory.svg")
+	var out, progress bytes.Buffer
+	err := Main(ctx, envOr("REDIS_URL", testenv.DefaultRedisURL), envOr("DATABASE_URL", testenv.DefaultDatabaseURL),
+		[]string{"-memory", "-memory-tasks", "500", "-concurrency", "5", "-memprofile", dir, "-json", jsonPath, "-svg", svgPath}, &out, &progress)
+	if err != nil {
+		t.Fatalf("bench -memory: %v\nprogress:\n%s", err, progress.String())
+	}
+	var rep Report
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatalf("decode %s: %v", jsonPath, err)
+	}
+	if rep.Memory == nil {
+		t.Fatalf("report has no memory section:\n%s", b)
+	}
+	var got []string
+	for _, r := range rep.Memory.Results {
+		got = append(got, r.Config)
+		if r.Tasks != 500 || r.Errors != 0 || len(r.Samples) == 0 || r.PeakRSS <= 0 || r.RSSEnd <= 0 || r.GoHeap.HeapInuse == 0 {
+			t.Errorf("%s: tasks %d, errors %d, %d samples, peak %d, end %d, heap in use %d", r.Config, r.Tasks, r.Errors, len(r.Samples), r.PeakRSS, r.RSSEnd, r.GoHeap.HeapInuse)
+		}
+		if r.Config != ConfigBare && r.PeakRatio <= 0 {
+			t.Errorf("%s: no ratio to bare asynq", r.Config)
+		}
+		if _, err := os.Stat(r.Memprofile); err != nil {
+			t.Errorf("%s: heap profile: %v", r.Config, err)
+		}
+	}
+	if want := []string{ConfigBare, ConfigFull, ConfigFullTx}; !slices.Equal(got, want) {
+		t.Errorf("configurations = %v, want %v", got, want)
+	}
+	if got, want := strings.Count(out.String(), "\n| "), len(rep.Memory.Results)+1; got != want {
 		t.Errorf("table has %d rows, want %d:\n%s", got, want, out.String())
 	}
 	if svg, err := os.ReadFile(svgPath); err != nil || !bytes.HasPrefix(svg, []byte("<svg")) {

@@ -10,6 +10,17 @@
 // the redis-server process and this run's Postgres backends plus Postgres' WAL writer,
 // checkpointer and background writer.
 //
+// Memory mode (-memory, RunMemory) instead runs bare asynq (A) and the full stack,
+// leased (E) and transactional (F), each in a process of its own (this binary again,
+// with -memory-child), serving -memory-tasks no-op tasks (default 100,000) that this
+// process enqueues in chunks; it samples the child's VmRSS from /proc every 250 ms and
+// reports per configuration the RSS when ready, after the warm-up (the first 10% of the
+// tasks) and at the end, the peak (VmHWM), the least-squares slope of RSS and of the Go
+// live heap over tasks processed after the warm-up, the child's MemStats at the end, and
+// the ratio of each peak to bare asynq's. -memprofile DIR has each child write heap
+// profiles at the end of the warm-up and of the load, to compare with
+// go tool pprof -diff_base.
+//
 // `idemq bench` is the command; Main parses its flags and Run does the work:
 //
 //	report, err := bench.Run(ctx, bench.Options{RedisURL: r, DatabaseURL: d, Reps: 3, Seconds: 2}, os.Stderr)

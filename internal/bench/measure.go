@@ -140,16 +140,22 @@ func (e *env) poolSize(servers int) int32 {
 }
 
 func (e *env) newStack(ctx context.Context, servers int) (*stack, error) {
+	return openStack(ctx, e.redisDB.URL, e.dsn, e.poolSize(servers))
+}
+
+// openStack opens one worker's Redis client and Postgres pool (every connection opened
+// now, so that a measurement does not pay for it) and builds its ledger, locker and
+// worker.
+func openStack(ctx context.Context, redisURL, dsn string, poolSize int32) (*stack, error) {
 	st := &stack{}
 	var err error
-	if st.rdb, err = openRedis(ctx, e.redisDB.URL); err != nil {
+	if st.rdb, err = openRedis(ctx, redisURL); err != nil {
 		return nil, err
 	}
-	if st.pool, err = e.openPool(ctx, e.poolSize(servers)); err != nil {
+	if st.pool, err = dial.Postgres(ctx, dsn, poolSize); err != nil {
 		st.rdb.Close()
-		return nil, err
+		return nil, fmt.Errorf("bench: %w", err)
 	}
-	// Open every connection now, so that the measurement does not pay for it.
 	conns := make([]*pgxpool.Conn, 0, st.pool.Config().MaxConns)
 	for range st.pool.Config().MaxConns {
 		c, err := st.pool.Acquire(ctx)
@@ -188,8 +194,15 @@ func (e *env) reset(ctx context.Context) error {
 
 // enqueue publishes n tasks of w with keys starting with prefix, from 16 goroutines.
 func (e *env) enqueue(ctx context.Context, w *workload, prefix string, n int) error {
+	return e.enqueueRange(ctx, w, prefix, 0, n)
+}
+
+// enqueueRange publishes tasks from to to-1 of w with keys starting with prefix, from 16
+// goroutines.
+func (e *env) enqueueRange(ctx context.Context, w *workload, prefix string, from, to int) error {
 	client := asynq.NewClientFromRedisClient(e.rdb)
 	var next atomic.Int64
+	next.Store(int64(from))
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	var firstErr error
@@ -200,7 +213,7 @@ func (e *env) enqueue(ctx context.Context, w *workload, prefix string, n int) er
 			defer wg.Done()
 			for {
 				i := int(next.Add(1)) - 1
-				if i >= n || ctx.Err() != nil {
+				if i >= to || ctx.Err() != nil {
 					return
 				}
 				s := w.spec(prefix, i)
@@ -309,17 +322,7 @@ func (e *env) measure(ctx context.Context, w *workload, config string, servers, 
 	defer stopAll()
 	before := e.probe.snap(ctx)
 	for _, st := range stacks {
-		cfg := asynq.Config{
-			Concurrency:              e.opt.Concurrency,
-			Queues:                   map[string]int{tasks.Queue: 1},
-			TaskCheckInterval:        50 * time.Millisecond,
-			DelayedTaskCheckInterval: 100 * time.Millisecond,
-			ShutdownTimeout:          10 * time.Second,
-			LogLevel:                 asynq.ErrorLevel,
-			RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 100 * time.Millisecond },
-		}
-		idempotency.Configure(&cfg)
-		srv := asynq.NewServerFromRedisClient(st.rdb, cfg)
+		srv := asynq.NewServerFromRedisClient(st.rdb, serverConfig(e.opt.Concurrency))
 		mux := asynq.NewServeMux()
 		mux.Handle(w.taskType, rec.wrap(w.handler(config, st)))
 		if err := srv.Start(mux); err != nil {
@@ -364,6 +367,21 @@ wait:
 	s.CPU = CPU{Go: d.self / float64(n) * 1e6, Redis: d.redis / float64(n) * 1e6, Postgres: d.pg / float64(n) * 1e6}
 	s.CPU.Total = s.CPU.Go + s.CPU.Redis + s.CPU.Postgres
 	return s, nil
+}
+
+// serverConfig is the asynq configuration of every server a measurement starts.
+func serverConfig(concurrency int) asynq.Config {
+	cfg := asynq.Config{
+		Concurrency:              concurrency,
+		Queues:                   map[string]int{tasks.Queue: 1},
+		TaskCheckInterval:        50 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		ShutdownTimeout:          10 * time.Second,
+		LogLevel:                 asynq.ErrorLevel,
+		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 100 * time.Millisecond },
+	}
+	idempotency.Configure(&cfg)
+	return cfg
 }
 
 func percentile(sorted []time.Duration, p float64) time.Duration {

@@ -125,12 +125,30 @@ func (r *Report) workloadLabel(row Row) string {
 // min–max in parentheses; ratios are to bare asynq in the same repetition.
 func (r *Report) WriteTable(w io.Writer) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "idemq bench: %d rep(s), concurrency %d per server, %d CPUs, %s, wall %.0fs, started %s (load %s)",
-		r.Options.Reps, r.Options.Concurrency, r.Host.CPUs, r.Host.GoVersion, r.WallSeconds, r.Started.Format("2006-01-02 15:04 MST"), r.Host.Load)
+	if len(r.Rows) == 0 && r.Memory != nil {
+		b.WriteString("idemq bench -memory: ")
+	} else {
+		fmt.Fprintf(&b, "idemq bench: %d rep(s), concurrency %d per server, ", r.Options.Reps, r.Options.Concurrency)
+	}
+	fmt.Fprintf(&b, "%d CPUs, %s, wall %.0fs, started %s (load %s)",
+		r.Host.CPUs, r.Host.GoVersion, r.WallSeconds, r.Started.Format("2006-01-02 15:04 MST"), r.Host.Load)
 	if r.Host.Revision != "" {
 		fmt.Fprintf(&b, ", revision %s", r.Host.Revision)
 	}
-	b.WriteString("\n\n")
+	b.WriteString("\n")
+	if len(r.Rows) > 0 {
+		b.WriteString("\n")
+		r.writeRows(&b)
+	}
+	if r.Memory != nil {
+		b.WriteString("\n")
+		r.Memory.writeTable(&b)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func (r *Report) writeRows(b *strings.Builder) {
 	b.WriteString("| workload | configuration | N | tasks/s | ÷ bare | overhead p50 / p99 (µs) | CPU µs/task: Go + Redis + PG = total | CPU ÷ bare |\n")
 	b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|\n")
 	for _, row := range r.Rows {
@@ -142,13 +160,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 		if row.Errors > 0 {
 			errs = fmt.Sprintf(" (%d errors)", row.Errors)
 		}
-		fmt.Fprintf(&b, "| %s | %s %s%s | %.0f | %s | %s | %.0f / %.0f | %.0f + %.0f + %.0f = %.0f | %s |\n",
+		fmt.Fprintf(b, "| %s | %s %s%s | %.0f | %s | %s | %.0f / %.0f | %.0f + %.0f + %.0f = %.0f | %s |\n",
 			r.workloadLabel(row), row.Config, row.Name, errs, row.N.Median, rng(row.TasksPerSecond, "%.0f"), ratio,
 			row.OverheadP50us.Median, row.OverheadP99us.Median,
 			row.CPUGo.Median, row.CPURedis.Median, row.CPUPostgres.Median, row.CPUTotal.Median, cpuRatio)
 	}
-	_, err := io.WriteString(w, b.String())
-	return err
 }
 
 // WriteJSON writes the whole report, every sample included.
@@ -158,9 +174,36 @@ func (r *Report) WriteJSON(w io.Writer) error {
 	return enc.Encode(r)
 }
 
+// writeTable prints memory mode's results as a Markdown table (MiB = 2^20 bytes).
+func (m *MemoryReport) writeTable(b *strings.Builder) {
+	fmt.Fprintf(b, "Memory: one process per configuration, %d no-op tasks at concurrency %d (full stack: %d Postgres connections); warm-up: the %s\n\n",
+		m.Tasks, m.Concurrency, m.PoolPerServer, m.Warmup)
+	b.WriteString("| configuration | tasks/s | RSS ready | RSS after warm-up | RSS end | peak RSS (VmHWM) | peak ÷ bare | RSS slope (KiB/1000 tasks) | live heap after warm-up → end | live heap slope (KiB/1000 tasks) | Go heap at end: in use / live after GC | goroutines |\n")
+	b.WriteString("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+	for _, r := range m.Results {
+		ratio := "–"
+		if r.PeakRatio > 0 {
+			ratio = fmt.Sprintf("%.2f", r.PeakRatio)
+		}
+		errs := ""
+		if r.Errors > 0 {
+			errs = fmt.Sprintf(" (%d errors)", r.Errors)
+		}
+		fmt.Fprintf(b, "| %s %s%s | %.0f | %s | %s | %s | %s | %s | %+.1f | %s → %s | %+.1f | %s / %s | %d |\n",
+			r.Config, r.Name, errs, r.TasksPerSecond, mib(r.RSSReady), mib(r.RSSWarm), mib(r.RSSEnd), mib(r.PeakRSS), ratio,
+			r.RSSSlope/1024, mib(int64(r.LiveHeapWarm)), mib(int64(r.LiveHeapEnd)), r.LiveHeapSlope/1024,
+			mib(int64(r.GoHeap.HeapInuse)), mib(int64(r.GoHeap.LiveHeapAfterGC)), r.GoHeap.Goroutines)
+	}
+}
+
 // WriteSVG draws throughput as a ratio to bare asynq: one bar per configuration (the
 // median), a whisker from the minimum to the maximum, the median tasks/s beside it.
+//
+// A memory-mode report draws each configuration's RSS against tasks processed instead.
 func (r *Report) WriteSVG(w io.Writer) error {
+	if len(r.Rows) == 0 && r.Memory != nil {
+		return r.Memory.writeSVG(w, r.Started.Format("2006-01-02"))
+	}
 	const (
 		left, barW, right = 330, 420, 150
 		rowH, top         = 22, 58
@@ -221,6 +264,56 @@ func (r *Report) WriteSVG(w io.Writer) error {
 		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle" fill="#555">%.2g</text>`+"\n", x, y+16, t)
 	}
 	b.WriteString(body.String())
+	b.WriteString("</svg>\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// writeSVG draws each configuration's resident set (MiB) against tasks processed, one
+// line per configuration, its peak (VmHWM) as a dashed line.
+func (m *MemoryReport) writeSVG(w io.Writer, date string) error {
+	const (
+		left, top, plotW, plotH = 70, 50, 640, 320
+		width, height           = left + plotW + 200, top + plotH + 50
+	)
+	maxRSS := int64(1)
+	for _, r := range m.Results {
+		maxRSS = max(maxRSS, r.PeakRSS)
+		for _, s := range r.Samples {
+			maxRSS = max(maxRSS, s.RSS)
+		}
+	}
+	yMax := float64(maxRSS) / (1 << 20) * 1.1
+	x := func(tasks int64) float64 { return left + float64(tasks)/float64(max(m.Tasks, 1))*plotW }
+	y := func(bytes int64) float64 { return top + plotH - float64(bytes)/(1<<20)/yMax*plotH }
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="13">`+"\n", width, height, width, height)
+	b.WriteString(`<rect width="100%" height="100%" fill="#fff"/>` + "\n")
+	fmt.Fprintf(&b, `<text x="8" y="20" font-size="15" font-weight="bold">Worker RSS (MiB) against tasks processed, one process per configuration</text>`+"\n")
+	fmt.Fprintf(&b, `<text x="8" y="40" fill="#555">%d no-op tasks, concurrency %d, dashed: peak (VmHWM), %s</text>`+"\n", m.Tasks, m.Concurrency, date)
+	for i := 0; i <= 4; i++ {
+		v := yMax * float64(i) / 4
+		yy := top + plotH - float64(i)/4*plotH
+		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#ddd"/><text x="%d" y="%.1f" text-anchor="end" fill="#555">%.0f</text>`+"\n", left, yy, left+plotW, yy, left-6, yy+4, v)
+		xx := left + float64(i)/4*plotW
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle" fill="#555">%d</text>`+"\n", xx, top+plotH+18, m.Tasks*i/4)
+	}
+	fmt.Fprintf(&b, `<text x="%d" y="%d" text-anchor="middle" fill="#555">tasks processed</text>`+"\n", left+plotW/2, top+plotH+38)
+	colors := map[string]string{ConfigBare: "#9c9c9c", ConfigFull: "#e15759", ConfigFullTx: "#4e79a7"}
+	for i, r := range m.Results {
+		c := colors[r.Config]
+		var path strings.Builder
+		for j, s := range r.Samples {
+			cmd := "L"
+			if j == 0 {
+				cmd = "M"
+			}
+			fmt.Fprintf(&path, "%s%.1f %.1f", cmd, x(s.Tasks), y(s.RSS))
+		}
+		fmt.Fprintf(&b, `<path d="%s" stroke="%s" stroke-width="1.5" fill="none"/>`+"\n", path.String(), c)
+		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="%s" stroke-dasharray="4 3"/>`+"\n", left, y(r.PeakRSS), left+plotW, y(r.PeakRSS), c)
+		fmt.Fprintf(&b, `<text x="%d" y="%d" fill="%s">%s %s: peak %.0f MiB</text>`+"\n", left+plotW+10, top+15+18*i, c, r.Config, html.EscapeString(r.Name), float64(r.PeakRSS)/(1<<20))
+	}
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
