@@ -59,7 +59,10 @@ type MemoryResult struct {
 	PeakRatio float64 `json:"peak_rss_ratio"` // ÷ bare asynq's peak (0 without A)
 	// Least-squares slopes over the samples after the warm-up, bytes per 1000 tasks
 	// processed: of the resident set and of the Go heap live at the last collection.
-	RSSSlope      float64 `json:"rss_slope_bytes_per_1000_tasks"`
+	RSSSlope float64 `json:"rss_slope_bytes_per_1000_tasks"`
+	// RSSSlopeLate is the RSS slope over the second half of the tasks only: a resident
+	// set still settling after the warm-up tilts RSSSlope, growth per task tilts both.
+	RSSSlopeLate  float64 `json:"rss_slope_second_half_bytes_per_1000_tasks"`
 	LiveHeapSlope float64 `json:"live_heap_slope_bytes_per_1000_tasks"`
 	FitSamples    int     `json:"fit_samples"`
 	LiveHeapWarm  uint64  `json:"live_heap_after_warmup_bytes"`
@@ -271,18 +274,22 @@ func (e *env) memoryRun(ctx context.Context, exe, config string, m *MemoryReport
 		return fail("child exited without its memstats line")
 	}
 	r.fit(warm)
-	fmt.Fprintf(progress, "memory %s %-18s n=%d %6.0f tasks/s  RSS ready %s, after warm-up %s, end %s, peak %s  slope %+.0f B/1000 tasks  live heap %s → %s\n",
-		config, r.Name, m.Tasks, r.TasksPerSecond, mib(r.RSSReady), mib(r.RSSWarm), mib(r.RSSEnd), mib(r.PeakRSS), r.RSSSlope, mib(int64(r.LiveHeapWarm)), mib(int64(r.LiveHeapEnd)))
+	fmt.Fprintf(progress, "memory %s %-18s n=%d %6.0f tasks/s  RSS ready %s, after warm-up %s, end %s, peak %s  slope %+.0f B/1000 tasks (second half %+.0f)  live heap %s → %s\n",
+		config, r.Name, m.Tasks, r.TasksPerSecond, mib(r.RSSReady), mib(r.RSSWarm), mib(r.RSSEnd), mib(r.PeakRSS), r.RSSSlope, r.RSSSlopeLate, mib(int64(r.LiveHeapWarm)), mib(int64(r.LiveHeapEnd)))
 	return r, nil
 }
 
 // fit sets the figures after the warm-up: the first sample at or past warm tasks, the
 // last, and least-squares slopes of RSS and live heap against tasks processed.
 func (r *MemoryResult) fit(warm int64) {
-	var xs, rss, heap []float64
+	var xs, rss, heap, lateX, lateRSS []float64
 	for _, s := range r.Samples {
 		if s.Tasks < warm {
 			continue
+		}
+		if 2*s.Tasks >= int64(r.Tasks) {
+			lateX = append(lateX, float64(s.Tasks))
+			lateRSS = append(lateRSS, float64(s.RSS))
 		}
 		if len(xs) == 0 {
 			r.RSSWarm, r.LiveHeapWarm = s.RSS, s.LiveHeap
@@ -296,6 +303,7 @@ func (r *MemoryResult) fit(warm int64) {
 	}
 	r.FitSamples = len(xs)
 	r.RSSSlope = 1000 * slope(xs, rss)
+	r.RSSSlopeLate = 1000 * slope(lateX, lateRSS)
 	r.LiveHeapSlope = 1000 * slope(xs, heap)
 }
 

@@ -178,7 +178,7 @@ func (r *Report) WriteJSON(w io.Writer) error {
 func (m *MemoryReport) writeTable(b *strings.Builder) {
 	fmt.Fprintf(b, "Memory: one process per configuration, %d no-op tasks at concurrency %d (full stack: %d Postgres connections); warm-up: the %s\n\n",
 		m.Tasks, m.Concurrency, m.PoolPerServer, m.Warmup)
-	b.WriteString("| configuration | tasks/s | RSS ready | RSS after warm-up | RSS end | peak RSS (VmHWM) | peak ÷ bare | RSS slope (KiB/1000 tasks) | live heap after warm-up → end | live heap slope (KiB/1000 tasks) | Go heap at end: in use / live after GC | goroutines |\n")
+	b.WriteString("| configuration | tasks/s | RSS ready | RSS after warm-up | RSS end | peak RSS (VmHWM) | peak ÷ bare | RSS slope (KiB/1000 tasks): after warm-up / second half | live heap after warm-up → end | live heap slope (KiB/1000 tasks) | Go heap at end: in use / live after GC | goroutines |\n")
 	b.WriteString("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, r := range m.Results {
 		ratio := "–"
@@ -189,9 +189,9 @@ func (m *MemoryReport) writeTable(b *strings.Builder) {
 		if r.Errors > 0 {
 			errs = fmt.Sprintf(" (%d errors)", r.Errors)
 		}
-		fmt.Fprintf(b, "| %s %s%s | %.0f | %s | %s | %s | %s | %s | %+.1f | %s → %s | %+.1f | %s / %s | %d |\n",
+		fmt.Fprintf(b, "| %s %s%s | %.0f | %s | %s | %s | %s | %s | %+.1f / %+.1f | %s → %s | %+.1f | %s / %s | %d |\n",
 			r.Config, r.Name, errs, r.TasksPerSecond, mib(r.RSSReady), mib(r.RSSWarm), mib(r.RSSEnd), mib(r.PeakRSS), ratio,
-			r.RSSSlope/1024, mib(int64(r.LiveHeapWarm)), mib(int64(r.LiveHeapEnd)), r.LiveHeapSlope/1024,
+			r.RSSSlope/1024, r.RSSSlopeLate/1024, mib(int64(r.LiveHeapWarm)), mib(int64(r.LiveHeapEnd)), r.LiveHeapSlope/1024,
 			mib(int64(r.GoHeap.HeapInuse)), mib(int64(r.GoHeap.LiveHeapAfterGC)), r.GoHeap.Goroutines)
 	}
 }
