@@ -8,7 +8,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -37,10 +36,6 @@ type txBatcher struct {
 	queue    []*txMember
 	inFlight map[string]bool // keys of members taken by a running batch
 	running  int             // executors running
-
-	// batches counts shared transactions begun; shared counts the members of those that
-	// carried more than one.
-	batches, shared atomic.Int64
 }
 
 // txMember is one DoTx delivery waiting in, or running in, a shared transaction.
@@ -225,10 +220,7 @@ func (l *Ledger) runTxBatches() {
 			l.txb.finish(ms)
 			continue
 		}
-		l.txb.batches.Add(1)
-		if len(ms) > 1 {
-			l.txb.shared.Add(int64(len(ms)))
-		}
+		l.observeBatch(BatchTx, len(ms))
 		if !l.runTxBatch(conn.Conn(), ms) {
 			conn.Release() // the pool closes a connection left in a transaction
 			conn = nil

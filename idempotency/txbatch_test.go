@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -83,7 +84,20 @@ func TestDoTxBatchedManyKeys(t *testing.T) {
 	pool := testenv.Postgres(t)
 	var mu sync.Mutex
 	events := map[Event]int{}
-	l := New(pool, &Config{Observe: func(ev Event, _ string) { mu.Lock(); events[ev]++; mu.Unlock() }})
+	var batches, shared int
+	l := New(pool, &Config{
+		Observe: func(ev Event, _ string) { mu.Lock(); events[ev]++; mu.Unlock() },
+		ObserveBatch: func(kind string, size int) {
+			mu.Lock()
+			defer mu.Unlock()
+			if kind == BatchTx {
+				batches++
+				if size > 1 {
+					shared += size
+				}
+			}
+		},
+	})
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
@@ -122,12 +136,10 @@ func TestDoTxBatchedManyKeys(t *testing.T) {
 		t.Fatalf("completed rows = %d, want %d", got, n)
 	}
 	mu.Lock()
-	claimed, completed := events[EventClaimed], events[EventCompleted]
-	mu.Unlock()
-	if claimed != n || completed != n {
+	defer mu.Unlock()
+	if claimed, completed := events[EventClaimed], events[EventCompleted]; claimed != n || completed != n {
 		t.Fatalf("claimed %d, completed %d events, want %d", claimed, completed, n)
 	}
-	batches, shared := l.txb.batches.Load(), l.txb.shared.Load()
 	t.Logf("%d deliveries in %d transactions; %d shared one", n, batches, shared)
 	if shared == 0 {
 		t.Fatal("no transaction carried more than one delivery")
@@ -300,7 +312,9 @@ func TestDoTxBatchedDuplicates(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, 2*time.Minute)
 	pool := testenv.Postgres(t)
-	l := New(pool, &Config{Committers: 1})
+	var sizes []int
+	var mu sync.Mutex
+	l := New(pool, &Config{Committers: 1, ObserveBatch: func(_ string, size int) { mu.Lock(); sizes = append(sizes, size); mu.Unlock() }})
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	release, waitHolder := holdExecutor(t, l, "holder")
@@ -352,7 +366,9 @@ func TestDoTxBatchedDuplicates(t *testing.T) {
 	if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key <> 'dup'`); n != dups {
 		t.Fatalf("effects of other keys = %d, want %d", n, dups)
 	}
-	t.Logf("1 run, %d cached, %d busy; %d transactions", cached, dups-1-cached, l.txb.batches.Load())
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("1 run, %d cached, %d busy; transactions of %v deliveries", cached, dups-1-cached, sizes)
 }
 
 func jsonSame(a json.RawMessage, b string) bool {
@@ -427,6 +443,51 @@ func TestDoTxBatchedLockedKeyAndCancel(t *testing.T) {
 	}
 	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = 'cancelled'`); n != 0 {
 		t.Fatal("a cancelled delivery left a row")
+	}
+}
+
+// TestDoTxBatchedCtxDoneAtItsTurn: a member whose ctx ends after its transaction took it
+// is answered with ctx's error when its turn comes, without running.
+func TestDoTxBatchedCtxDoneAtItsTurn(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{Committers: 1})
+	defer l.Close()
+	release, waitHolder := holdExecutor(t, l, "0-holder")
+	entered, gate := make(chan struct{}), make(chan struct{})
+	var wg sync.WaitGroup
+	var firstErr, secondErr error
+	ran := false
+	wg.Go(func() {
+		_, firstErr = l.DoTx(ctx, batchReq("a-first"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			close(entered)
+			<-gate
+			return nil, nil
+		})
+	})
+	cctx, cancel := context.WithCancel(ctx)
+	wg.Go(func() {
+		_, secondErr = l.DoTx(cctx, batchReq("b-second"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			ran = true
+			return nil, nil
+		})
+	})
+	waitQueued(t, l, 2)
+	release()
+	<-entered // both are in one transaction now
+	cancel()
+	close(gate)
+	wg.Wait()
+	waitHolder()
+	if firstErr != nil {
+		t.Fatalf("first member: %v", firstErr)
+	}
+	if !errors.Is(secondErr, context.Canceled) || ran {
+		t.Fatalf("member cancelled before its turn: %v (ran %t), want context.Canceled without running", secondErr, ran)
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs`); n != 2 {
+		t.Fatalf("%d ledger rows, want the holder's and the first member's", n)
 	}
 }
 
@@ -549,13 +610,20 @@ func TestDoTxBatchedRestart(t *testing.T) {
 //
 //	go test -run '^$' -bench DoTxShared -benchtime 3s ./idempotency/
 func BenchmarkDoTxShared(b *testing.B) {
-	for _, shared := range []bool{false, true} {
-		b.Run(fmt.Sprintf("shared=%t", shared), func(b *testing.B) {
+	for _, committers := range []int{0, 2, 4, 8} {
+		shared := committers > 0
+		b.Run(fmt.Sprintf("committers=%d", committers), func(b *testing.B) {
 			pool := testenv.Pool(b, testenv.PostgresURL(b)+"&pool_max_conns=40")
 			if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (key text NOT NULL)`); err != nil {
 				b.Fatal(err)
 			}
-			l := New(pool, &Config{DisableGroupCommit: !shared})
+			var batches, members atomic.Int64
+			l := New(pool, &Config{DisableGroupCommit: !shared, Committers: committers, ObserveBatch: func(kind string, size int) {
+				if kind == BatchTx {
+					batches.Add(1)
+					members.Add(int64(size))
+				}
+			}})
 			b.Cleanup(l.Close)
 			var seq sync.Mutex
 			next := 0
@@ -576,8 +644,8 @@ func BenchmarkDoTxShared(b *testing.B) {
 					}
 				}
 			})
-			if n := l.txb.batches.Load(); n > 0 {
-				b.ReportMetric(float64(b.N)/float64(n), "members/tx")
+			if n := batches.Load(); n > 0 {
+				b.ReportMetric(float64(members.Load())/float64(n), "deliveries/tx")
 			}
 		})
 	}
