@@ -491,6 +491,78 @@ func TestDoTxBatchedCtxDoneAtItsTurn(t *testing.T) {
 	}
 }
 
+// TestDoTxBatchedLostCommitAnswer: a COMMIT whose answer does not come in time (a
+// deferred trigger makes it slow) has its connection dropped, which also asks the server
+// to cancel it; each member learns the outcome from the transaction id taken at its
+// claim. When the trigger gives in, nothing committed and every member gets an error;
+// when it swallows the cancel, all committed and every member succeeds.
+func TestDoTxBatchedLostCommitAnswer(t *testing.T) {
+	t.Parallel()
+	for _, commits := range []bool{false, true} {
+		t.Run(fmt.Sprintf("commits=%t", commits), func(t *testing.T) {
+			t.Parallel()
+			testLostCommitAnswer(t, commits)
+		})
+	}
+}
+
+func testLostCommitAnswer(t *testing.T, commits bool) {
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	var resolved sync.WaitGroup
+	resolved.Add(3)
+	l := New(pool, &Config{Committers: 1, WriteTimeout: 400 * time.Millisecond, ClaimLockTimeout: 100 * time.Millisecond,
+		Observe: func(ev Event, _ string) {
+			if ev == EventCommitResolved {
+				resolved.Done()
+			}
+		}})
+	defer l.Close()
+	body := `PERFORM pg_sleep(1.5);`
+	if commits {
+		body = `BEGIN PERFORM pg_sleep(1.5); EXCEPTION WHEN query_canceled THEN NULL; END;`
+	}
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
+	batchExec(t, pool, `CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+		FOR EACH ROW WHEN (NEW.key = 'm-slow') EXECUTE FUNCTION slow_commit()`)
+	release, waitHolder := holdExecutor(t, l, "0-holder")
+	keys := []string{"a-first", "m-slow", "z-last"}
+	errs := make([]error, len(keys))
+	var wg sync.WaitGroup
+	for i, key := range keys {
+		wg.Go(func() {
+			_, errs[i] = l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+				return json.RawMessage(`true`), err
+			})
+		})
+	}
+	waitQueued(t, l, len(keys))
+	release()
+	wg.Wait()
+	waitHolder()
+	resolved.Wait() // one commit_resolved event per member
+	for i, err := range errs {
+		if commits && err != nil {
+			t.Errorf("%s: %v, want success learned from the transaction id", keys[i], err)
+		}
+		if !commits && (err == nil || !strings.Contains(err.Error(), "aborted")) {
+			t.Errorf("%s: %v, want an aborted commit", keys[i], err)
+		}
+	}
+	want := 0
+	if commits {
+		want = 3
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM effects`); n != want {
+		t.Fatalf("effects = %d, want %d", n, want)
+	}
+	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key <> '0-holder'`); n != want {
+		t.Fatalf("ledger rows = %d, want %d", n, want)
+	}
+}
+
 // TestDoTxBatchedRestart stops a private Postgres with an immediate shutdown while a
 // shared transaction waits for a member's fn, then restarts it: no member is answered
 // success unless its row and effect are there, and every member answered success has
