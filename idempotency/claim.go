@@ -139,6 +139,82 @@ SELECT false, gate.open, cur.*, now(), NULL, NULL,
 FROM gate LEFT JOIN cur ON true
 WHERE NOT EXISTS (SELECT 1 FROM up)`
 
+// claimManySQL is claimSQL, leased mode, for a batch of keys in one statement (see
+// committer): $1..$5 are arrays with one element per key (key, task type, owner,
+// fingerprint or NULL, lease in microseconds), $6 the maximum age, $7 the lock_timeout.
+// Every answer row starts with the key's ordinal in the arrays, then claimSQL's columns.
+// The settings are made once, before any row is locked; the upsert takes its rows in key
+// order.
+const claimManySQL = `
+WITH req AS (
+	SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[]) WITH ORDINALITY
+		AS req(key, task_type, owner, fp, lease_us, ord)
+), settings AS (
+	SELECT set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true) AS saved,
+	       set_config('lock_timeout', $7, true) AS lock_timeout,
+	       set_config('synchronous_commit', 'on', true) AS synchronous_commit
+), cur AS (
+	SELECT req.ord, p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
+	       p.locked_until, p.started_at, p.completed_at, p.generation
+	FROM req JOIN processed_jobs p ON p.idempotency_key = req.key
+), gate AS (
+	SELECT req.*, NOT EXISTS (
+	           SELECT 1 FROM cur
+	           WHERE cur.ord = req.ord
+	             AND NOT (status = 'in_progress' AND locked_until < now()
+	                      AND started_at >= now() - $6::bigint * interval '1 microsecond'
+	                      AND (payload_sha256 IS NULL OR req.fp IS NULL OR payload_sha256 = req.fp))
+	       ) AS open
+	FROM req
+), up AS (
+	INSERT INTO processed_jobs AS p
+		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until)
+	SELECT gate.key, gate.task_type, 'in_progress', nextval('processed_jobs_fence_seq'), gate.owner, gate.fp, 1,
+	       now() + gate.lease_us * interval '1 microsecond'
+	FROM settings, gate WHERE gate.open
+	ORDER BY gate.key
+	ON CONFLICT (idempotency_key) DO UPDATE
+	SET status = excluded.status, fence = excluded.fence, owner = excluded.owner, attempts = p.attempts + 1,
+	    locked_until = excluded.locked_until, completed_at = NULL, updated_at = now(),
+	    payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
+	WHERE p.status = 'in_progress' AND p.locked_until < now()
+	  AND p.started_at >= now() - $6::bigint * interval '1 microsecond'
+	  AND (p.payload_sha256 IS NULL OR excluded.payload_sha256 IS NULL
+	       OR p.payload_sha256 = excluded.payload_sha256)
+	RETURNING p.idempotency_key, p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
+	          p.locked_until, p.started_at, p.completed_at, p.generation
+)
+SELECT req.ord, true, true, up.status, up.fence, up.owner, up.payload_sha256, up.result, up.attempts, up.last_error,
+       up.locked_until, up.started_at, up.completed_at, up.generation, now(), NULL::text,
+       pg_postmaster_start_time()::text,
+       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+FROM up JOIN req ON req.key = up.idempotency_key
+UNION ALL
+SELECT gate.ord, false, gate.open, cur.status, cur.fence, cur.owner, cur.payload_sha256, cur.result, cur.attempts,
+       cur.last_error, cur.locked_until, cur.started_at, cur.completed_at, cur.generation, now(), NULL, NULL,
+       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+FROM gate LEFT JOIN cur ON cur.ord = gate.ord
+WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.idempotency_key = gate.key)`
+
+// claimArgs is a claim's row in a claimManySQL batch.
+type claimArgs struct {
+	taskType string
+	owner    pgtype.UUID
+	fp       []byte
+	leaseUS  int64
+}
+
+// claimManyArgs returns claimManySQL's arguments for batch.
+func (l *Ledger) claimManyArgs(batch []*gcOp) []any {
+	keys, types := make([]string, len(batch)), make([]string, len(batch))
+	owners, fps, leases := make([]pgtype.UUID, len(batch)), make([][]byte, len(batch)), make([]int64, len(batch))
+	for i, op := range batch {
+		a := op.row.(*claimArgs)
+		keys[i], types[i], owners[i], fps[i], leases[i] = op.key, a.taskType, a.owner, a.fp, a.leaseUS
+	}
+	return []any{keys, types, owners, fps, leases, l.cfg.MaxAge.Microseconds(), l.lockTimeoutSQL}
+}
+
 // readRowSQL reads a row for a claim that lost a race, in the shape claimSQL returns.
 const readRowSQL = `
 SELECT false, false, status, fence, owner, payload_sha256, result, attempts, last_error,
@@ -217,24 +293,29 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 	}
 }
 
-// claimOne runs claimSQL with args and reads its row into r: in a group commit, or alone
-// when group commit is off.
+// claimOne runs claimSQL with args (newClaim's) and reads its row into r: in a group
+// commit (claimManySQL), or alone when group commit is off.
 func (l *Ledger) claimOne(ctx context.Context, key string, args []any, r *claimRow) error {
 	if l.cfg.DisableGroupCommit {
 		return r.scan(l.pool.QueryRow(ctx, claimSQL, args...))
 	}
-	return l.claims.run(ctx, l, &gcOp{key: key, name: "idemq_claim", sql: claimSQL, args: args,
-		read: func(rr *pgconn.ResultReader, m *pgtype.Map) error {
-			rows := pgx.RowsFromResultReader(m, rr)
-			defer rows.Close()
-			if !rows.Next() {
-				if err := rows.Err(); err != nil {
-					return err
-				}
-				return pgx.ErrNoRows
-			}
-			return r.scan(rows)
+	a := &claimArgs{taskType: args[1].(string), owner: args[2].(pgtype.UUID), leaseUS: args[4].(int64)}
+	if fp, ok := args[3].([]byte); ok {
+		a.fp = fp
+	}
+	answered := false
+	err := l.claims.run(ctx, l, &gcOp{key: key, row: a,
+		reset: func() { answered = false },
+		read: func(rows pgx.Rows) error {
+			answered = true
+			return rows.Scan(nil, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
+				&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
+				&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil)
 		}})
+	if err == nil && !answered {
+		err = fmt.Errorf("idempotency: claim %s: no answer for the key", key)
+	}
+	return err
 }
 
 // newClaim makes the identity of a claim attempt and the claimSQL arguments.
@@ -479,6 +560,9 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 	return nil
 }
 
+// finishActions names each fenced update's action in finishManySQL.
+var finishActions = map[string]string{"idemq_complete": "complete", "idemq_fail_retry": "retry", "idemq_fail_permanent": "fail"}
+
 // finish runs one fenced update (key, fence, owner, then text arguments or nil) that
 // returns the transaction id, committing durably. It is one statement in an implicit
 // transaction of the extended protocol: the update is sent with a Flush, which makes the
@@ -496,7 +580,7 @@ func (l *Ledger) finish(ctx context.Context, c *Claim, name, q string, args ...a
 
 func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args ...any) error {
 	if !l.cfg.DisableGroupCommit {
-		return l.finishGrouped(ctx, c, name, q, args...)
+		return l.finishGrouped(ctx, c, finishActions[name], args...)
 	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {
@@ -541,7 +625,9 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 		}
 	}
 	if err != nil {
-		pipe.Sync() // ends (rolls back) the implicit transaction; Close reads the answer
+		if !conn.Conn().PgConn().IsClosed() {
+			pipe.Sync() // ends (rolls back) the implicit transaction; Close reads the answer
+		}
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
 	if !updated {
@@ -564,27 +650,81 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 	return nil
 }
 
-// finishGrouped is finishOnce in a group commit: the fenced update joins whatever other
-// completions are being committed, and returns once their shared commit is durable.
-func (l *Ledger) finishGrouped(ctx context.Context, c *Claim, name, q string, args ...any) error {
-	if l.cfg.UnsafeNoFencing {
-		q, name = l.fenced(q), name+"_nofence"
+// finishManySQL ends a batch of claims in one statement (see committer): $1..$6 are
+// arrays with one element per claim (key, fence, owner, action, result, error), where
+// action is 'complete' (as completeSQL), 'retry' (failRetrySQL) or 'fail'
+// (failPermanentSQL). Each row is updated only if its claim still holds it; every row
+// that was comes back with its ordinal and the transaction id (see finish). Completions
+// and permanent failures settle their outbox intents in the same statement.
+const finishManySQL = `
+WITH r AS (
+	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
+		AS r(key, fence, owner, action, result, error, ord)
+), c AS (
+	UPDATE processed_jobs p
+	SET status = CASE r.action WHEN 'complete' THEN 'completed' WHEN 'fail' THEN 'failed' ELSE p.status END,
+	    result = CASE WHEN r.action = 'complete' THEN r.result::jsonb ELSE p.result END,
+	    last_error = CASE WHEN r.action = 'complete' THEN coalesce(r.error, p.last_error) ELSE r.error END,
+	    completed_at = CASE WHEN r.action = 'retry' THEN p.completed_at ELSE now() END,
+	    locked_until = CASE WHEN r.action = 'retry' THEN now() ELSE p.locked_until END,
+	    updated_at = now()
+	FROM r
+	WHERE p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'in_progress'
+	RETURNING r.ord, p.idempotency_key, p.status
+), i AS (
+	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
+	       state = CASE WHEN c.status = 'completed' THEN 'done' ELSE 'dead' END
+	FROM c
+	WHERE j.idempotency_key = c.idempotency_key AND c.status IN ('completed', 'failed')
+	  AND j.state IN ('pending', 'published')
+)
+SELECT c.ord, ` + xidColumns + ` FROM c`
+
+// finishArgs is a claim's row in a finishManySQL batch.
+type finishArgs struct {
+	fence          int64
+	owner          pgtype.UUID
+	action         string
+	result, errMsg pgtype.Text
+}
+
+// finishManyArgs returns finishManySQL's arguments for batch.
+func finishManyArgs(batch []*gcOp) []any {
+	keys, fences, owners := make([]string, len(batch)), make([]int64, len(batch)), make([]pgtype.UUID, len(batch))
+	actions, results, errs := make([]string, len(batch)), make([]pgtype.Text, len(batch)), make([]pgtype.Text, len(batch))
+	for i, op := range batch {
+		a := op.row.(*finishArgs)
+		keys[i], fences[i], owners[i], actions[i], results[i], errs[i] = op.key, a.fence, a.owner, a.action, a.result, a.errMsg
 	}
-	ran, updated := false, false
-	op := &gcOp{key: c.Key, name: name, sql: q, args: append([]any{c.Key, c.Fence, c.owner}, args...),
-		read: func(rr *pgconn.ResultReader, _ *pgtype.Map) error {
-			ran, updated = true, false
-			for rr.NextRow() {
-				v := rr.Values()
-				c.xid, c.serverStart, updated = string(v[0]), string(v[1]), true
-			}
-			return nil
+	return []any{keys, fences, owners, actions, results, errs}
+}
+
+// finishGrouped is finishOnce in a group commit: the fenced update joins whatever other
+// completions and failures are being committed, and returns once their shared commit is
+// durable. action is 'complete' (args: result, error), 'retry' or 'fail' (args: error).
+func (l *Ledger) finishGrouped(ctx context.Context, c *Claim, action string, args ...any) error {
+	a := &finishArgs{fence: c.Fence, owner: c.owner, action: action}
+	text := func(v any) pgtype.Text {
+		s, ok := v.(string)
+		return pgtype.Text{String: s, Valid: ok}
+	}
+	if action == "complete" {
+		a.result, a.errMsg = text(args[0]), text(args[1])
+	} else {
+		a.errMsg = text(args[0])
+	}
+	updated := false
+	op := &gcOp{key: c.Key, row: a,
+		reset: func() { updated = false },
+		read: func(rows pgx.Rows) error {
+			updated = true
+			return rows.Scan(nil, &c.xid, &c.serverStart, nil)
 		}}
 	err := l.finishes.run(ctx, l, op)
 	switch {
 	case err != nil && op.sent && updated:
 		return l.commitLost(ctx, c, err)
-	case err != nil && !(op.sent && ran):
+	case err != nil && !op.sent:
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	case !updated: // the update matched no row, whatever became of the commit
 		l.leaseLost(c, "write")

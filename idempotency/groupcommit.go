@@ -6,39 +6,49 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"sync"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// committer group-commits single-row statements of many concurrent callers: leased claims
-// (Ledger.claims) or fenced completions (Ledger.finishes). A caller queues its statement
-// and waits. Up to Config.Committers goroutines each take whatever is queued when they
-// start a batch (no timer: at low load a batch is one statement and adds no latency) and
-// send it, in key order and one key at most once per batch, as one implicit transaction
-// of the extended protocol: all statements, then one Sync that commits them together.
-// Each statement keeps its own checks (fence, owner, lease), so each caller gets its own
-// row's outcome. A statement the server refuses aborts the transaction: it is then run
-// alone and the others again without it, so one bad member costs only itself.
+// committer group-commits the leased claims (Ledger.claims) or the completions and
+// failures (Ledger.finishes) of many concurrent callers. A caller queues its row and
+// waits. Up to Config.Committers goroutines each take whatever is queued when they start
+// a batch (no timer: at low load a batch is one row and adds no latency) and send it, in
+// key order and one key at most once per batch, as one multi-row statement committed on
+// its own: the statement's fixed cost (parsing its constraints, planning, the commit and
+// its WAL flush, the round trips) is paid once per batch instead of once per row. Each
+// row keeps its own checks (fence, owner, lease), so each caller gets its own row's
+// outcome, and none is answered before the commit is durable. A batch the server refuses
+// is split in two and each half committed on its own, down to the row at fault.
 type committer struct {
-	kind     string // for Config.ObserveBatch
+	kind string // BatchClaim or BatchComplete
+	name string // prepared statement name
+	sql  string // the multi-row statement: arrays of the rows' values, one row per ordinal
+	// args returns the statement's arguments for batch.
+	args func(batch []*gcOp) []any
+	// xid: read every answer before asking for the commit, so that the transaction id
+	// is known should the commit's answer be lost.
+	xid bool
+
 	mu       sync.Mutex
 	queue    []*gcOp
 	inFlight map[string]bool // keys of the batches being sent
 	running  int
 }
 
-// gcOp is one caller's statement in a group commit.
+// gcOp is one caller's row in a group commit.
 type gcOp struct {
-	key  string
-	name string // prepared statement name
-	sql  string
-	args []any
-	// read reads the statement's result; it is called once the statement ran, before
-	// the commit, and again if the batch is sent again.
-	read func(rr *pgconn.ResultReader, m *pgtype.Map) error
+	key string
+	row any // the committer's row values: *claimArgs or *finishArgs
+	// read scans the statement's answer for this row (its first column, the ordinal,
+	// already read: scan it into nil). It is not called when no row came back.
+	read func(rows pgx.Rows) error
+	// reset forgets what read recorded, before the row is sent (again).
+	reset func()
 
 	done chan struct{}
 	err  error
@@ -82,7 +92,7 @@ func (c *committer) loop(l *Ledger) {
 		if len(batch) == 0 {
 			return
 		}
-		l.commitBatch(batch)
+		c.commit(l, batch)
 		l.observeBatch(c.kind, len(batch))
 		c.mu.Lock()
 		for _, op := range batch {
@@ -95,8 +105,9 @@ func (c *committer) loop(l *Ledger) {
 	}
 }
 
-// take removes up to n queued statements whose keys no batch is sending, in key order;
-// when there are none it counts its goroutine out.
+// take removes up to n queued rows whose keys no batch is sending, in key order (so
+// that concurrent batches lock rows in one order); when there are none it counts its
+// goroutine out.
 func (c *committer) take(n int) []*gcOp {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -122,105 +133,82 @@ func (c *committer) take(n int) []*gcOp {
 	return batch
 }
 
-// commitBatch commits batch, setting each statement's err. Nothing reached the server
-// (a connection left over from before a restart): the batch is sent once more.
-func (l *Ledger) commitBatch(batch []*gcOp) {
+// commit commits batch, setting each row's err. When nothing reached the server (a
+// connection left over from before a restart) the batch is sent once more; when the
+// server refused it, each half is committed on its own.
+func (c *committer) commit(l *Ledger, batch []*gcOp) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.WriteTimeout)
 	defer cancel()
-	failed, err := l.sendBatch(ctx, batch)
-	if err != nil && failed < 0 && pgconn.SafeToRetry(err) {
-		failed, err = l.sendBatch(ctx, batch)
+	err := c.send(ctx, l, batch)
+	if err != nil && pgconn.SafeToRetry(err) {
+		err = c.send(ctx, l, batch)
 	}
-	switch {
-	case err == nil:
-		for _, op := range batch {
-			op.err = nil
-		}
-	case failed >= 0 && len(batch) > 1:
-		// The server refused one statement, which rolled back all of them: that one
-		// alone, then the others without it.
-		l.commitBatch(batch[failed : failed+1])
-		l.commitBatch(slices.Concat(batch[:failed], batch[failed+1:]))
-	default:
-		for _, op := range batch {
-			op.err = err
-		}
+	var pgErr *pgconn.PgError
+	if err != nil && len(batch) > 1 && errors.As(err, &pgErr) {
+		half := len(batch) / 2
+		c.commit(l, batch[:half])
+		c.commit(l, batch[half:])
+		return
+	}
+	for _, op := range batch {
+		op.err = err
 	}
 }
 
-// sendBatch sends batch as one transaction on one connection. failed is the index of the
-// statement the server refused (-1 for none); then err is its error and nothing
-// committed. A commit whose answer was lost marks every statement sent.
-func (l *Ledger) sendBatch(ctx context.Context, batch []*gcOp) (failed int, err error) {
+// send sends batch as one statement in a transaction of its own. An error the server
+// answered means that nothing committed; a commit whose answer was lost marks every row
+// sent.
+func (c *committer) send(ctx context.Context, l *Ledger, batch []*gcOp) error {
 	for _, op := range batch {
 		op.sent = false
+		op.reset()
 	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {
-		return -1, fmt.Errorf("idempotency: commit: %w", err)
+		return fmt.Errorf("idempotency: commit: %w", err)
 	}
 	defer conn.Release()
-	return sendOn(ctx, conn, batch)
-}
-
-func sendOn(ctx context.Context, conn *pgxpool.Conn, batch []*gcOp) (failed int, err error) {
 	pc := conn.Conn()
-	m := pc.TypeMap()
-	type stmt struct {
-		sd     *pgconn.StatementDescription
-		params [][]byte
+	sd, err := pc.Prepare(ctx, c.name, c.sql) // once per connection
+	if err != nil {
+		return fmt.Errorf("idempotency: commit: %w", err)
 	}
-	stmts := make([]stmt, len(batch))
-	for i, op := range batch {
-		sd, err := pc.Prepare(ctx, op.name, op.sql) // once per connection
-		if err != nil {
-			return -1, fmt.Errorf("idempotency: commit %s: %w", op.key, err)
+	m := pc.TypeMap()
+	args := c.args(batch)
+	params := make([][]byte, len(args))
+	for i, a := range args {
+		if params[i], err = m.Encode(sd.ParamOIDs[i], pgtype.BinaryFormatCode, a, nil); err != nil {
+			return fmt.Errorf("idempotency: commit: argument %d: %w", i+1, err)
 		}
-		params := make([][]byte, len(op.args))
-		for j, a := range op.args {
-			if params[j], err = m.Encode(sd.ParamOIDs[j], pgtype.TextFormatCode, a, nil); err != nil {
-				return -1, fmt.Errorf("idempotency: commit %s: argument %d: %w", op.key, j+1, err)
-			}
-		}
-		stmts[i] = stmt{sd, params}
+	}
+	formats := make([]int16, len(params))
+	for i := range formats {
+		formats[i] = pgtype.BinaryFormatCode
 	}
 
 	pipe := pc.PgConn().StartPipeline(ctx)
 	defer pipe.Close()
-	for _, s := range stmts {
-		pipe.SendQueryStatement(s.sd, s.params, nil, nil) // text formats
-	}
-	// Read every answer before asking for the commit, so that the completions' transaction
-	// id is known should the commit's answer be lost.
-	pipe.SendFlushRequest()
-	if err := pipe.Flush(); err != nil {
-		return -1, fmt.Errorf("idempotency: commit: %w", err)
-	}
-	for i, op := range batch {
-		res, err := pipe.GetResults()
-		if err == nil {
-			rr, ok := res.(*pgconn.ResultReader)
-			if !ok {
-				return -1, fmt.Errorf("idempotency: commit %s: unexpected pipeline result %T", op.key, res)
-			}
-			err = op.read(rr, m)
-			if _, cerr := rr.Close(); err == nil {
-				err = cerr
-			}
+	pipe.SendQueryStatement(sd, params, formats, nil) // text results
+	if c.xid {
+		pipe.SendFlushRequest()
+		if err := pipe.Flush(); err != nil {
+			return fmt.Errorf("idempotency: commit: %w", err)
 		}
-		if err != nil {
+	} else if err := pipe.Sync(); err != nil {
+		return fmt.Errorf("idempotency: commit: %w", err)
+	}
+	if err := readBatch(pipe, m, batch); err != nil {
+		if c.xid && !pc.PgConn().IsClosed() {
 			pipe.Sync() // ends (rolls back) the transaction; Close reads the answer
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) {
-				return i, err
-			}
-			return -1, fmt.Errorf("idempotency: commit %s: %w", op.key, err)
 		}
+		return err
 	}
-	for _, op := range batch {
-		op.sent = true
+	if c.xid {
+		for _, op := range batch {
+			op.sent = true
+		}
+		err = pipe.Sync()
 	}
-	err = pipe.Sync()
 	if err == nil {
 		var res any
 		res, err = pipe.GetResults()
@@ -235,7 +223,32 @@ func sendOn(ctx context.Context, conn *pgxpool.Conn, batch []*gcOp) (failed int,
 				op.sent = false
 			}
 		}
-		return -1, fmt.Errorf("idempotency: commit: %w", err)
+		return fmt.Errorf("idempotency: commit: %w", err)
 	}
-	return -1, nil
+	return nil
+}
+
+// readBatch hands each answered row to the batch member its ordinal (1-based) names.
+func readBatch(pipe *pgconn.Pipeline, m *pgtype.Map, batch []*gcOp) error {
+	res, err := pipe.GetResults()
+	if err != nil {
+		return err
+	}
+	rr, ok := res.(*pgconn.ResultReader)
+	if !ok {
+		return fmt.Errorf("idempotency: commit: unexpected pipeline result %T", res)
+	}
+	rows := pgx.RowsFromResultReader(m, rr)
+	defer rows.Close()
+	for rows.Next() {
+		ord, err := strconv.Atoi(string(rows.RawValues()[0]))
+		if err != nil || ord < 1 || ord > len(batch) {
+			return fmt.Errorf("idempotency: commit: answer for row %q of %d", rows.RawValues()[0], len(batch))
+		}
+		if err := batch[ord-1].read(rows); err != nil {
+			return fmt.Errorf("idempotency: commit %s: %w", batch[ord-1].key, err)
+		}
+	}
+	rows.Close()
+	return rows.Err()
 }

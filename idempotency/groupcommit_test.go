@@ -112,7 +112,7 @@ func TestGroupCommitManyDo(t *testing.T) {
 	}
 }
 
-// claimOp builds a claim statement for commitBatch and where its row lands.
+// claimOp builds a claim row for a committer batch and where its answer lands.
 func claimOp(t *testing.T, l *Ledger, key string) (*gcOp, *claimRow) {
 	t.Helper()
 	_, args, err := l.newClaim(testReq(key), false)
@@ -120,19 +120,30 @@ func claimOp(t *testing.T, l *Ledger, key string) (*gcOp, *claimRow) {
 		t.Fatal(err)
 	}
 	r := &claimRow{}
-	return &gcOp{key: key, name: "idemq_claim", sql: claimSQL, args: args, read: func(rr *pgconn.ResultReader, m *pgtype.Map) error {
-		rows := pgx.RowsFromResultReader(m, rr)
-		defer rows.Close()
-		if !rows.Next() {
-			return fmt.Errorf("no row: %v", rows.Err())
-		}
-		return r.scan(rows)
-	}}, r
+	return &gcOp{key: key, row: &claimArgs{taskType: "test:task", owner: args[2].(pgtype.UUID), leaseUS: args[4].(int64)},
+		reset: func() { *r = claimRow{} },
+		read: func(rows pgx.Rows) error {
+			return rows.Scan(nil, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
+				&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
+				&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil)
+		}}, r
 }
 
-// TestGroupCommitIsolatesRefusedStatement: a statement the server refuses aborts its
-// batch's transaction; it is run alone and the others commit without it.
-func TestGroupCommitIsolatesRefusedStatement(t *testing.T) {
+// finishOp builds a completion row for a committer batch; *updated tells whether it
+// matched its row.
+func finishOp(c *Claim, result string) (*gcOp, *bool) {
+	updated := new(bool)
+	return &gcOp{key: c.Key, row: &finishArgs{fence: c.Fence, owner: c.owner, action: "complete", result: pgtype.Text{String: result, Valid: true}},
+		reset: func() { *updated = false },
+		read: func(rows pgx.Rows) error {
+			*updated = true
+			return nil
+		}}, updated
+}
+
+// TestGroupCommitIsolatesRefusedRow: a row the server refuses aborts its batch's
+// statement; the batch is split until that row is alone, and the others commit.
+func TestGroupCommitIsolatesRefusedRow(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Postgres(t)
 	l := New(pool, nil)
@@ -142,11 +153,11 @@ func TestGroupCommitIsolatesRefusedStatement(t *testing.T) {
 	// Claims: one key breaks the table's CHECK (the request's own validation is skipped).
 	var batch []*gcOp
 	var rows []*claimRow
-	for _, k := range []string{"a", "b", "bad key", "d"} {
+	for _, k := range []string{"a", "b", "bad key", "d", "e"} {
 		op, r := claimOp(t, l, k)
 		batch, rows = append(batch, op), append(rows, r)
 	}
-	l.commitBatch(batch)
+	l.claims.commit(l, batch)
 	for i, op := range batch {
 		var pgErr *pgconn.PgError
 		switch {
@@ -161,13 +172,13 @@ func TestGroupCommitIsolatesRefusedStatement(t *testing.T) {
 		}
 	}
 	var n int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE status = 'in_progress'`).Scan(&n); err != nil || n != 3 {
-		t.Fatalf("%d rows in progress (%v), want 3", n, err)
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE status = 'in_progress'`).Scan(&n); err != nil || n != 4 {
+		t.Fatalf("%d rows in progress (%v), want 4", n, err)
 	}
 
 	// Completions: one result jsonb refuses (a NUL escape), one with a stale fence.
 	var claims []*Claim
-	for _, k := range []string{"a", "b", "d"} {
+	for _, k := range []string{"a", "b", "d", "e"} {
 		cr, err := l.Claim(ctx, testReq(k+"2"))
 		if err != nil {
 			t.Fatal(err)
@@ -177,32 +188,27 @@ func TestGroupCommitIsolatesRefusedStatement(t *testing.T) {
 	stale := *claims[2]
 	stale.Fence--
 	var ops []*gcOp
-	updated := make([]bool, 3)
-	for i, c := range []*Claim{claims[0], claims[1], &stale} {
+	var updated []*bool
+	for i, c := range []*Claim{claims[0], claims[1], &stale, claims[3]} {
 		result := `{"ok":true}`
 		if i == 1 {
 			result = `{"s":"\u0000"}`
 		}
-		ops = append(ops, &gcOp{key: c.Key, name: "idemq_complete", sql: completeSQL,
-			args: []any{c.Key, c.Fence, c.owner, result, nil},
-			read: func(rr *pgconn.ResultReader, _ *pgtype.Map) error {
-				updated[i] = false
-				for rr.NextRow() {
-					updated[i] = true
-				}
-				return nil
-			}})
+		op, u := finishOp(c, result)
+		ops, updated = append(ops, op), append(updated, u)
 	}
-	l.commitBatch(ops)
+	l.finishes.commit(l, ops)
 	var pgErr *pgconn.PgError
-	if ops[0].err != nil || !updated[0] {
-		t.Errorf("good completion: err %v, updated %v", ops[0].err, updated[0])
+	for _, i := range []int{0, 3} {
+		if ops[i].err != nil || !*updated[i] {
+			t.Errorf("good completion %s: err %v, updated %v", ops[i].key, ops[i].err, *updated[i])
+		}
 	}
 	if !errors.As(ops[1].err, &pgErr) || pgErr.Code[:2] != "22" {
 		t.Errorf("refused result: err %v, want a data exception", ops[1].err)
 	}
-	if ops[2].err != nil || updated[2] {
-		t.Errorf("stale fence: err %v, updated %v; want no error and no row", ops[2].err, updated[2])
+	if ops[2].err != nil || *updated[2] {
+		t.Errorf("stale fence: err %v, updated %v; want no error and no row", ops[2].err, *updated[2])
 	}
 	status := func(key string) string {
 		var s string
@@ -211,25 +217,24 @@ func TestGroupCommitIsolatesRefusedStatement(t *testing.T) {
 		}
 		return s
 	}
-	if s := status("a2"); s != StatusCompleted {
-		t.Errorf("a2 is %s, want completed", s)
-	}
-	if s := status("b2"); s != StatusInProgress {
-		t.Errorf("b2 is %s, want in_progress", s)
-	}
-	if s := status("d2"); s != StatusInProgress {
-		t.Errorf("d2 (stale fence) is %s, want in_progress", s)
+	for key, want := range map[string]string{"a2": StatusCompleted, "b2": StatusInProgress, "d2": StatusInProgress, "e2": StatusCompleted} {
+		if s := status(key); s != want {
+			t.Errorf("%s is %s, want %s", key, s, want)
+		}
 	}
 	// Complete turns the refused result into a marker; the stale fence is a lost lease.
 	if err := l.Complete(ctx, claims[1], json.RawMessage(`{"s":"\u0000"}`)); err != nil {
 		t.Errorf("Complete with a refused result: %v", err)
+	}
+	if s := status("b2"); s != StatusCompleted {
+		t.Errorf("b2 is %s after Complete, want completed (with a marker)", s)
 	}
 	if err := l.Complete(ctx, &stale, nil); !errors.Is(err, ErrLeaseLost) {
 		t.Errorf("Complete with a stale fence: %v, want ErrLeaseLost", err)
 	}
 }
 
-// TestGroupCommitPostgresRestart: Postgres is killed while many Do calls are committing in
+// TestGroupCommitPostgresRestart: Postgres stops at once while many Do calls are committing in
 // shared batches, then restarted. A Do that reported success has its row completed with
 // its fence and result; every key completes once the leases end; no key runs after it
 // completed.
@@ -282,7 +287,9 @@ func TestGroupCommitPostgresRestart(t *testing.T) {
 		for started.Load() < keys/3 {
 			time.Sleep(time.Millisecond)
 		}
-		if err := pg.Kill(); err != nil {
+		// An immediate stop: no checkpoint, crash recovery at the start (a SIGKILL of the
+		// postmaster alone leaves its backends holding the shared memory for a while).
+		if err := pg.StopImmediate(); err != nil {
 			t.Error(err)
 		}
 		if err := pg.Start(); err != nil {

@@ -169,7 +169,12 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 			l.hbPool = pool
 		}
 	}
-	l.claims.kind, l.finishes.kind = BatchClaim, BatchComplete
+	l.claims.kind, l.claims.name, l.claims.sql, l.claims.args = BatchClaim, "idemq_claim_many", claimManySQL, l.claimManyArgs
+	l.finishes.kind, l.finishes.name, l.finishes.sql, l.finishes.args = BatchComplete, "idemq_finish_many", l.fenced(finishManySQL), finishManyArgs
+	if c.UnsafeNoFencing {
+		l.finishes.name += "_nofence"
+	}
+	l.finishes.xid = true
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	return l
 }
@@ -188,6 +193,7 @@ func (l *Ledger) fenced(q string) string {
 	if !l.cfg.UnsafeNoFencing {
 		return q
 	}
+	q = strings.ReplaceAll(q, "AND p.fence = r.fence AND p.owner = r.owner", "AND r.fence > 0 AND r.owner IS NOT NULL")
 	return strings.ReplaceAll(q, "AND fence = $2 AND owner = $3", "AND $2::bigint > 0 AND $3::uuid IS NOT NULL")
 }
 
