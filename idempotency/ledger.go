@@ -91,7 +91,8 @@ type Config struct {
 	// MaxBatch caps how many requests one shared commit carries. Default 64.
 	MaxBatch int
 	// Committers caps how many shared transactions of each kind (leased claims, leased
-	// completions, DoTx batches) are in flight at once. Default 2.
+	// completions, DoTx batches) are in flight at once. Default 1: one committer per kind
+	// and process, so that everything that queues behind a commit goes in the next one.
 	Committers int
 	// ObserveBatch, if set, is called with the number of requests each shared commit
 	// carried; kind is BatchClaim, BatchComplete or BatchTx. It must be fast and safe for
@@ -147,7 +148,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		c.MaxBatch = 64
 	}
 	if c.Committers <= 0 {
-		c.Committers = 2
+		c.Committers = 1
 	}
 	if c.WriteTimeout <= 0 {
 		c.WriteTimeout = 10 * time.Second

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	mrand "math/rand/v2"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -61,7 +62,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		return err
 	}
 	defer rdb.Close()
-	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, int32(cfg.Concurrency)+4)
+	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, workerPoolSize(cfg.Concurrency, runtime.GOMAXPROCS(0)))
 	if err != nil {
 		return err
 	}
@@ -81,6 +82,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		Logger:          log,
 		Observe: func(ev idempotency.Event, taskType string) {
 			m.LedgerEvents.WithLabelValues(string(ev), taskType).Inc()
+		},
+		ObserveBatch: func(kind string, n int) {
+			m.CommitRequests.WithLabelValues(kind).Observe(float64(n))
 		},
 	})
 	defer ledger.Close()
@@ -336,4 +340,11 @@ func (fp faultPoints) wrap(charge func(context.Context, tasks.Charge) (json.RawM
 			}
 			return out, err
 		}
+}
+
+// workerPoolSize is the worker's Postgres pool: deliveries share the ledger's commits
+// (one committer per kind), so the pool follows the cores, not the concurrency; the
+// outbox relay, the reconciler and the purge take a few connections of their own.
+func workerPoolSize(concurrency, cores int) int32 {
+	return int32(min(concurrency+4, 4*cores+8))
 }

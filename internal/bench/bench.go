@@ -124,6 +124,9 @@ type Sample struct {
 	OverheadP99us  float64 `json:"overhead_p99_us"`
 	CPU            CPU     `json:"cpu_per_task"`
 	Errors         int     `json:"errors"`
+	// RowsPerCommit is how many ledger requests (claims, completions, DoTx deliveries)
+	// one shared commit carried on average; 0 without the ledger.
+	RowsPerCommit float64 `json:"rows_per_commit"`
 	// Ratios to bare asynq (configuration A) of the same workload, server count and
 	// repetition.
 	ThroughputRatio float64 `json:"throughput_ratio"`

@@ -130,6 +130,8 @@ type stack struct {
 	ledger *idempotency.Ledger
 	locker *lock.Locker
 	worker *idempotency.Worker
+	// commits and rows count the ledger's shared commits and the requests they carried.
+	commits, rows atomic.Int64
 }
 
 // poolSize is each server's Postgres pool: the worker's concurrency+4, within a budget
@@ -167,7 +169,10 @@ func openStack(ctx context.Context, redisURL, dsn string, poolSize int32) (*stac
 	for _, c := range conns {
 		c.Release()
 	}
-	st.ledger = idempotency.New(st.pool, nil)
+	st.ledger = idempotency.New(st.pool, &idempotency.Config{ObserveBatch: func(_ string, n int) {
+		st.commits.Add(1)
+		st.rows.Add(int64(n))
+	}})
 	st.locker = lock.New(st.rdb, nil)
 	// As `idemq worker` does: results reach asynq through the compare-and-set script.
 	st.worker = idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: st.rdb})
@@ -354,6 +359,13 @@ wait:
 	}
 	after := e.probe.snap(ctx)
 	stopAll()
+	var commits, rows int64
+	for _, st := range stacks {
+		commits, rows = commits+st.commits.Load(), rows+st.rows.Load()
+	}
+	if commits > 0 {
+		s.RowsPerCommit = float64(rows) / float64(commits)
+	}
 
 	drain := time.Duration(rec.last.Load() - rec.first.Load())
 	s.DrainSeconds = drain.Seconds()

@@ -46,6 +46,7 @@ type Row struct {
 	CPUPostgres     Stat   `json:"cpu_postgres_us"`
 	CPUTotal        Stat   `json:"cpu_total_us"`
 	CPURatio        Stat   `json:"cpu_ratio"`
+	RowsPerCommit   Stat   `json:"rows_per_commit"`
 	Errors          int    `json:"errors"`
 }
 
@@ -99,6 +100,7 @@ func (r *Report) summarize() {
 			CPUPostgres:     col(func(s *Sample) float64 { return s.CPU.Postgres }),
 			CPUTotal:        col(func(s *Sample) float64 { return s.CPU.Total }),
 			CPURatio:        col(func(s *Sample) float64 { return s.CPURatio }),
+			RowsPerCommit:   col(func(s *Sample) float64 { return s.RowsPerCommit }),
 		}
 		for _, s := range ss {
 			row.Errors += s.Errors
@@ -149,21 +151,25 @@ func (r *Report) WriteTable(w io.Writer) error {
 }
 
 func (r *Report) writeRows(b *strings.Builder) {
-	b.WriteString("| workload | configuration | N | tasks/s | ÷ bare | overhead p50 / p99 (µs) | CPU µs/task: Go + Redis + PG = total | CPU ÷ bare |\n")
-	b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|\n")
+	b.WriteString("| workload | configuration | N | tasks/s | ÷ bare | overhead p50 / p99 (µs) | CPU µs/task: Go + Redis + PG = total | CPU ÷ bare | requests per commit |\n")
+	b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, row := range r.Rows {
 		ratio, cpuRatio := rng(row.ThroughputRatio, "%.2f"), rng(row.CPURatio, "%.2f")
 		if row.Config == ConfigBare {
 			ratio, cpuRatio = "1", "1"
 		}
+		perCommit := "-"
+		if row.RowsPerCommit.Median > 0 {
+			perCommit = fmt.Sprintf("%.1f", row.RowsPerCommit.Median)
+		}
 		errs := ""
 		if row.Errors > 0 {
 			errs = fmt.Sprintf(" (%d errors)", row.Errors)
 		}
-		fmt.Fprintf(b, "| %s | %s %s%s | %.0f | %s | %s | %.0f / %.0f | %.0f + %.0f + %.0f = %.0f | %s |\n",
+		fmt.Fprintf(b, "| %s | %s %s%s | %.0f | %s | %s | %.0f / %.0f | %.0f + %.0f + %.0f = %.0f | %s | %s |\n",
 			r.workloadLabel(row), row.Config, row.Name, errs, row.N.Median, rng(row.TasksPerSecond, "%.0f"), ratio,
 			row.OverheadP50us.Median, row.OverheadP99us.Median,
-			row.CPUGo.Median, row.CPURedis.Median, row.CPUPostgres.Median, row.CPUTotal.Median, cpuRatio)
+			row.CPUGo.Median, row.CPURedis.Median, row.CPUPostgres.Median, row.CPUTotal.Median, cpuRatio, perCommit)
 	}
 }
 

@@ -28,6 +28,9 @@ type Metrics struct {
 	HandlerDuration *prometheus.HistogramVec
 	// APIRequests counts the API's answers by route pattern and status code.
 	APIRequests *prometheus.CounterVec
+	// CommitRequests observes how many ledger requests each shared commit carried, by
+	// kind (claim, complete, tx).
+	CommitRequests *prometheus.HistogramVec
 }
 
 // New returns a registry with the Go runtime and process collectors and idemq's own.
@@ -55,11 +58,17 @@ func New() *Metrics {
 			Name: "idemq_api_requests_total",
 			Help: "API answers by route pattern (such as \"POST /v1/charges\") and status code.",
 		}, []string{"route", "code"}),
+		CommitRequests: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idemq_ledger_commit_requests",
+			Help:    "Ledger requests per shared commit, by kind (claim, complete, tx).",
+			Buckets: []float64{1, 2, 4, 8, 16, 32, 64, 128},
+		}, []string{"kind"}),
 	}
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
+		m.CommitRequests,
 	)
 	return m
 }
