@@ -16,7 +16,8 @@ import (
 var errHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or roll back its transaction; return a result or an error")
 
 // handlerTx is the pgx.Tx a DoTx handler gets: the transaction DoTx began in the claim's
-// round trip (a pgx.Tx from Conn.BeginTx would cost a round trip of its own). Queries go
+// round trip (a pgx.Tx from Conn.BeginTx would cost a round trip of its own), or, in a
+// shared transaction, the delivery's savepoint in it. Queries go
 // straight to the connection. Begin (a savepoint) and LargeObjects use a pgx transaction
 // handle made on first use, in the open transaction, for one round trip.
 type handlerTx struct {

@@ -38,7 +38,9 @@ type txBatcher struct {
 	running  int             // executors running
 }
 
-// txMember is one DoTx delivery waiting in, or running in, a shared transaction.
+// txMember is one DoTx delivery waiting in, or running in, a shared transaction. It
+// carries its caller's ctx, as an http.Request does, so that the executor can tell at the
+// member's turn whether the caller still waits.
 type txMember struct {
 	ctx context.Context
 	req Request
