@@ -296,6 +296,11 @@ func TestWorkerMetrics(t *testing.T) {
 	if v := scrape(t, metricsURL, `idemq_handler_duration_seconds_sum{outcome="completed",task_type="wallet:debit"}`); v <= 0 {
 		t.Errorf("handler duration sum %v, want > 0", v)
 	}
+	for _, kind := range []string{idempotency.BatchClaim, idempotency.BatchComplete, idempotency.BatchTx} {
+		if v := scrape(t, metricsURL, fmt.Sprintf(`idemq_ledger_commit_requests_count{kind=%q}`, kind)); v < 1 {
+			t.Errorf("%s commits observed: %v, want some", kind, v)
+		}
+	}
 }
 
 func eq(n float64) func(float64) bool { return func(v float64) bool { return v == n } }
