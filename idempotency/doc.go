@@ -21,6 +21,13 @@
 //     writes and the completion commit in one transaction; the row lock is the lease. No
 //     external I/O inside the transaction.
 //
+// Concurrent requests of one Ledger share commits (Config.DisableGroupCommit turns this
+// off): leased claims, and leased completions and failures, are each sent by one
+// committer as one multi-row statement per batch, every row checked on its own fence and
+// owner; DoTx deliveries run one after another in a shared transaction, a savepoint each.
+// A batch is whatever queued while the previous commit was under way (no timer), and no
+// caller is answered before its own write is durable.
+//
 // Usage:
 //
 //	ledger := idempotency.New(pool, &idempotency.Config{Lease: 30 * time.Second})
