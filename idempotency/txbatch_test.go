@@ -678,12 +678,12 @@ func TestDoTxBatchedRestart(t *testing.T) {
 }
 
 // BenchmarkDoTxShared compares DoTx in a transaction per delivery (DisableGroupCommit)
-// with shared transactions at 2 (the default), 4 and 8 committers, at parallelism 32,
+// with shared transactions at 1 (the default), 2, 4 and 8 committers, at parallelism 32,
 // each run inserting one effect row; deliveries/tx is the mean size of a shared one:
 //
 //	go test -run '^$' -bench DoTxShared -benchtime 3s ./idempotency/
 func BenchmarkDoTxShared(b *testing.B) {
-	for _, committers := range []int{0, 2, 4, 8} {
+	for _, committers := range []int{0, 1, 2, 4, 8} {
 		shared := committers > 0
 		name := "own-tx"
 		if shared {
