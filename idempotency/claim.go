@@ -139,9 +139,11 @@ SELECT false, gate.open, cur.*, now(), NULL, NULL,
 FROM gate LEFT JOIN cur ON true
 WHERE NOT EXISTS (SELECT 1 FROM up)`
 
-// claimManySQL is claimSQL, leased mode, for a batch of keys in one statement (see
-// committer): $1..$5 are arrays with one element per key (key, task type, owner,
-// fingerprint or NULL, lease in microseconds), $6 the maximum age, $7 the lock_timeout.
+// claimManySQL is claimSQL for a batch of keys in one statement (see committer): $1..$5
+// are arrays with one element per key (key, task type, owner, fingerprint or NULL, lease
+// in microseconds), $6 the maximum age, $7 the lock_timeout, $8 true in a shared DoTx
+// transaction, where the rows are written completed at once (as claimSQL's $7; the
+// outbox intents are settled by finishTxManySQL).
 // Every answer row starts with the key's ordinal in the arrays, then claimSQL's columns.
 // The settings are made once, before any row is locked; the upsert takes its rows in key
 // order.
@@ -168,14 +170,15 @@ WITH req AS (
 	FROM req
 ), up AS (
 	INSERT INTO processed_jobs AS p
-		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until)
-	SELECT gate.key, gate.task_type, 'in_progress', nextval('processed_jobs_fence_seq'), gate.owner, gate.fp, 1,
-	       now() + gate.lease_us * interval '1 microsecond'
+		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at)
+	SELECT gate.key, gate.task_type, CASE WHEN $8::bool THEN 'completed' ELSE 'in_progress' END,
+	       nextval('processed_jobs_fence_seq'), gate.owner, gate.fp, 1,
+	       now() + gate.lease_us * interval '1 microsecond', CASE WHEN $8::bool THEN now() END
 	FROM settings, gate WHERE gate.open
 	ORDER BY gate.key
 	ON CONFLICT (idempotency_key) DO UPDATE
 	SET status = excluded.status, fence = excluded.fence, owner = excluded.owner, attempts = p.attempts + 1,
-	    locked_until = excluded.locked_until, completed_at = NULL, updated_at = now(),
+	    locked_until = excluded.locked_until, completed_at = excluded.completed_at, updated_at = now(),
 	    payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
 	WHERE p.status = 'in_progress' AND p.locked_until < now()
 	  AND p.started_at >= now() - $6::bigint * interval '1 microsecond'
@@ -212,7 +215,7 @@ func (l *Ledger) claimManyArgs(batch []*gcOp) []any {
 		a := op.row.(*claimArgs)
 		keys[i], types[i], owners[i], fps[i], leases[i] = op.key, a.taskType, a.owner, a.fp, a.leaseUS
 	}
-	return []any{keys, types, owners, fps, leases, l.cfg.MaxAge.Microseconds(), l.lockTimeoutSQL}
+	return []any{keys, types, owners, fps, leases, l.cfg.MaxAge.Microseconds(), l.lockTimeoutSQL, false}
 }
 
 // readRowSQL reads a row for a claim that lost a race, in the shape claimSQL returns.
@@ -679,6 +682,50 @@ WITH r AS (
 	  AND j.state IN ('pending', 'published')
 )
 SELECT c.ord, ` + xidColumns + ` FROM c`
+
+// finishTxManySQL ends the rows of a shared DoTx transaction, which claimManySQL wrote
+// completed ($1..$5: key, fence, owner, action, error): 'complete' keeps the row (its
+// result is already stored, fenced, by storeResultTxSQL), 'fail' records a permanent
+// failure, 'forget' undoes the claim of a handler that failed (the row it inserted is
+// deleted; a taken-over one is back in progress, its lease ended). Completions and
+// failures settle their outbox intents. Every row still held comes back with its ordinal
+// and the transaction id.
+const finishTxManySQL = `
+WITH r AS (
+	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[]) WITH ORDINALITY
+		AS r(key, fence, owner, action, error, ord)
+), k AS (
+	SELECT r.ord, r.key, r.action FROM r JOIN processed_jobs p
+	  ON p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	WHERE r.action = 'complete'
+), f AS (
+	UPDATE processed_jobs p SET status = 'failed', last_error = r.error, updated_at = now()
+	FROM r
+	WHERE r.action = 'fail' AND p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	RETURNING r.ord, r.key, r.action
+), g AS (
+	UPDATE processed_jobs p SET status = 'in_progress', completed_at = NULL, locked_until = now(), updated_at = now()
+	FROM r
+	WHERE r.action = 'forget' AND NOT (p.attempts = 1 AND p.generation = 0)
+	  AND p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	RETURNING r.ord
+), d AS (
+	DELETE FROM processed_jobs p USING r
+	WHERE r.action = 'forget' AND p.attempts = 1 AND p.generation = 0
+	  AND p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	RETURNING r.ord
+), i AS (
+	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
+	       state = CASE WHEN x.action = 'complete' THEN 'done' ELSE 'dead' END
+	FROM (SELECT key, action FROM k UNION ALL SELECT key, action FROM f) x
+	WHERE j.idempotency_key = x.key AND j.state IN ('pending', 'published')
+), held AS (
+	-- Every completed or failed row must still be ours; if not, the statement fails
+	-- (division by zero) and the COMMIT sent after it cannot commit.
+	SELECT 1 / (CASE WHEN (SELECT count(*) FROM k) + (SELECT count(*) FROM f)
+	                    = (SELECT count(*) FROM r WHERE action IN ('complete', 'fail')) THEN 1 ELSE 0 END) AS ok
+)
+SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT ord FROM f UNION ALL SELECT ord FROM g UNION ALL SELECT ord FROM d) e`
 
 // finishArgs is a claim's row in a finishManySQL batch.
 type finishArgs struct {

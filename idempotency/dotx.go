@@ -74,6 +74,11 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	if !l.cfg.DisableGroupCommit {
 		return l.doTxBatched(ctx, req, fn)
 	}
+	return l.doTxAlone(ctx, req, fn)
+}
+
+// doTxAlone is DoTx in a transaction of its own.
+func (l *Ledger) doTxAlone(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
 	for round := 0; ; round++ {
 		res, again, err := l.doTxOnce(ctx, req, fn, round)
 		if !again {

@@ -23,6 +23,20 @@ var errHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or 
 type handlerTx struct {
 	conn   *pgx.Conn
 	handle pgx.Tx
+	// first, if set, runs once before the handler's first use of the transaction (a
+	// shared transaction makes the member's savepoint there); its error is that use's.
+	first    func(ctx context.Context) error
+	firstErr error
+}
+
+// use runs first once.
+func (t *handlerTx) use(ctx context.Context) error {
+	if t.first != nil {
+		f := t.first
+		t.first = nil
+		t.firstErr = f(ctx)
+	}
+	return t.firstErr
 }
 
 var _ pgx.Tx = (*handlerTx)(nil)
@@ -30,6 +44,9 @@ var _ pgx.Tx = (*handlerTx)(nil)
 // pgxHandle returns a pgx.Tx on the open transaction. Its BeginQuery begins nothing: the
 // transaction is already open.
 func (t *handlerTx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
+	if err := t.use(ctx); err != nil {
+		return nil, err
+	}
 	if t.handle == nil {
 		h, err := t.conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "SELECT 1"})
 		if err != nil {
@@ -56,10 +73,16 @@ func (t *handlerTx) Commit(context.Context) error { return errHandlerEndsTx }
 func (t *handlerTx) Rollback(context.Context) error { return errHandlerEndsTx }
 
 func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	if err := t.use(ctx); err != nil {
+		return 0, err
+	}
 	return t.conn.CopyFrom(ctx, tableName, columnNames, rowSrc)
 }
 
 func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := t.use(ctx); err != nil {
+		return errBatchResults{err}
+	}
 	return t.conn.SendBatch(ctx, b)
 }
 
@@ -78,19 +101,45 @@ func (t *handlerTx) LargeObjects() pgx.LargeObjects {
 }
 
 func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.use(ctx); err != nil {
+		return nil, err
+	}
 	return t.conn.Prepare(ctx, name, sql)
 }
 
 func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+	if err := t.use(ctx); err != nil {
+		return pgconn.CommandTag{}, err
+	}
 	return t.conn.Exec(ctx, sql, arguments...)
 }
 
 func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.use(ctx); err != nil {
+		return nil, err
+	}
 	return t.conn.Query(ctx, sql, args...)
 }
 
 func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := t.use(ctx); err != nil {
+		return errRow{err}
+	}
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
 func (t *handlerTx) Conn() *pgx.Conn { return t.conn }
+
+// errRow is a pgx.Row whose Scan returns err.
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+// errBatchResults is a pgx.BatchResults on which everything returns err.
+type errBatchResults struct{ err error }
+
+func (r errBatchResults) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, r.err }
+func (r errBatchResults) Query() (pgx.Rows, error)         { return nil, r.err }
+func (r errBatchResults) QueryRow() pgx.Row                { return errRow(r) }
+func (r errBatchResults) Close() error                     { return r.err }
+func (r errBatchResults) Tx() pgx.Tx                       { return nil }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -56,6 +57,7 @@ type txMember struct {
 	answered bool
 	claim    *Claim
 	res      Result
+	finish   txFinish
 }
 
 type txTurn struct {
@@ -74,6 +76,11 @@ type txAnswer struct {
 	err   error
 	stuck int64 // a fence to mark needs_attention
 	lost  error // the commit's answer was lost: resolve it from the transaction id
+	// alone: the shared claim could not decide this member (a lost race, or a batch the
+	// server refused): it runs in a transaction of its own instead.
+	alone bool
+	// recorded: a permanent failure was committed with the batch (no recordPermanent).
+	recorded bool
 }
 
 // doTxBatched is DoTx in a transaction shared with concurrent deliveries.
@@ -96,6 +103,9 @@ func (l *Ledger) doTxBatched(ctx context.Context, req Request, fn func(ctx conte
 				panic(pval)
 			}
 		case a := <-m.answer:
+			if a.alone {
+				return l.doTxAlone(ctx, req, fn)
+			}
 			if a.stuck != 0 {
 				l.markStuckOne(ctx, req, a.stuck)
 			}
@@ -111,7 +121,7 @@ func (l *Ledger) doTxBatched(ctx context.Context, req Request, fn func(ctx conte
 				}
 				l.observe(EventCompleted, req.TaskType)
 			}
-			if IsPermanent(a.err) {
+			if IsPermanent(a.err) && !a.recorded {
 				l.recordPermanent(ctx, req, a.err)
 			}
 			return a.res, a.err
@@ -237,34 +247,34 @@ func (l *Ledger) acquireTxConn() (*pgxpool.Conn, error) {
 	return l.pool.Acquire(ctx)
 }
 
-// txStmt is one statement of a pipelined round trip.
-type txStmt struct {
-	sql   string
-	args  []any
-	kind  stmtKind
-	owner *txMember // store: the member whose result it stores; release: the member it completes
-}
-
-type stmtKind int
-
-const (
-	stmtPlain stmtKind = iota
-	stmtClaim
-	stmtStore
-	stmtRelease
-	stmtCommit
-)
-
-// txBatch is the state of one shared transaction, used by its executor only.
+// txBatch is the state of one shared transaction, used by its executor only: one
+// multi-row claim for every member (claimManySQL), each claimed member's handler in a
+// savepoint of its own (made when the handler first uses the transaction), one multi-row
+// finish (finishManySQL) that completes, fails or forgets every claimed row, and one
+// COMMIT. The claim and the finish cost one statement each, whatever the batch's size.
 type txBatch struct {
 	l    *Ledger
 	conn *pgx.Conn
-	ms   []*txMember
 	idle string // idle_in_transaction_session_timeout for the whole transaction
 
-	pre    []txStmt    // sent ahead of the next statements
-	stored []*txMember // members whose result and release went through, awaiting COMMIT
-	broken error       // the transaction cannot commit
+	xid, serverStart string // the transaction's id, drawn with the claims
+
+	pre     []string    // statements sent ahead of the next round trip (a RELEASE)
+	claimed []*txMember // members whose rows the finish ends, in order
+	broken  error       // the transaction cannot commit
+}
+
+// ctx bounds one round trip of the executor: a claim's lock wait and a write.
+func (b *txBatch) ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), b.l.cfg.WriteTimeout+b.l.cfg.ClaimLockTimeout)
+}
+
+func (b *txBatch) replyWith(m *txMember, a txAnswer) {
+	if m.answered {
+		return
+	}
+	m.answered = true
+	m.answer <- a
 }
 
 // runTxBatch runs ms, sorted by key, in one transaction on conn, and answers each. It
@@ -282,285 +292,337 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 			latest = m.req.Deadline
 		}
 	}
-	b := &txBatch{l: l, conn: conn, ms: ms, idle: l.idleTimeout(latest)}
-	b.pre = []txStmt{{sql: txBatchBeginSQL}}
-	for _, m := range ms {
-		if b.broken != nil {
-			break
+	b := &txBatch{l: l, conn: conn, idle: l.idleTimeout(latest)}
+	if b.claimAll(ms) {
+		for _, m := range b.claimed {
+			if b.broken != nil {
+				break
+			}
+			b.runMember(m)
 		}
-		b.runMember(m)
-	}
-	if b.broken == nil {
-		b.commit()
+		if b.broken == nil {
+			b.commit()
+		}
 	}
 	if b.broken != nil {
 		for _, m := range ms {
-			b.reply(m, Result{}, fmt.Errorf("idempotency: DoTx %s: the shared transaction did not commit; nothing recorded: %w", m.req.Key, b.broken))
+			b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: DoTx %s: the shared transaction did not commit; nothing recorded: %w", m.req.Key, b.broken)})
 		}
+		if conn.PgConn().TxStatus() != 'I' && !conn.IsClosed() {
+			ctx, cancel := b.ctx()
+			if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+				conn.PgConn().Close(ctx)
+			}
+			cancel()
+		}
+	}
+	return !conn.IsClosed() && conn.PgConn().TxStatus() == 'I'
+}
+
+// claimAll begins the transaction and claims every member's key in one statement. A
+// member that is not claimed is answered at once (a completed key's result is committed
+// data). When the server refuses the statement (a lock wait cut short, say), every member
+// runs alone instead. It reports whether any member was claimed.
+func (b *txBatch) claimAll(ms []*txMember) bool {
+	l := b.l
+	var ops []*gcOp
+	var live []*txMember
+	for _, m := range ms {
+		if err := m.ctx.Err(); err != nil {
+			b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: claim %s: %w", m.req.Key, err)})
+			continue
+		}
+		c, args, err := l.newClaim(m.req, false)
+		if err != nil {
+			b.replyWith(m, txAnswer{err: err})
+			continue
+		}
+		m.claim = c
+		a := &claimArgs{taskType: m.req.TaskType, owner: c.owner, leaseUS: args[4].(int64)}
+		if fp, ok := args[3].([]byte); ok {
+			a.fp = fp
+		}
+		ops, live = append(ops, &gcOp{key: m.req.Key, row: a}), append(live, m)
+	}
+	if len(live) == 0 {
 		return false
 	}
-	return conn.PgConn().TxStatus() == 'I'
-}
-
-func (b *txBatch) reply(m *txMember, res Result, err error) {
-	b.replyWith(m, txAnswer{res: res, err: err})
-}
-
-func (b *txBatch) replyWith(m *txMember, a txAnswer) {
-	if m.answered {
-		return
-	}
-	m.answered = true
-	m.answer <- a
-}
-
-// ctx bounds one round trip of the executor: a claim's lock wait and a write.
-func (b *txBatch) ctx() (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.Background(), b.l.cfg.WriteTimeout+b.l.cfg.ClaimLockTimeout)
-}
-
-// send sends b.pre and then next in one round trip. It returns the index in the sent
-// statements of the first one that failed and its error; the server skipped those after
-// it. A claim's row lands in r. Members whose release went through join b.stored.
-func (b *txBatch) send(next []txStmt, r *claimRow) ([]txStmt, int, pgconn.CommandTag, error) {
-	stmts := append(b.pre, next...)
-	b.pre = nil
 	ctx, cancel := b.ctx()
 	defer cancel()
 	batch := &pgx.Batch{}
-	for _, s := range stmts {
-		batch.Queue(s.sql, s.args...)
-	}
+	batch.Queue(txBatchBeginSQL)
+	batch.Queue("SELECT set_config('idle_in_transaction_session_timeout', $1, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text", b.idle)
+	args := l.claimManyArgs(ops)
+	args[7] = true // written completed: the row lock is the lease until the COMMIT
+	batch.Queue(claimManySQL, args...)
 	br := b.conn.SendBatch(ctx, batch)
-	failed, tag := -1, pgconn.CommandTag{}
-	var err error
-	for i, s := range stmts {
-		if s.kind == stmtClaim {
-			err = r.scan(br.QueryRow())
-		} else {
-			tag, err = br.Exec()
+	rows := make([]claimRow, len(live))
+	answered := make([]bool, len(live))
+	_, err := br.Exec()
+	if err == nil {
+		// The transaction id, drawn now, resolves a COMMIT whose answer is lost.
+		err = br.QueryRow().Scan(nil, &b.xid, &b.serverStart)
+	}
+	if err == nil {
+		var rs pgx.Rows
+		rs, err = br.Query()
+		for err == nil && rs.Next() {
+			var ord int
+			var r claimRow
+			if err = rs.Scan(&ord, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
+				&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
+				&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil); err == nil && (ord < 1 || ord > len(live)) {
+				err = fmt.Errorf("answer for row %d of %d", ord, len(live))
+			}
+			if err == nil {
+				rows[ord-1], answered[ord-1] = r, true
+			}
 		}
-		if err != nil {
-			failed = i
-			break
-		}
-		if s.kind == stmtRelease {
-			b.stored = append(b.stored, s.owner)
+		if rs != nil {
+			rs.Close()
+			if err == nil {
+				err = rs.Err()
+			}
 		}
 	}
-	if cerr := br.Close(); err == nil && cerr != nil {
-		failed, err = len(stmts)-1, cerr
+	if cerr := br.Close(); err == nil {
+		err = cerr
 	}
-	return stmts, failed, tag, err
-}
-
-// undo rolls the current member's savepoint back and releases it, at once: the
-// transaction may be aborted. It breaks the batch if that fails.
-func (b *txBatch) undo() bool {
-	ctx, cancel := b.ctx()
-	defer cancel()
-	if _, err := b.conn.Exec(ctx, undoMemberSQL); err != nil {
-		b.broken = err
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) {
+			b.broken = err
+			return false
+		}
+		// Refused (a lock timeout, a constraint): nothing was claimed. Each member runs
+		// in a transaction of its own, which tells it what happened to its key.
+		for _, m := range live {
+			b.replyWith(m, txAnswer{alone: true})
+		}
+		rctx, rcancel := b.ctx()
+		defer rcancel()
+		if _, err := b.conn.Exec(rctx, "ROLLBACK"); err != nil {
+			b.broken = err
+		}
 		return false
 	}
-	return true
-}
-
-// storeFailed answers the member whose result store failed, as doTxOnce does, and rolls
-// its savepoint back.
-func (b *txBatch) storeFailed(m *txMember, err error) {
-	c := m.claim
-	var pgErr *pgconn.PgError
-	errors.As(err, &pgErr)
-	switch {
-	case pgErr.Code == "22012":
-		b.l.leaseLost(c, "completion")
-		err = fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
-	case pgErr.Code[:2] == "22":
-		// The database refused the result after all (a data exception): the savepoint
-		// takes fn's effect with it; record that for good.
-		err = Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
-	default:
-		err = fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
-	}
-	if b.undo() {
-		b.reply(m, Result{}, err)
-	}
-}
-
-// sendFailed handles a failed round trip: a store that failed costs its member only; any
-// other failure but a claim's breaks the batch. It reports whether the statement that
-// failed was the claim (of the current member).
-func (b *txBatch) sendFailed(stmts []txStmt, failed int, err error) (claimFailed bool) {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || failed < 0 {
-		b.broken = err
-		return false
-	}
-	switch s := stmts[failed]; s.kind {
-	case stmtStore:
-		b.storeFailed(s.owner, err)
-	case stmtClaim:
-		return true
-	default:
-		b.broken = err
-	}
-	return false
-}
-
-// runMember claims m's key in a savepoint and, when claimed, has m run fn; it answers m
-// unless m's write awaits the COMMIT.
-func (b *txBatch) runMember(m *txMember) {
-	l, req := b.l, m.req
-	if err := m.ctx.Err(); err != nil {
-		b.reply(m, Result{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err))
-		return
-	}
-	inSavepoint := false
-	for round := 0; ; round++ {
-		c, args, err := l.newClaim(req, true)
-		if err != nil {
-			if inSavepoint {
-				b.pre = append(b.pre, txStmt{sql: rollbackMemberSQL}, txStmt{sql: releaseMemberSQL})
-			}
-			b.reply(m, Result{}, err)
-			return
-		}
-		args[8] = b.idle
-		var next []txStmt
-		if !inSavepoint {
-			next = append(next, txStmt{sql: savepointMemberSQL})
-		}
-		next = append(next, txStmt{sql: claimSQL, args: args, kind: stmtClaim})
-		var r claimRow
-		stmts, failed, _, err := b.send(next, &r)
-		if err != nil {
-			if !b.sendFailed(stmts, failed, err) {
-				if b.broken != nil {
-					return
-				}
-				round-- // the previous member's store failed; this claim was not run
-				continue
-			}
-			// The claim failed (a lock or serialization failure is busy): only this member.
-			if b.undo() {
-				b.reply(m, Result{}, l.claimError(req, err))
-			}
-			return
-		}
-		inSavepoint = true
-		if !r.claimed && r.attempted {
-			// Lost a race with a concurrent change: look again, past the claim's snapshot.
-			ctx, cancel := b.ctx()
-			err := r.scan(b.conn.QueryRow(ctx, readRowSQL, req.Key))
-			cancel()
-			if errors.Is(err, pgx.ErrNoRows) {
-				r = claimRow{} // deleted meanwhile: decide counts it as a race
-			} else if err != nil {
-				var pgErr *pgconn.PgError
-				if !errors.As(err, &pgErr) {
-					b.broken = err
-				} else if b.undo() {
-					b.reply(m, Result{}, l.claimError(req, err))
-				}
-				return
-			}
-		}
-		cr, stuck, again, err := l.decide(req, c, &r, round)
-		if again {
-			b.pre = append(b.pre, txStmt{sql: rollbackMemberSQL})
+	for i, m := range live {
+		r := &rows[i]
+		if !answered[i] || !r.claimed && r.attempted {
+			b.replyWith(m, txAnswer{alone: true}) // a lost race: look again alone
 			continue
 		}
-		if cr.Claim == nil {
-			// Nothing was written; the rollback frees any row lock the claim took.
-			b.pre = append(b.pre, txStmt{sql: rollbackMemberSQL}, txStmt{sql: releaseMemberSQL})
+		cr, stuck, again, err := l.decide(m.req, m.claim, r, 0)
+		switch {
+		case again:
+			b.replyWith(m, txAnswer{alone: true})
+		case cr.Claim != nil:
+			b.claimed = append(b.claimed, m)
+		default:
 			a := txAnswer{err: err, stuck: stuck}
 			if cr.Completed != nil {
-				a.res = *cr.Completed // committed data: no need to wait for this transaction
+				a.res = *cr.Completed
 			}
 			b.replyWith(m, a)
-			return
 		}
-		m.claim = c
-		b.runFn(m, c)
-		return
 	}
+	return len(b.claimed) > 0
 }
 
-// runFn has m's goroutine run fn on the shared transaction, then queues the result's
-// store and the savepoint's release, or rolls the savepoint back.
-func (b *txBatch) runFn(m *txMember, c *Claim) {
-	m.run <- txTurn{tx: &handlerTx{conn: b.conn}, c: c}
+// finish is what the shared finish does with a claimed member's row.
+type txFinish struct {
+	action string // complete, fail (permanent) or forget (the handler failed)
+	errMsg pgtype.Text
+	err    error // the handler's error, answered after the commit (fail)
+}
+
+// runMember has m's goroutine run fn on the shared transaction. The member's savepoint is
+// made when fn first uses the transaction; it is released when fn succeeds (after the
+// database accepted its result as jsonb) and rolled back when fn fails.
+func (b *txBatch) runMember(m *txMember) {
+	c := m.claim
+	m.finish = txFinish{action: "forget"}
+	if err := m.ctx.Err(); err != nil {
+		b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: DoTx %s: %w", c.Key, err)})
+		return
+	}
+	saved := false
+	tx := &handlerTx{conn: b.conn, first: func(ctx context.Context) error {
+		saved = true
+		return b.exec(ctx, append(b.takePre(), savepointMemberSQL)...)
+	}}
+	m.run <- txTurn{tx: tx, c: c}
 	ran := <-m.ran
 	pc := b.conn.PgConn()
 	st := pc.TxStatus()
-	if ran.panicked {
-		if b.undo() {
-			b.reply(m, Result{}, nil) // the member panics again
-		}
+	if b.conn.IsClosed() || pc.IsBusy() || st != 'T' && st != 'E' {
+		b.broken = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the shared transaction (status %q)", c.Key, st)
+		b.replyWith(m, txAnswer{err: errors.Join(ran.err, b.broken)})
 		return
 	}
-	if ran.err == nil && st != 'T' {
+	if ran.err == nil && !ran.panicked && st != 'T' {
 		ran.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
 	}
-	if ran.err != nil {
-		if st != 'T' && st != 'E' || b.conn.IsClosed() || pc.IsBusy() {
-			// The shared transaction is gone (or its connection unusable).
-			b.reply(m, Result{}, ran.err)
-			b.broken = ran.err
+	if ran.err == nil && !ran.panicked {
+		stored, lastErr := b.l.checkResult(c, ran.out)
+		var stmts []string
+		var args []any
+		if stored != nil || lastErr != nil {
+			// The result is stored, fenced, while the savepoint still holds the effect: a
+			// row taken meanwhile, or a value jsonb refuses, rolls back this member alone.
+			if !saved {
+				saved = true
+				stmts = append(b.takePre(), savepointMemberSQL)
+			}
+			stmts, args = append(stmts, b.l.fenced(storeResultTxSQL)), []any{c.Key, c.Fence, c.owner, stored, lastErr}
+		}
+		err := b.check(stmts, args)
+		var pgErr *pgconn.PgError
+		switch {
+		case err == nil:
+			if saved {
+				b.pre = append(b.pre, releaseMemberSQL)
+			}
+			m.finish = txFinish{action: "complete"}
+			m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+			return
+		case !errors.As(err, &pgErr):
+			b.broken = err
+			b.replyWith(m, txAnswer{err: err})
+			return
+		case pgErr.Code == "22012":
+			b.l.leaseLost(c, "completion")
+			ran.err = fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+		case pgErr.Code[:2] == "22":
+			// The database refused the result (a data exception): the savepoint takes
+			// fn's effect with it; record that for good.
+			ran.err = Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
+		default:
+			ran.err = fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
+		}
+	}
+	// fn failed: its effect goes with its savepoint; its claim is ended by the finish.
+	if saved {
+		ctx, cancel := b.ctx()
+		_, err := b.conn.Exec(ctx, undoMemberSQL)
+		cancel()
+		if err != nil {
+			b.broken = err
+			b.replyWith(m, txAnswer{err: errors.Join(ran.err, err)})
 			return
 		}
-		if b.undo() {
-			b.reply(m, Result{}, ran.err)
-		}
+	}
+	if ran.panicked {
+		b.replyWith(m, txAnswer{}) // the member panics again
 		return
 	}
-	stored, lastErr := b.l.checkResult(c, ran.out)
-	if stored != nil || lastErr != nil {
-		b.pre = append(b.pre, txStmt{sql: b.l.fenced(storeResultTxSQL), args: []any{c.Key, c.Fence, c.owner, stored, lastErr}, kind: stmtStore, owner: m})
+	if IsPermanent(ran.err) {
+		m.finish = txFinish{action: "fail", errMsg: text(cleanText(ran.err.Error())), err: ran.err}
+		return // answered with the commit, which records the failure
 	}
-	b.pre = append(b.pre, txStmt{sql: releaseMemberSQL, kind: stmtRelease, owner: m})
-	m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+	b.replyWith(m, txAnswer{err: ran.err})
 }
 
-// commit sends what is pending and the COMMIT, and answers the members whose writes it
-// carried.
+func text(v any) pgtype.Text {
+	s, ok := v.(string)
+	return pgtype.Text{String: s, Valid: ok}
+}
+
+func (b *txBatch) takePre() []string {
+	p := b.pre
+	b.pre = nil
+	return p
+}
+
+// exec runs plain statements in one round trip.
+func (b *txBatch) exec(ctx context.Context, stmts ...string) error {
+	if len(stmts) == 0 {
+		return nil
+	}
+	batch := &pgx.Batch{}
+	for _, s := range stmts {
+		batch.Queue(s)
+	}
+	return b.conn.SendBatch(ctx, batch).Close()
+}
+
+// check runs stmts, the last with args, in one round trip.
+func (b *txBatch) check(stmts []string, args []any) error {
+	if len(stmts) == 0 {
+		return nil
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	batch := &pgx.Batch{}
+	for i, s := range stmts {
+		if i == len(stmts)-1 {
+			batch.Queue(s, args...)
+		} else {
+			batch.Queue(s)
+		}
+	}
+	return b.conn.SendBatch(ctx, batch).Close()
+}
+
+// commit ends every claimed row in one statement (completed, failed, or forgotten: the
+// row a failed handler's claim inserted is deleted, a taken-over one ends its lease) and
+// commits, in one round trip; then it answers the members whose rows it completed or
+// failed. A COMMIT whose answer is lost is resolved with the transaction id drawn with
+// the claims.
 func (b *txBatch) commit() {
-	for {
-		stmts, failed, tag, err := b.send([]txStmt{{sql: "COMMIT", kind: stmtCommit}}, nil)
+	l := b.l
+	n := len(b.claimed)
+	keys, fences, owners := make([]string, n), make([]int64, n), make([]pgtype.UUID, n)
+	actions, errs := make([]string, n), make([]pgtype.Text, n)
+	for i, m := range b.claimed {
+		keys[i], fences[i], owners[i], actions[i], errs[i] = m.req.Key, m.claim.Fence, m.claim.owner, m.finish.action, m.finish.errMsg
+		m.claim.xid, m.claim.serverStart = b.xid, b.serverStart
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	batch := &pgx.Batch{}
+	for _, s := range b.takePre() {
+		batch.Queue(s)
+	}
+	batch.Queue(l.fenced(finishTxManySQL), keys, fences, owners, actions, errs)
+	batch.Queue("COMMIT")
+	br := b.conn.SendBatch(ctx, batch)
+	var err error
+	for range batch.Len() - 2 {
+		if _, err = br.Exec(); err != nil {
+			break
+		}
+	}
+	if err == nil {
+		// The finish's rows (every one checked by the statement itself).
+		_, err = br.Exec()
+	}
+	if err == nil {
+		var tag pgconn.CommandTag
+		tag, err = br.Exec()
 		if err == nil && tag.String() != "COMMIT" {
-			// An aborted transaction answers COMMIT with ROLLBACK.
-			err = fmt.Errorf("commit answered %q", tag.String())
+			err = fmt.Errorf("commit answered %q", tag.String()) // an aborted transaction answers ROLLBACK
 		}
-		if err == nil {
-			for _, m := range b.stored {
-				b.l.observe(EventCompleted, m.req.TaskType)
-				b.reply(m, m.res, nil)
-			}
-			return
-		}
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && failed >= 0 && stmts[failed].kind == stmtStore {
-			b.storeFailed(stmts[failed].owner, err)
-			if b.broken != nil {
-				return
-			}
-			continue // COMMIT the others
-		}
-		if errors.As(err, &pgErr) || !b.conn.IsClosed() {
-			b.broken = err // answered: nothing committed
-			return
-		}
-		// The answer was lost: each member whose write the COMMIT carried learns the
-		// outcome from the transaction id taken at its claim.
-		for i, s := range stmts {
-			if s.kind == stmtRelease && i >= failed {
-				b.stored = append(b.stored, s.owner)
-			}
-		}
-		for _, m := range b.stored {
-			b.replyWith(m, txAnswer{res: m.res, lost: err})
-		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	var pgErr *pgconn.PgError
+	if err != nil && (errors.As(err, &pgErr) || !b.conn.IsClosed() || b.xid == "") {
+		b.broken = err // answered: nothing committed
 		return
+	}
+	for _, m := range b.claimed {
+		switch {
+		case m.finish.action == "forget":
+		case err != nil: // the answer was lost: each member resolves it by transaction id
+			b.replyWith(m, txAnswer{res: m.res, err: m.finish.err, lost: err, recorded: m.finish.err != nil})
+		case m.finish.action == "fail":
+			l.observe(EventFailed, m.req.TaskType)
+			b.replyWith(m, txAnswer{err: m.finish.err, recorded: true})
+		default:
+			l.observe(EventCompleted, m.req.TaskType)
+			b.replyWith(m, txAnswer{res: m.res})
+		}
 	}
 }
