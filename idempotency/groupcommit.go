@@ -14,30 +14,35 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// committer group-commits the leased claims (Ledger.claims) or the completions and
-// failures (Ledger.finishes) of many concurrent callers. A caller queues its row and
-// waits. Up to Config.Committers goroutines each take whatever is queued when they start
-// a batch (no timer: at low load a batch is one row and adds no latency) and send it, in
-// key order and one key at most once per batch, as one multi-row statement committed on
-// its own: the statement's fixed cost (parsing its constraints, planning, the commit and
-// its WAL flush, the round trips) is paid once per batch instead of once per row. Each
-// row keeps its own checks (fence, owner, lease), so each caller gets its own row's
-// outcome, and none is answered before the commit is durable. A batch the server refuses
-// is split in two and each half committed on its own, down to the row at fault.
+// committer is one kind of row in the leased group commit (see groupCommit): the leased
+// claims (Ledger.claims) or the completions and failures (Ledger.finishes), with the
+// multi-row statement that carries a batch of them.
 type committer struct {
 	kind string // BatchClaim or BatchComplete
 	name string // prepared statement name
 	sql  string // the multi-row statement: arrays of the rows' values, one row per ordinal
 	// args returns the statement's arguments for batch.
 	args func(batch []*gcOp) []any
-	// xid: read every answer before asking for the commit, so that the transaction id
-	// is known should the commit's answer be lost.
-	xid bool
 
-	mu       sync.Mutex
+	// Guarded by groupCommit.mu.
 	queue    []*gcOp
-	inFlight map[string]bool // keys of the batches being sent
-	running  int
+	inFlight map[string]bool // keys of the batch being sent
+}
+
+// groupCommit commits the leased claims and completions of many concurrent callers
+// together. A caller queues its row and waits. Up to Config.Committers goroutines each
+// take whatever is queued when they start a round (no timer: at low load a round carries
+// one row and adds no latency) and send it, each kind in key order and one key at most
+// once per kind, as one multi-row statement per kind — the completions, then the claims
+// — in one transaction: the fixed cost of a statement (parsing its constraints, planning,
+// the round trips) and of a commit (its WAL flush) is paid once per round instead of once
+// per row. Each row keeps its own checks (fence, owner, lease), so each caller gets its own
+// row's outcome, and none is answered before the commit is durable. A round the server
+// refuses is sent again one kind at a time, and a batch it refuses is split in two and
+// each half committed on its own, down to the row at fault.
+type groupCommit struct {
+	mu      sync.Mutex
+	running int
 }
 
 // gcOp is one caller's row in a group commit.
@@ -57,60 +62,80 @@ type gcOp struct {
 	sent bool
 }
 
-// run queues op and waits until its batch committed or failed. A caller whose ctx ends
-// while op is still queued leaves with ctx's error; once sent, op's outcome is awaited
-// (the batch is bounded by Config.WriteTimeout).
+// run queues op as a row of c and waits until its round committed or failed. A caller
+// whose ctx ends while op is still queued leaves with ctx's error; once sent, op's outcome
+// is awaited (a round is bounded by Config.WriteTimeout).
 func (c *committer) run(ctx context.Context, l *Ledger, op *gcOp) error {
+	g := &l.group
 	op.done = make(chan struct{})
-	c.mu.Lock()
+	g.mu.Lock()
 	c.queue = append(c.queue, op)
-	if c.running < l.cfg.Committers {
-		c.running++
-		go c.loop(l)
+	if g.running < l.cfg.Committers {
+		g.running++
+		go g.loop(l)
 	}
-	c.mu.Unlock()
+	g.mu.Unlock()
 	select {
 	case <-op.done:
 		return op.err
 	case <-ctx.Done():
 	}
-	c.mu.Lock()
+	g.mu.Lock()
 	if i := slices.Index(c.queue, op); i >= 0 {
 		c.queue = slices.Delete(c.queue, i, i+1)
-		c.mu.Unlock()
+		g.mu.Unlock()
 		return context.Cause(ctx)
 	}
-	c.mu.Unlock()
+	g.mu.Unlock()
 	<-op.done
 	return op.err
 }
 
-// loop sends batches until nothing it may take is queued.
-func (c *committer) loop(l *Ledger) {
+// parts are the kinds a round carries, in the order it sends them.
+func (l *Ledger) parts() []*committer { return []*committer{&l.finishes, &l.claims} }
+
+// loop sends rounds until nothing it may take is queued.
+func (g *groupCommit) loop(l *Ledger) {
+	parts := l.parts()
 	for {
-		batch := c.take(l.cfg.MaxBatch)
-		if len(batch) == 0 {
+		batches := make([][]*gcOp, len(parts))
+		n := 0
+		g.mu.Lock()
+		for i, c := range parts {
+			batches[i] = c.take(l.cfg.MaxBatch)
+			n += len(batches[i])
+		}
+		if n == 0 {
+			g.running--
+		}
+		g.mu.Unlock()
+		if n == 0 {
 			return
 		}
-		c.commit(l, batch)
-		l.observeBatch(c.kind, len(batch))
-		c.mu.Lock()
-		for _, op := range batch {
-			delete(c.inFlight, op.key)
+		g.commitRound(l, parts, batches)
+		for i, c := range parts {
+			if len(batches[i]) > 0 {
+				l.observeBatch(c.kind, len(batches[i]))
+			}
 		}
-		c.mu.Unlock()
-		for _, op := range batch {
-			close(op.done)
+		g.mu.Lock()
+		for i, c := range parts {
+			for _, op := range batches[i] {
+				delete(c.inFlight, op.key)
+			}
+		}
+		g.mu.Unlock()
+		for _, b := range batches {
+			for _, op := range b {
+				close(op.done)
+			}
 		}
 	}
 }
 
-// take removes up to n queued rows whose keys no batch is sending, in key order (so
-// that concurrent batches lock rows in one order); when there are none it counts its
-// goroutine out.
+// take removes up to n queued rows whose keys no round is sending, in key order (so that
+// concurrent rounds lock rows in one order). The caller holds groupCommit.mu.
 func (c *committer) take(n int) []*gcOp {
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	if c.inFlight == nil {
 		c.inFlight = make(map[string]bool)
 	}
@@ -126,22 +151,54 @@ func (c *committer) take(n int) []*gcOp {
 	}
 	clear(c.queue[len(rest):])
 	c.queue = rest
-	if len(batch) == 0 {
-		c.running--
-	}
 	slices.SortFunc(batch, func(a, b *gcOp) int { return cmp.Compare(a.key, b.key) })
 	return batch
 }
 
-// commit commits batch, setting each row's err. When nothing reached the server (a
-// connection left over from before a restart) the batch is sent once more; when the
-// server refused it, each half is committed on its own.
+// commitRound commits the batches of every kind in one transaction, setting each row's
+// err; if the server refuses the round, each kind is committed on its own.
+func (g *groupCommit) commitRound(l *Ledger, parts []*committer, batches [][]*gcOp) {
+	var ps []*committer
+	var bs [][]*gcOp
+	for i, b := range batches {
+		if len(b) > 0 {
+			ps, bs = append(ps, parts[i]), append(bs, b)
+		}
+	}
+	if len(ps) == 1 {
+		ps[0].commit(l, bs[0])
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.WriteTimeout)
+	defer cancel()
+	err := send(ctx, l, ps, bs)
+	if err != nil && pgconn.SafeToRetry(err) {
+		err = send(ctx, l, ps, bs)
+	}
+	var pgErr *pgconn.PgError
+	if err != nil && errors.As(err, &pgErr) {
+		for i, c := range ps {
+			c.commit(l, bs[i])
+		}
+		return
+	}
+	for _, b := range bs {
+		for _, op := range b {
+			op.err = err
+		}
+	}
+}
+
+// commit commits batch, rows of c alone, setting each row's err. When nothing reached
+// the server (a connection left over from before a restart) the batch is sent once more;
+// when the server refused it, each half is committed on its own.
 func (c *committer) commit(l *Ledger, batch []*gcOp) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.WriteTimeout)
 	defer cancel()
-	err := c.send(ctx, l, batch)
+	parts, batches := []*committer{c}, [][]*gcOp{batch}
+	err := send(ctx, l, parts, batches)
 	if err != nil && pgconn.SafeToRetry(err) {
-		err = c.send(ctx, l, batch)
+		err = send(ctx, l, parts, batches)
 	}
 	var pgErr *pgconn.PgError
 	if err != nil && len(batch) > 1 && errors.As(err, &pgErr) {
@@ -155,13 +212,16 @@ func (c *committer) commit(l *Ledger, batch []*gcOp) {
 	}
 }
 
-// send sends batch as one statement in a transaction of its own. An error the server
-// answered means that nothing committed; a commit whose answer was lost marks every row
-// sent.
-func (c *committer) send(ctx context.Context, l *Ledger, batch []*gcOp) error {
-	for _, op := range batch {
-		op.sent = false
-		op.reset()
+// send sends each batch as its kind's statement, all in one transaction of their own, and
+// reads every answer before asking for the commit, so that the completions' transaction
+// id is known should the commit's answer be lost. An error the server answered means
+// that nothing committed; a commit whose answer was lost marks every row sent.
+func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp) error {
+	for _, b := range batches {
+		for _, op := range b {
+			op.sent = false
+			op.reset()
+		}
 	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {
@@ -169,46 +229,69 @@ func (c *committer) send(ctx context.Context, l *Ledger, batch []*gcOp) error {
 	}
 	defer conn.Release()
 	pc := conn.Conn()
-	sd, err := pc.Prepare(ctx, c.name, c.sql) // once per connection
-	if err != nil {
-		return fmt.Errorf("idempotency: commit: %w", err)
-	}
 	m := pc.TypeMap()
-	args := c.args(batch)
-	params := make([][]byte, len(args))
-	for i, a := range args {
-		if params[i], err = m.Encode(sd.ParamOIDs[i], pgtype.BinaryFormatCode, a, nil); err != nil {
-			return fmt.Errorf("idempotency: commit: argument %d: %w", i+1, err)
-		}
+	type stmt struct {
+		sd     *pgconn.StatementDescription
+		params [][]byte
 	}
-	formats := make([]int16, len(params))
-	for i := range formats {
-		formats[i] = pgtype.BinaryFormatCode
+	stmts := make([]stmt, len(parts))
+	for i, c := range parts {
+		sd, err := pc.Prepare(ctx, c.name, c.sql) // once per connection
+		if err != nil {
+			return fmt.Errorf("idempotency: commit: %w", err)
+		}
+		args := c.args(batches[i])
+		params := make([][]byte, len(args))
+		for j, a := range args {
+			if params[j], err = m.Encode(sd.ParamOIDs[j], pgtype.BinaryFormatCode, a, nil); err != nil {
+				return fmt.Errorf("idempotency: commit: argument %d: %w", j+1, err)
+			}
+		}
+		stmts[i] = stmt{sd, params}
 	}
 
 	pipe := pc.PgConn().StartPipeline(ctx)
 	defer pipe.Close()
-	pipe.SendQueryStatement(sd, params, formats, nil) // text results
-	if c.xid {
-		pipe.SendFlushRequest()
-		if err := pipe.Flush(); err != nil {
-			return fmt.Errorf("idempotency: commit: %w", err)
+	pipe.SendQueryParams(customPlansSQL, nil, nil, nil, nil)
+	for _, s := range stmts {
+		formats := make([]int16, len(s.params))
+		for j := range formats {
+			formats[j] = pgtype.BinaryFormatCode
 		}
-	} else if err := pipe.Sync(); err != nil {
+		pipe.SendQueryStatement(s.sd, s.params, formats, nil) // text results
+	}
+	pipe.SendFlushRequest()
+	if err := pipe.Flush(); err != nil {
 		return fmt.Errorf("idempotency: commit: %w", err)
 	}
-	if err := readBatch(pipe, m, batch); err != nil {
-		if c.xid && !pc.PgConn().IsClosed() {
-			pipe.Sync() // ends (rolls back) the transaction; Close reads the answer
+	res, err := pipe.GetResults()
+	if err == nil {
+		if rr, ok := res.(*pgconn.ResultReader); ok {
+			_, err = rr.Close()
+		} else {
+			err = fmt.Errorf("unexpected pipeline result %T", res)
 		}
-		return err
 	}
-	if c.xid {
-		for _, op := range batch {
+	if err != nil {
+		if !pc.PgConn().IsClosed() {
+			pipe.Sync()
+		}
+		return fmt.Errorf("idempotency: commit: %w", err)
+	}
+	for _, b := range batches {
+		if err := readBatch(pipe, m, b); err != nil {
+			if !pc.PgConn().IsClosed() {
+				pipe.Sync() // ends (rolls back) the transaction; Close reads the answer
+			}
+			return err
+		}
+	}
+	for _, b := range batches {
+		for _, op := range b {
 			op.sent = true
 		}
-		err = pipe.Sync()
 	}
+	err = pipe.Sync()
 	if err == nil {
 		var res any
 		res, err = pipe.GetResults()
@@ -219,14 +302,27 @@ func (c *committer) send(ctx context.Context, l *Ledger, batch []*gcOp) error {
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) { // answered: not committed
-			for _, op := range batch {
-				op.sent = false
+			for _, b := range batches {
+				for _, op := range b {
+					op.sent = false
+				}
 			}
 		}
 		return fmt.Errorf("idempotency: commit: %w", err)
 	}
 	return nil
 }
+
+// The multi-row statements join arrays of keys to processed_jobs. A generic plan, cached
+// by a connection while the table was small (after a deploy, a purge or a TRUNCATE),
+// joins by scanning the whole table and keeps doing so as it grows; these statements are
+// planned for each batch instead (custom plans), with the batch's own size, which takes
+// the primary key. customPlansSQL turns that on for the rest of the transaction, saving
+// the setting it replaces for restorePlansSQL.
+const (
+	customPlansSQL  = "SELECT set_config('idemq.saved_plan_cache_mode', current_setting('plan_cache_mode'), true), set_config('plan_cache_mode', 'force_custom_plan', true)"
+	restorePlansSQL = "SELECT set_config('plan_cache_mode', current_setting('idemq.saved_plan_cache_mode'), true)"
+)
 
 // readBatch hands each answered row to the batch member its ordinal (1-based) names.
 func readBatch(pipe *pgconn.Pipeline, m *pgtype.Map, batch []*gcOp) error {

@@ -114,7 +114,8 @@ type Ledger struct {
 
 	lockTimeoutSQL string // set_config value for lock_timeout, e.g. "2000ms"
 
-	claims, finishes committer // group commit of leased claims and completions
+	group            groupCommit // group commit of leased claims and completions
+	claims, finishes committer
 	txb              txBatcher // DoTx deliveries sharing transactions
 }
 
@@ -175,7 +176,6 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	if c.UnsafeNoFencing {
 		l.finishes.name += "_nofence"
 	}
-	l.finishes.xid = true
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	return l
 }

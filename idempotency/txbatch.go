@@ -354,7 +354,9 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 	batch.Queue("SELECT set_config('idle_in_transaction_session_timeout', $1, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text", b.idle)
 	args := l.claimManyArgs(ops)
 	args[7] = true // written completed: the row lock is the lease until the COMMIT
+	batch.Queue(customPlansSQL)
 	batch.Queue(claimManySQL, args...)
+	batch.Queue(restorePlansSQL)
 	br := b.conn.SendBatch(ctx, batch)
 	rows := make([]claimRow, len(live))
 	answered := make([]bool, len(live))
@@ -362,6 +364,9 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 	if err == nil {
 		// The transaction id, drawn now, resolves a COMMIT whose answer is lost.
 		err = br.QueryRow().Scan(nil, &b.xid, &b.serverStart)
+	}
+	if err == nil {
+		_, err = br.Exec()
 	}
 	if err == nil {
 		var rs pgx.Rows
@@ -384,6 +389,9 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 				err = rs.Err()
 			}
 		}
+	}
+	if err == nil {
+		_, err = br.Exec()
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -584,6 +592,7 @@ func (b *txBatch) commit() {
 	for _, s := range b.takePre() {
 		batch.Queue(s)
 	}
+	batch.Queue(customPlansSQL)
 	batch.Queue(l.fenced(finishTxManySQL), keys, fences, owners, actions, errs)
 	batch.Queue("COMMIT")
 	br := b.conn.SendBatch(ctx, batch)
