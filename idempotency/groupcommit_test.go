@@ -353,3 +353,55 @@ func TestGroupCommitPostgresRestart(t *testing.T) {
 	t.Logf("%d of %d Do calls failed across the kill; %d keys ran again after their lease ended; batches %v (largest %v)",
 		failed, keys, twice, sizes.runs, sizes.max)
 }
+
+// TestGroupCommitRoundWithARefusedRow: completions and claims share a round's transaction;
+// a claim the server refuses costs the round its single commit, not the others their
+// rows: the completions and the other claims commit, the bad claim fails alone.
+func TestGroupCommitRoundWithARefusedRow(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	l := New(pool, nil)
+	t.Cleanup(l.Close)
+	ctx := testenv.Context(t, time.Minute)
+
+	var finishes []*gcOp
+	var updated []*bool
+	for _, k := range []string{"f1", "f2"} {
+		cr, err := l.Claim(ctx, testReq(k))
+		if err != nil {
+			t.Fatal(err)
+		}
+		op, u := finishOp(cr.Claim, `{"done":true}`)
+		finishes, updated = append(finishes, op), append(updated, u)
+	}
+	var claims []*gcOp
+	var rows []*claimRow
+	for _, k := range []string{"c1", "bad key", "c2"} {
+		op, r := claimOp(t, l, k)
+		claims, rows = append(claims, op), append(rows, r)
+	}
+	l.group.commitRound(l, l.parts(), [][]*gcOp{finishes, claims})
+	for i, op := range finishes {
+		if op.err != nil || !*updated[i] {
+			t.Errorf("completion %s: err %v, updated %v", op.key, op.err, *updated[i])
+		}
+	}
+	for i, op := range claims {
+		var pgErr *pgconn.PgError
+		switch {
+		case op.key == "bad key":
+			if !errors.As(op.err, &pgErr) || pgErr.Code != "23514" {
+				t.Errorf("bad key: err %v, want a check violation", op.err)
+			}
+		case op.err != nil || !rows[i].claimed:
+			t.Errorf("claim %s: err %v, claimed %v", op.key, op.err, rows[i].claimed)
+		}
+	}
+	var completed, inProgress int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'completed'), count(*) FILTER (WHERE status = 'in_progress') FROM processed_jobs`).Scan(&completed, &inProgress); err != nil {
+		t.Fatal(err)
+	}
+	if completed != 2 || inProgress != 2 {
+		t.Errorf("%d completed, %d in progress; want 2 and 2", completed, inProgress)
+	}
+}

@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -49,6 +51,12 @@ type Options struct {
 	ScaleServers []int
 	// IOWait is the simulated I/O of the io workload's handler. Default 10ms.
 	IOWait time.Duration
+	// LatencyRate is the arrival rate (tasks per second) of the latency workload, whose
+	// servers run at concurrency 10. Default 200.
+	LatencyRate float64
+	// Configs, when set, limits every workload to these configurations; bare asynq (A)
+	// always runs, as the base of the ratios.
+	Configs []string
 
 	// MemoryTasks is the no-op tasks each configuration's child serves in memory mode
 	// (RunMemory). Default 100000.
@@ -95,6 +103,9 @@ func (o *Options) defaults() {
 	}
 	if o.MemoryTasks <= 0 {
 		o.MemoryTasks = 100000
+	}
+	if o.LatencyRate <= 0 {
+		o.LatencyRate = 200
 	}
 	if len(o.MemoryConfigs) == 0 {
 		o.MemoryConfigs = []string{ConfigBare, ConfigFull, ConfigFullTx}
@@ -147,6 +158,7 @@ type Report struct {
 		PoolBudget   int      `json:"pool_budget"`
 		ScaleServers []int    `json:"scale_servers"`
 		IOWaitMS     float64  `json:"io_wait_ms"`
+		LatencyRate  float64  `json:"latency_rate,omitempty"`
 	} `json:"options"`
 	Samples []Sample `json:"samples,omitempty"`
 	Rows    []Row    `json:"rows,omitempty"`
@@ -205,12 +217,17 @@ func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) 
 		config  string
 	}
 	var plan []step
+	add := func(s step) {
+		if s.config == ConfigBare || len(opt.Configs) == 0 || slices.Contains(opt.Configs, s.config) {
+			plan = append(plan, s)
+		}
+	}
 	for _, name := range opt.Workloads {
 		switch name {
 		case "noop":
 			w := noopWorkload("noop", 0)
 			for _, c := range w.configs {
-				plan = append(plan, step{w, 1, c})
+				add(step{w, 1, c})
 			}
 		case "debit", "charge":
 			w := debitWorkload()
@@ -218,22 +235,27 @@ func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) 
 				w = chargeWorkload(e.charger)
 			}
 			for _, c := range w.configs {
-				plan = append(plan, step{w, 1, c})
+				add(step{w, 1, c})
 			}
 		case "scale":
 			w := noopWorkload("scale", 0)
 			for _, k := range opt.ScaleServers {
 				for _, c := range []string{ConfigBare, ConfigFull, ConfigFullTx} {
-					plan = append(plan, step{w, k, c})
+					add(step{w, k, c})
 				}
 			}
 		case "io":
 			w := noopWorkload("io", opt.IOWait)
 			for _, c := range w.configs {
-				plan = append(plan, step{w, 1, c})
+				add(step{w, 1, c})
+			}
+		case "latency":
+			w := latencyWorkload(opt.LatencyRate)
+			for _, c := range w.configs {
+				add(step{w, 1, c})
 			}
 		default:
-			return nil, fmt.Errorf("bench: unknown workload %q (want noop, debit, charge, scale, io)", name)
+			return nil, fmt.Errorf("bench: unknown workload %q (want noop, debit, charge, scale, io, latency)", name)
 		}
 	}
 	key := func(s step) string { return fmt.Sprintf("%s/%d/%s", s.w.name, s.servers, s.config) }
@@ -289,6 +311,7 @@ func newReport(opt Options) *Report {
 	o := &rep.Options
 	o.Workloads, o.Reps, o.Seconds, o.N, o.Concurrency, o.PoolBudget, o.ScaleServers = opt.Workloads, opt.Reps, opt.Seconds, opt.N, opt.Concurrency, opt.PoolBudget, opt.ScaleServers
 	o.IOWaitMS = float64(opt.IOWait) / 1e6
+	o.LatencyRate = opt.LatencyRate
 	return rep
 }
 
@@ -304,7 +327,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
-	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait)")
+	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait), latency (no-op tasks arriving at -latency-rate, concurrency 10)")
 	fs.IntVar(&opt.Reps, "reps", 3, "repetitions; each runs every configuration once, interleaved")
 	fs.Float64Var(&opt.Seconds, "seconds", 2, "drain time each measurement aims at (N is sized from the configuration's last rate); a full run uses 15")
 	fs.IntVar(&opt.N, "n", 0, "fixed number of tasks per measurement (0: sized by -seconds)")
@@ -313,6 +336,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.IntVar(&opt.PoolBudget, "pool", 40, "Postgres connections shared by a measurement's servers (each gets min(concurrency+4, pool/servers))")
 	servers := fs.String("servers", "1,2,4", "server counts of the scale workload")
 	fs.DurationVar(&opt.IOWait, "io-wait", 10*time.Millisecond, "simulated I/O of the io workload's handler")
+	fs.Float64Var(&opt.LatencyRate, "latency-rate", 200, "arrival rate (tasks/s) of the latency workload (concurrency 10, no queue: the unloaded overhead)")
 	jsonPath := fs.String("json", "", "write the report as JSON here (default docs/bench.json with -write-docs)")
 	svgPath := fs.String("svg", "", "write the chart here (default docs/bench.svg with -write-docs)")
 	writeDocs := fs.Bool("write-docs", false, "write docs/bench.json and docs/bench.svg (run from the repository root)")
@@ -320,6 +344,8 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.IntVar(&opt.MemoryTasks, "memory-tasks", 100000, "no-op tasks each configuration serves in -memory mode")
 	memoryConfigs := fs.String("memory-configs", "A,E,F", "configurations of -memory mode: A (bare asynq), E (full stack leased), F (full stack tx)")
 	fs.StringVar(&opt.MemProfileDir, "memprofile", "", "-memory mode: each child writes a heap profile to DIR/memory-<config>.pprof at the end of the load")
+	configs := fs.String("configs", "", "only these configurations (comma-separated letters B–F; A, bare asynq, always runs)")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of this process (the servers, the middleware, pgx and go-redis) to FILE")
 	from := fs.String("from", "", "do not measure: print the table and write the chart (and JSON) of the report in this JSON file")
 	showFlags := fs.Bool("flags", false, "list the flags and exit")
 	fs.Usage = func() {
@@ -338,6 +364,26 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
 	opt.Workloads = strings.Split(*workloads, ",")
+	for _, c := range strings.Split(*configs, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		if _, ok := ConfigNames[c]; !ok {
+			return fmt.Errorf("bench: -configs: %q is not one of A–F", c)
+		}
+		opt.Configs = append(opt.Configs, c)
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return fmt.Errorf("bench: -cpuprofile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("bench: -cpuprofile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	for _, c := range strings.Split(*memoryConfigs, ",") {
 		switch c = strings.TrimSpace(c); c {
 		case ConfigBare, ConfigFull, ConfigFullTx:

@@ -55,8 +55,8 @@ func TestMainTiny(t *testing.T) {
 	jsonPath, svgPath := filepath.Join(dir, "bench.json"), filepath.Join(dir, "bench.svg")
 	var out, progress bytes.Buffer
 	err := Main(ctx, envOr("REDIS_URL", testenv.DefaultRedisURL), envOr("DATABASE_URL", testenv.DefaultDatabaseURL),
-		[]string{"-n", "20", "-reps", "2", "-concurrency", "5", "-workloads", "noop,debit,charge,scale,io",
-			"-servers", "1,2", "-io-wait", "1ms", "-json", jsonPath, "-svg", svgPath}, &out, &progress)
+		[]string{"-n", "20", "-reps", "2", "-concurrency", "5", "-workloads", "noop,debit,charge,scale,io,latency",
+			"-servers", "1,2", "-io-wait", "1ms", "-latency-rate", "400", "-json", jsonPath, "-svg", svgPath}, &out, &progress)
 	if err != nil {
 		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
 	}
@@ -68,13 +68,18 @@ func TestMainTiny(t *testing.T) {
 	if err := json.Unmarshal(b, &rep); err != nil {
 		t.Fatalf("decode %s: %v", jsonPath, err)
 	}
-	// noop 6 + debit 4 + charge 4 + scale 2×3 + io 3 configurations, 2 reps each.
-	if got, want := len(rep.Samples), 2*(6+4+4+6+3); got != want {
+	// noop 6 + debit 4 + charge 4 + scale 2×3 + io 3 + latency 3 configurations, 2 reps each.
+	if got, want := len(rep.Samples), 2*(6+4+4+6+3+3); got != want {
 		t.Errorf("samples = %d, want %d", got, want)
 	}
 	for _, s := range rep.Samples {
 		if s.TasksPerSecond <= 0 || s.Errors != 0 {
 			t.Errorf("%s/%d/%s rep %d: %.0f tasks/s, %d errors", s.Workload, s.Servers, s.Config, s.Rep, s.TasksPerSecond, s.Errors)
+		}
+		// Every configuration with the ledger reports how many requests its commits
+		// carried (at least one each); the others none.
+		if withLedger := strings.ContainsAny(s.Config, "CDEF"); withLedger != (s.RowsPerCommit >= 1) {
+			t.Errorf("%s/%d/%s rep %d: %.1f requests per commit", s.Workload, s.Servers, s.Config, s.Rep, s.RowsPerCommit)
 		}
 	}
 	if got, want := strings.Count(out.String(), "\n| "), len(rep.Rows)+1; got != want {

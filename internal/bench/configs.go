@@ -78,6 +78,11 @@ type workload struct {
 	spec func(prefix string, i int) tasks.Spec
 	// handler returns the asynq handler of config on st.
 	handler func(config string, st *stack) asynq.Handler
+	// rate, when positive, makes the measurement paced: the servers start first and the
+	// tasks arrive at rate per second, so that the overhead is measured without a queue.
+	rate float64
+	// concurrency, when positive, replaces Options.Concurrency for this workload.
+	concurrency int
 }
 
 // parts are a workload's pieces: its decoder and business function, leased (no tx)
@@ -236,4 +241,13 @@ func chargeWorkload(charger *handlers.Charger) *workload {
 			return s
 		},
 	}
+}
+
+// latencyWorkload is the no-op workload at a steady, low arrival rate and concurrency 10:
+// what each task pays when nothing queues (the unloaded overhead).
+func latencyWorkload(rate float64) *workload {
+	w := noopWorkload("latency", 0)
+	w.configs = []string{ConfigBare, ConfigFull, ConfigFullTx}
+	w.rate, w.concurrency = rate, 10
+	return w
 }

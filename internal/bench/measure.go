@@ -202,6 +202,23 @@ func (e *env) enqueue(ctx context.Context, w *workload, prefix string, n int) er
 	return e.enqueueRange(ctx, w, prefix, 0, n)
 }
 
+// enqueuePaced publishes n tasks of w, one every 1/rate seconds.
+func (e *env) enqueuePaced(ctx context.Context, w *workload, prefix string, n int, rate float64) error {
+	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
+	defer tick.Stop()
+	for i := range n {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+		if err := e.enqueueRange(ctx, w, prefix, i, i+1); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // enqueueRange publishes tasks from to to-1 of w with keys starting with prefix, from 16
 // goroutines.
 func (e *env) enqueueRange(ctx context.Context, w *workload, prefix string, from, to int) error {
@@ -290,13 +307,19 @@ func (r *recorder) wrap(h asynq.Handler) asynq.Handler {
 
 // measure runs one measurement: n tasks of w through config on servers asynq servers.
 func (e *env) measure(ctx context.Context, w *workload, config string, servers, n, rep int) (Sample, error) {
-	s := Sample{Workload: w.name, Config: config, Servers: servers, Rep: rep, N: n, Concurrency: e.opt.Concurrency}
+	concurrency := e.opt.Concurrency
+	if w.concurrency > 0 {
+		concurrency = w.concurrency
+	}
+	s := Sample{Workload: w.name, Config: config, Servers: servers, Rep: rep, N: n, Concurrency: concurrency}
 	if err := e.reset(ctx); err != nil {
 		return s, err
 	}
 	prefix := fmt.Sprintf("%s%d-%s", config, e.measured.Add(1), randomHex(2))
-	if err := e.enqueue(ctx, w, prefix, n); err != nil {
-		return s, err
+	if w.rate <= 0 {
+		if err := e.enqueue(ctx, w, prefix, n); err != nil {
+			return s, err
+		}
 	}
 	stacks := make([]*stack, 0, servers)
 	defer func() {
@@ -327,7 +350,7 @@ func (e *env) measure(ctx context.Context, w *workload, config string, servers, 
 	defer stopAll()
 	before := e.probe.snap(ctx)
 	for _, st := range stacks {
-		srv := asynq.NewServerFromRedisClient(st.rdb, serverConfig(e.opt.Concurrency))
+		srv := asynq.NewServerFromRedisClient(st.rdb, serverConfig(concurrency))
 		mux := asynq.NewServeMux()
 		mux.Handle(w.taskType, rec.wrap(w.handler(config, st)))
 		if err := srv.Start(mux); err != nil {
@@ -335,7 +358,14 @@ func (e *env) measure(ctx context.Context, w *workload, config string, servers, 
 		}
 		srvs = append(srvs, srv)
 	}
+	paced := make(chan error, 1)
+	if w.rate > 0 {
+		go func() { paced <- e.enqueuePaced(ctx, w, prefix, n, w.rate) }()
+	}
 	timeout := 2*time.Minute + time.Duration(10*e.opt.Seconds*float64(time.Second))
+	if w.rate > 0 {
+		timeout += time.Duration(float64(n) / w.rate * float64(time.Second))
+	}
 	deadline := time.After(timeout)
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -344,6 +374,11 @@ wait:
 		select {
 		case <-rec.finished:
 			break wait
+		case err := <-paced:
+			if err != nil {
+				return s, err
+			}
+			continue
 		case <-ctx.Done():
 			return s, ctx.Err()
 		case <-tick.C:

@@ -119,6 +119,8 @@ func (r *Report) workloadLabel(row Row) string {
 		return fmt.Sprintf("noop, %d server(s)", row.Servers)
 	case "io":
 		return fmt.Sprintf("noop + %g ms sleep", r.Options.IOWaitMS)
+	case "latency":
+		return fmt.Sprintf("noop at %g/s, concurrency 10", r.Options.LatencyRate)
 	}
 	return row.Workload
 }
