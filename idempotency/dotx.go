@@ -43,16 +43,22 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 // Concurrent calls share transactions (unless Config.DisableGroupCommit): up to
 // Config.Committers transactions run at once, each carrying the deliveries queued when it
 // began (at most Config.MaxBatch, one per key, in key order), so at low load a
-// transaction carries one delivery and waits for nothing. Each delivery runs in a
-// savepoint of its own, its fn one after another on the shared connection; a delivery
-// that fails or is not claimed rolls back to its savepoint and is answered at once,
-// without touching the others. A delivery that completes is answered after the shared
-// COMMIT, never before its write is durable; if that COMMIT fails, every delivery it
-// carried gets an error and nothing of them was recorded. The idle timeout of a shared
-// transaction is the longest its deliveries allow. A call whose ctx ends while it waits
-// for a transaction returns ctx's error without running. A slow fn delays the deliveries
-// after it in its transaction, and a ctx that ends while one of fn's queries runs closes
-// the shared connection, failing the others (they may be retried).
+// transaction carries one delivery and waits for nothing. One multi-row statement claims
+// every delivery's key; then each claimed delivery's fn runs, one after another on the
+// shared connection, in a savepoint of its own (made at fn's first statement), and its
+// result is stored, fenced, before the savepoint is released; one more statement ends
+// every claimed row and the COMMIT follows in the same round trip. A delivery whose fn
+// fails rolls back to its savepoint (its claim is undone by that last statement) and is
+// answered at once; a key that is not claimed is answered at once too (a completed key's
+// result is committed data); a delivery that completes is answered after the COMMIT,
+// never before its write is durable. If that COMMIT fails, every delivery it carried gets
+// an error and nothing of them was recorded. When the shared claim is refused (a lock
+// wait cut short), each delivery runs in a transaction of its own instead. The idle
+// timeout of a shared transaction is the longest its deliveries allow. A call whose ctx
+// ends while it waits for a transaction returns ctx's error without running. A slow fn
+// delays the deliveries after it in its transaction, and a ctx that ends while one of
+// fn's queries runs closes the shared connection, failing the others (they may be
+// retried).
 //
 // fn must do all its work through tx and no external I/O: the transaction may still roll
 // back after it. tx's Commit and Rollback return an error (DoTx ends the transaction);
@@ -60,9 +66,10 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 // Config.ClaimLockTimeout for the row and then gets a *BusyError, or sees the committed
 // result (Result.Cached). The other claim outcomes come back as Claim's errors.
 //
-// When fn returns an error, the transaction rolls back (effect and claim) and DoTx
-// returns fn's error. If IsPermanent(err), DoTx then records the key as failed (a new
-// claim and Fail, as in leased mode), so no delivery runs it again. When fn panics, the
+// When fn returns an error, its effect and its claim roll back and DoTx returns fn's
+// error. If IsPermanent(err), the key is recorded as failed (in the shared transaction's
+// last statement; alone, by a new claim and Fail, as in leased mode), so no delivery runs
+// it again. When fn panics, the
 // transaction rolls back and DoTx panics again with the same value. A result that cannot
 // be stored completes the key with an error marker, as in Complete. If the connection
 // drops during the commit, the outcome is learned from the transaction id

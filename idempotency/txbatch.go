@@ -28,8 +28,8 @@ const (
 	undoMemberSQL = rollbackMemberSQL + "; " + releaseMemberSQL
 )
 
-// txBatcher runs concurrent DoTx deliveries in shared transactions, one savepoint each.
-// Deliveries queue up; up to Config.Committers executors each take what is queued (at
+// txBatcher runs concurrent DoTx deliveries in shared transactions: one multi-row claim,
+// a savepoint per delivery, one multi-row finish and the COMMIT. Deliveries queue up; up to Config.Committers executors each take what is queued (at
 // most Config.MaxBatch, one delivery per key) when they start a transaction, so at low
 // load a transaction carries one delivery and waits for nothing.
 type txBatcher struct {
