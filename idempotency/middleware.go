@@ -342,8 +342,9 @@ func IsFailure(err error) bool {
 }
 
 // RetryDelay tells asynq when to run a task again (asynq.Config.RetryDelayFunc): a busy
-// key when its lease ends, a busy lock soon, anything else by next (asynq's default when
-// nil).
+// key after half the task's age (from its first-enqueue header; at least 250 ms), but no
+// later than when the lease ends; a busy lock soon; anything else by next (asynq's
+// default when nil).
 func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 	if next == nil {
 		next = asynq.DefaultRetryDelayFunc
@@ -352,7 +353,13 @@ func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 		var busy *BusyError
 		switch {
 		case errors.As(err, &busy):
-			d := time.Until(busy.Until) + 100*time.Millisecond
+			d := time.Until(busy.Until) + 100*time.Millisecond // the lease's end
+			if age, ok := taskAge(t); ok {
+				// A key is busy mostly because its first delivery is still running: look
+				// again soon, then less and less often (half the task's age), never later
+				// than the lease's end.
+				d = min(d, max(age/2, 250*time.Millisecond))
+			}
 			return min(max(d, 200*time.Millisecond), time.Minute) + jitter(250*time.Millisecond)
 		case errors.Is(err, ErrLockBusy):
 			return 500*time.Millisecond + jitter(500*time.Millisecond)
@@ -371,6 +378,9 @@ func Configure(cfg *asynq.Config) {
 func jitter(d time.Duration) time.Duration { return rand.N(d) }
 
 func taskAge(t *asynq.Task) (time.Duration, bool) {
+	if t == nil {
+		return 0, false
+	}
 	first, ok := tasks.FirstEnqueued(t.Headers())
 	if !ok {
 		return 0, false

@@ -233,6 +233,16 @@ func TestMiddlewareBusyIsNotAFailure(t *testing.T) {
 	if left := time.Until(busy.Until); d < left || d > left+2*time.Second {
 		t.Fatalf("lease busy retry delay %s, want about the %s left on the lease", d, left)
 	}
+	// A task first enqueued just now looks again soon; one enqueued long ago, at half its
+	// age, but never after the lease ends.
+	fresh := tasks.Spec{Key: "charge:o-6", Type: tasks.TypeCharge, Payload: task.Payload()}.Task("t-fresh", time.Now())
+	if d := idempotency.RetryDelay(nil)(0, err, fresh); d < 250*time.Millisecond || d > 600*time.Millisecond {
+		t.Fatalf("lease busy retry delay of a fresh task %s, want 250–500 ms", d)
+	}
+	old := tasks.Spec{Key: "charge:o-6", Type: tasks.TypeCharge, Payload: task.Payload()}.Task("t-old", time.Now().Add(-time.Hour))
+	if d, left := idempotency.RetryDelay(nil)(0, err, old), time.Until(busy.Until); d < left || d > left+2*time.Second {
+		t.Fatalf("lease busy retry delay of an hour-old task %s, want the %s left on the lease", d, left)
+	}
 	if f.runs.Load() != 0 {
 		t.Fatal("handler ran while busy")
 	}

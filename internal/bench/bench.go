@@ -249,13 +249,18 @@ func Run(ctx context.Context, opt Options, progress io.Writer) (*Report, error) 
 			for _, c := range w.configs {
 				add(step{w, 1, c})
 			}
+		case "dup":
+			w := dupWorkload()
+			for _, c := range w.configs {
+				add(step{w, 1, c})
+			}
 		case "latency":
 			w := latencyWorkload(opt.LatencyRate)
 			for _, c := range w.configs {
 				add(step{w, 1, c})
 			}
 		default:
-			return nil, fmt.Errorf("bench: unknown workload %q (want noop, debit, charge, scale, io, latency)", name)
+			return nil, fmt.Errorf("bench: unknown workload %q (want noop, debit, charge, scale, io, latency, dup)", name)
 		}
 	}
 	key := func(s step) string { return fmt.Sprintf("%s/%d/%s", s.w.name, s.servers, s.config) }
@@ -327,7 +332,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
-	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait), latency (no-op tasks arriving at -latency-rate, concurrency 10)")
+	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait), latency (no-op tasks arriving at -latency-rate, concurrency 10), dup (every no-op key delivered 3 times)")
 	fs.IntVar(&opt.Reps, "reps", 3, "repetitions; each runs every configuration once, interleaved")
 	fs.Float64Var(&opt.Seconds, "seconds", 2, "drain time each measurement aims at (N is sized from the configuration's last rate); a full run uses 15")
 	fs.IntVar(&opt.N, "n", 0, "fixed number of tasks per measurement (0: sized by -seconds)")
@@ -344,7 +349,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.IntVar(&opt.MemoryTasks, "memory-tasks", 100000, "no-op tasks each configuration serves in -memory mode")
 	memoryConfigs := fs.String("memory-configs", "A,E,F", "configurations of -memory mode: A (bare asynq), E (full stack leased), F (full stack tx)")
 	fs.StringVar(&opt.MemProfileDir, "memprofile", "", "-memory mode: each child writes a heap profile to DIR/memory-<config>.pprof at the end of the load")
-	configs := fs.String("configs", "", "only these configurations (comma-separated letters B–F; A, bare asynq, always runs)")
+	configs := fs.String("configs", "", "only these configurations (comma-separated letters B–G; A, bare asynq, always runs)")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of this process (the servers, the middleware, pgx and go-redis) to FILE")
 	from := fs.String("from", "", "do not measure: print the table and write the chart (and JSON) of the report in this JSON file")
 	showFlags := fs.Bool("flags", false, "list the flags and exit")
@@ -369,7 +374,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			continue
 		}
 		if _, ok := ConfigNames[c]; !ok {
-			return fmt.Errorf("bench: -configs: %q is not one of A–F", c)
+			return fmt.Errorf("bench: -configs: %q is not one of A–G", c)
 		}
 		opt.Configs = append(opt.Configs, c)
 	}

@@ -55,7 +55,7 @@ func TestMainTiny(t *testing.T) {
 	jsonPath, svgPath := filepath.Join(dir, "bench.json"), filepath.Join(dir, "bench.svg")
 	var out, progress bytes.Buffer
 	err := Main(ctx, envOr("REDIS_URL", testenv.DefaultRedisURL), envOr("DATABASE_URL", testenv.DefaultDatabaseURL),
-		[]string{"-n", "20", "-reps", "2", "-concurrency", "5", "-workloads", "noop,debit,charge,scale,io,latency",
+		[]string{"-n", "20", "-reps", "2", "-concurrency", "5", "-workloads", "noop,debit,charge,scale,io,latency,dup",
 			"-servers", "1,2", "-io-wait", "1ms", "-latency-rate", "400", "-json", jsonPath, "-svg", svgPath}, &out, &progress)
 	if err != nil {
 		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
@@ -68,8 +68,9 @@ func TestMainTiny(t *testing.T) {
 	if err := json.Unmarshal(b, &rep); err != nil {
 		t.Fatalf("decode %s: %v", jsonPath, err)
 	}
-	// noop 6 + debit 4 + charge 4 + scale 2×3 + io 3 + latency 3 configurations, 2 reps each.
-	if got, want := len(rep.Samples), 2*(6+4+4+6+3+3); got != want {
+	// noop 6 + debit 4 + charge 4 + scale 2×3 + io 3 + latency 3 + dup 3 configurations,
+	// 2 reps each.
+	if got, want := len(rep.Samples), 2*(6+4+4+6+3+3+3); got != want {
 		t.Errorf("samples = %d, want %d", got, want)
 	}
 	for _, s := range rep.Samples {
@@ -78,7 +79,7 @@ func TestMainTiny(t *testing.T) {
 		}
 		// Every configuration with the ledger reports how many requests its commits
 		// carried (at least one each); the others none.
-		if withLedger := strings.ContainsAny(s.Config, "CDEF"); withLedger != (s.RowsPerCommit >= 1) {
+		if withLedger := strings.ContainsAny(s.Config, "CDEFG"); withLedger != (s.RowsPerCommit >= 1) {
 			t.Errorf("%s/%d/%s rep %d: %.1f requests per commit", s.Workload, s.Servers, s.Config, s.Rep, s.RowsPerCommit)
 		}
 	}

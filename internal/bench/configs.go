@@ -23,6 +23,7 @@ const (
 	ConfigLedgerTx  = "D" // + ledger, transactional mode (Ledger.DoTx)
 	ConfigFull      = "E" // full stack, leased (idempotency.Leased)
 	ConfigFullTx    = "F" // full stack, transactional (idempotency.Transactional)
+	ConfigFullLock  = "G" // full stack, leased, taking the Redis lock on a key-scoped job too
 	typeNoop        = "bench:noop"
 	lockTTL         = 30 * time.Second
 	noopTaskTimeout = 30 * time.Second
@@ -36,6 +37,7 @@ var ConfigNames = map[string]string{
 	ConfigLedgerTx: "+ ledger tx (DoTx)",
 	ConfigFull:     "full stack leased",
 	ConfigFullTx:   "full stack tx",
+	ConfigFullLock: "full stack leased, key lock",
 }
 
 // noopJob is the payload of the no-op workload: a key, scoped to itself.
@@ -76,6 +78,8 @@ type workload struct {
 	configs  []string
 	// spec returns task i of a measurement whose keys start with prefix.
 	spec func(prefix string, i int) tasks.Spec
+	// taskID, if set, is task i's asynq TaskID (default: its key).
+	taskID func(s tasks.Spec, i int) string
 	// handler returns the asynq handler of config on st.
 	handler func(config string, st *stack) asynq.Handler
 	// rate, when positive, makes the measurement paced: the servers start first and the
@@ -145,6 +149,9 @@ func (p parts[T]) handler(config string, st *stack) asynq.Handler {
 		return idempotency.Leased(st.worker, p.taskType, p.decode, p.leased)
 	case ConfigFullTx:
 		return idempotency.Transactional(st.worker, p.taskType, p.decode, p.tx)
+	case ConfigFullLock:
+		w := idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: st.rdb, LockKeyScoped: true})
+		return idempotency.Leased(w, p.taskType, p.decode, p.leased)
 	}
 	panic("bench: unknown configuration " + config)
 }
@@ -249,5 +256,18 @@ func latencyWorkload(rate float64) *workload {
 	w := noopWorkload("latency", 0)
 	w.configs = []string{ConfigBare, ConfigFull, ConfigFullTx}
 	w.rate, w.concurrency = rate, 10
+	return w
+}
+
+// dupWorkload is the no-op workload with every key delivered three times at once, under
+// three TaskIDs (as duplicate enqueues and redeliveries arrive): bare asynq runs each
+// delivery; the full stack runs each key once and answers the others from the ledger,
+// with (G) or without (E) the Redis lock on the key.
+func dupWorkload() *workload {
+	w := noopWorkload("dup", 0)
+	base := w.spec
+	w.configs = []string{ConfigBare, ConfigFull, ConfigFullLock}
+	w.spec = func(prefix string, i int) tasks.Spec { return base(prefix, i/3) }
+	w.taskID = func(s tasks.Spec, i int) string { return fmt.Sprintf("%s#d%d", s.Key, i%3) }
 	return w
 }

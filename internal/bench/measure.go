@@ -239,7 +239,11 @@ func (e *env) enqueueRange(ctx context.Context, w *workload, prefix string, from
 					return
 				}
 				s := w.spec(prefix, i)
-				if _, err := client.EnqueueContext(ctx, s.Task(s.Key, now)); err != nil {
+				id := s.Key
+				if w.taskID != nil {
+					id = w.taskID(s, i)
+				}
+				if _, err := client.EnqueueContext(ctx, s.Task(id, now)); err != nil {
 					mu.Lock()
 					if firstErr == nil {
 						firstErr = fmt.Errorf("bench: enqueue %s: %w", s.Key, err)

@@ -121,6 +121,8 @@ func (r *Report) workloadLabel(row Row) string {
 		return fmt.Sprintf("noop + %g ms sleep", r.Options.IOWaitMS)
 	case "latency":
 		return fmt.Sprintf("noop at %g/s, concurrency 10", r.Options.LatencyRate)
+	case "dup":
+		return "noop, each key ×3"
 	}
 	return row.Workload
 }
