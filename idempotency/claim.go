@@ -141,9 +141,9 @@ WHERE NOT EXISTS (SELECT 1 FROM up)`
 
 // claimManySQL is claimSQL for a batch of keys in one statement (see committer): $1..$5
 // are arrays with one element per key (key, task type, owner, fingerprint or NULL, lease
-// in microseconds), $6 the maximum age, $7 the lock_timeout, $8 true in a shared DoTx
-// transaction, where the rows are written completed at once (as claimSQL's $7; the
-// outbox intents are settled by finishTxManySQL).
+// in microseconds), $6 the maximum age, $7 true in a shared DoTx transaction, where the
+// rows are written completed at once (as claimSQL's $7; the outbox intents are settled
+// by finishTxManySQL). The lock_timeout is set before it, by lockTimeoutSQL.
 // Every answer row starts with the key's ordinal in the arrays, then claimSQL's columns.
 // The settings are made once, before any row is locked; the upsert takes its rows in key
 // order.
@@ -152,9 +152,7 @@ WITH req AS (
 	SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[]) WITH ORDINALITY
 		AS req(key, task_type, owner, fp, lease_us, ord)
 ), settings AS (
-	SELECT set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true) AS saved,
-	       set_config('lock_timeout', $7, true) AS lock_timeout,
-	       set_config('synchronous_commit', 'on', true) AS synchronous_commit
+	SELECT set_config('synchronous_commit', 'on', true) AS synchronous_commit
 ), cur AS (
 	SELECT req.ord, p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
 	       p.locked_until, p.started_at, p.completed_at, p.generation
@@ -171,9 +169,9 @@ WITH req AS (
 ), up AS (
 	INSERT INTO processed_jobs AS p
 		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at)
-	SELECT gate.key, gate.task_type, CASE WHEN $8::bool THEN 'completed' ELSE 'in_progress' END,
+	SELECT gate.key, gate.task_type, CASE WHEN $7::bool THEN 'completed' ELSE 'in_progress' END,
 	       nextval('processed_jobs_fence_seq'), gate.owner, gate.fp, 1,
-	       now() + gate.lease_us * interval '1 microsecond', CASE WHEN $8::bool THEN now() END
+	       now() + gate.lease_us * interval '1 microsecond', CASE WHEN $7::bool THEN now() END
 	FROM settings, gate WHERE gate.open
 	ORDER BY gate.key
 	ON CONFLICT (idempotency_key) DO UPDATE
@@ -189,13 +187,11 @@ WITH req AS (
 )
 SELECT req.ord, true, true, up.status, up.fence, up.owner, up.payload_sha256, up.result, up.attempts, up.last_error,
        up.locked_until, up.started_at, up.completed_at, up.generation, now(), NULL::text,
-       pg_postmaster_start_time()::text,
-       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+       pg_postmaster_start_time()::text, NULL::text
 FROM up JOIN req ON req.key = up.idempotency_key
 UNION ALL
 SELECT gate.ord, false, gate.open, cur.status, cur.fence, cur.owner, cur.payload_sha256, cur.result, cur.attempts,
-       cur.last_error, cur.locked_until, cur.started_at, cur.completed_at, cur.generation, now(), NULL, NULL,
-       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+       cur.last_error, cur.locked_until, cur.started_at, cur.completed_at, cur.generation, now(), NULL, NULL, NULL
 FROM gate LEFT JOIN cur ON cur.ord = gate.ord
 WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.idempotency_key = gate.key)`
 
@@ -215,7 +211,7 @@ func (l *Ledger) claimManyArgs(batch []*gcOp) []any {
 		a := op.row.(*claimArgs)
 		keys[i], types[i], owners[i], fps[i], leases[i] = op.key, a.taskType, a.owner, a.fp, a.leaseUS
 	}
-	return []any{keys, types, owners, fps, leases, l.cfg.MaxAge.Microseconds(), l.lockTimeoutSQL, false}
+	return []any{keys, types, owners, fps, leases, l.cfg.MaxAge.Microseconds(), false}
 }
 
 // readRowSQL reads a row for a claim that lost a race, in the shape claimSQL returns.

@@ -116,7 +116,9 @@ type Ledger struct {
 
 	group            groupCommit // group commit of leased claims and completions
 	claims, finishes committer
-	txb              txBatcher // DoTx deliveries sharing transactions
+	txb              txBatcher     // DoTx deliveries sharing transactions
+	txBudget         time.Duration // txBatchBudget; tests lengthen it
+	txSlow           time.Duration // txSlowHandler; tests lengthen it
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table
@@ -171,6 +173,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 			l.hbPool = pool
 		}
 	}
+	l.txBudget, l.txSlow = txBatchBudget, txSlowHandler
 	l.claims.kind, l.claims.name, l.claims.sql, l.claims.args = BatchClaim, "idemq_claim_many", claimManySQL, l.claimManyArgs
 	l.finishes.kind, l.finishes.name, l.finishes.sql, l.finishes.args = BatchComplete, "idemq_finish_many", l.fenced(finishManySQL), finishManyArgs
 	if c.UnsafeNoFencing {

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -28,11 +29,26 @@ const (
 	undoMemberSQL = rollbackMemberSQL + "; " + releaseMemberSQL
 )
 
+// txBatchBudget is how long a shared transaction runs its members' handlers: the members
+// still waiting when it is spent give their claims back (in the finish) and run in
+// transactions of their own, in parallel. Sharing pays when handlers take about as long
+// as a claim and a commit; a handler that sleeps or waits on a slow query would otherwise
+// hold up every member after it.
+const txBatchBudget = 5 * time.Millisecond
+
+// txSlowHandler is the average handler time above which DoTx deliveries stop sharing
+// transactions and run alone, in parallel, until handlers are quick again.
+const txSlowHandler = time.Millisecond
+
 // txBatcher runs concurrent DoTx deliveries in shared transactions: one multi-row claim,
 // a savepoint per delivery, one multi-row finish and the COMMIT. Deliveries queue up; up to Config.Committers executors each take what is queued (at
 // most Config.MaxBatch, one delivery per key) when they start a transaction, so at low
 // load a transaction carries one delivery and waits for nothing.
 type txBatcher struct {
+	// handlerNanos is a moving average of how long DoTx handlers take, shared or alone:
+	// above Ledger.txSlow, deliveries run alone instead of queueing.
+	handlerNanos atomic.Int64
+
 	mu       sync.Mutex
 	queue    []*txMember
 	inFlight map[string]bool // keys of members taken by a running batch
@@ -58,6 +74,7 @@ type txMember struct {
 	claim    *Claim
 	res      Result
 	finish   txFinish
+	later    bool // did not run in the batch (past txBatchBudget): runs alone after it
 }
 
 type txTurn struct {
@@ -85,6 +102,10 @@ type txAnswer struct {
 
 // doTxBatched is DoTx in a transaction shared with concurrent deliveries.
 func (l *Ledger) doTxBatched(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
+	if l.txb.slow(l) {
+		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
+		return l.doTxAlone(ctx, req, l.txb.timed(fn))
+	}
 	m := &txMember{ctx: ctx, req: req, run: make(chan txTurn, 1), ran: make(chan txRan, 1), answer: make(chan txAnswer, 1)}
 	l.txb.enqueue(l, m)
 	done := ctx.Done()
@@ -126,6 +147,28 @@ func (l *Ledger) doTxBatched(ctx context.Context, req Request, fn func(ctx conte
 			}
 			return a.res, a.err
 		}
+	}
+}
+
+// record adds a handler's run time to the moving average (weight 1/8).
+func (b *txBatcher) record(d time.Duration) {
+	for {
+		old := b.handlerNanos.Load()
+		if b.handlerNanos.CompareAndSwap(old, old+(int64(d)-old)/8) {
+			return
+		}
+	}
+}
+
+// slow reports whether handlers take too long to share transactions.
+func (b *txBatcher) slow(l *Ledger) bool { return time.Duration(b.handlerNanos.Load()) > l.txSlow }
+
+// timed wraps fn so that its run time joins the moving average.
+func (b *txBatcher) timed(fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+	return func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		start := time.Now()
+		defer func() { b.record(time.Since(start)) }()
+		return fn(ctx, tx)
 	}
 }
 
@@ -294,9 +337,16 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 	}
 	b := &txBatch{l: l, conn: conn, idle: l.idleTimeout(latest)}
 	if b.claimAll(ms) {
+		start := time.Now()
 		for _, m := range b.claimed {
 			if b.broken != nil {
 				break
+			}
+			if time.Since(start) > l.txBudget {
+				// Handlers this slow gain nothing from sharing a connection: the rest
+				// give their claims back and run alone, side by side.
+				m.finish, m.later = txFinish{action: "forget"}, true
+				continue
 			}
 			b.runMember(m)
 		}
@@ -353,9 +403,11 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 	batch.Queue(txBatchBeginSQL)
 	batch.Queue("SELECT set_config('idle_in_transaction_session_timeout', $1, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text", b.idle)
 	args := l.claimManyArgs(ops)
-	args[7] = true // written completed: the row lock is the lease until the COMMIT
-	batch.Queue(customPlansSQL)
+	args[6] = true // written completed: the row lock is the lease until the COMMIT
+	batch.Queue(keyPlansSQL)
+	batch.Queue(lockTimeoutSQL, l.lockTimeoutSQL)
 	batch.Queue(claimManySQL, args...)
+	batch.Queue(restoreLockTimeoutSQL)
 	batch.Queue(restorePlansSQL)
 	br := b.conn.SendBatch(ctx, batch)
 	rows := make([]claimRow, len(live))
@@ -365,7 +417,7 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 		// The transaction id, drawn now, resolves a COMMIT whose answer is lost.
 		err = br.QueryRow().Scan(nil, &b.xid, &b.serverStart)
 	}
-	if err == nil {
+	for i := 0; i < 2 && err == nil; i++ { // the planner settings and the lock timeout
 		_, err = br.Exec()
 	}
 	if err == nil {
@@ -390,7 +442,7 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 			}
 		}
 	}
-	if err == nil {
+	for i := 0; i < 2 && err == nil; i++ { // the settings put back
 		_, err = br.Exec()
 	}
 	if cerr := br.Close(); err == nil {
@@ -459,8 +511,10 @@ func (b *txBatch) runMember(m *txMember) {
 		saved = true
 		return b.exec(ctx, append(b.takePre(), savepointMemberSQL)...)
 	}}
+	began := time.Now()
 	m.run <- txTurn{tx: tx, c: c}
 	ran := <-m.ran
+	b.l.txb.record(time.Since(began))
 	pc := b.conn.PgConn()
 	st := pc.TxStatus()
 	if b.conn.IsClosed() || pc.IsBusy() || st != 'T' && st != 'E' {
@@ -592,7 +646,7 @@ func (b *txBatch) commit() {
 	for _, s := range b.takePre() {
 		batch.Queue(s)
 	}
-	batch.Queue(customPlansSQL)
+	batch.Queue(keyPlansSQL)
 	batch.Queue(l.fenced(finishTxManySQL), keys, fences, owners, actions, errs)
 	batch.Queue("COMMIT")
 	br := b.conn.SendBatch(ctx, batch)
@@ -623,6 +677,8 @@ func (b *txBatch) commit() {
 	}
 	for _, m := range b.claimed {
 		switch {
+		case m.later && err == nil:
+			b.replyWith(m, txAnswer{alone: true}) // its claim is gone: it can run alone now
 		case m.finish.action == "forget":
 		case err != nil: // the answer was lost: each member resolves it by transaction id
 			b.replyWith(m, txAnswer{res: m.res, err: m.finish.err, lost: err, recorded: m.finish.err != nil})

@@ -98,6 +98,7 @@ func TestDoTxBatchedManyKeys(t *testing.T) {
 			}
 		},
 	})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
@@ -163,6 +164,7 @@ func testFailingMembers(t *testing.T, shared bool) {
 	ctx := testenv.Context(t, 2*time.Minute)
 	pool := testenv.Postgres(t)
 	l := New(pool, &Config{Committers: 1, DisableGroupCommit: !shared})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // every member in the one transaction, however slow the race detector makes it
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
@@ -726,4 +728,50 @@ func BenchmarkDoTxShared(b *testing.B) {
 			}
 		})
 	}
+}
+
+// TestDoTxBatchedSlowHandlersRunAlone: handlers slower than the shared transaction's
+// budget do not queue behind one another: once the budget is spent, the members still
+// waiting give their claims back and run alone, side by side. Each key still runs once.
+func TestDoTxBatchedSlowHandlersRunAlone(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{Committers: 1})
+	defer l.Close()
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
+	const n = 20
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("slow-%02d", i)
+			_, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				time.Sleep(20 * time.Millisecond)
+				_, err := tx.Exec(ctx, `INSERT INTO effects SELECT $1, pg_current_xact_id()::text`, key)
+				return nil, err
+			})
+			if err != nil {
+				t.Errorf("%s: %v", key, err)
+			}
+		})
+	}
+	wg.Wait()
+	took := time.Since(start)
+	var effects, keys, transactions int
+	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT key), count(DISTINCT xid) FROM effects`).Scan(&effects, &keys, &transactions); err != nil {
+		t.Fatal(err)
+	}
+	if effects != n || keys != n {
+		t.Fatalf("%d effects of %d keys, want %d of %d", effects, keys, n, n)
+	}
+	var completed int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE status = 'completed'`).Scan(&completed); err != nil || completed != n {
+		t.Fatalf("%d completed rows (%v), want %d", completed, err, n)
+	}
+	// One after another, 20 handlers of 20 ms take 400 ms; most must have run alone.
+	if transactions < n/2 {
+		t.Errorf("%d handlers ran in %d transactions: slow handlers kept sharing", n, transactions)
+	}
+	t.Logf("%d slow handlers in %d transactions, %s", n, transactions, took.Round(time.Millisecond))
 }
