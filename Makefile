@@ -24,8 +24,8 @@ cover:
 	$(GO) test -race -count=1 -cover $(PKGS)
 
 ## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
-## 2 minutes); writes docs/bench.json and docs/bench.svg. A full run (about 20–30 minutes):
-## make bench BENCH_FLAGS="-seconds 15 -workloads noop,debit,charge,scale,io -write-docs"
+## 2 minutes); writes docs/bench.json and docs/bench.svg. A full run (about 10 minutes):
+## make bench BENCH_FLAGS="-seconds 6 -workloads noop,debit,charge,scale,io,latency,dup -write-docs"
 ## Worker RSS, one process per configuration over 100,000 tasks (a few minutes):
 ## make bench BENCH_FLAGS="-memory"
 BENCH_FLAGS ?= -write-docs
