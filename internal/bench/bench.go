@@ -135,6 +135,9 @@ type Sample struct {
 	OverheadP99us  float64 `json:"overhead_p99_us"`
 	CPU            CPU     `json:"cpu_per_task"`
 	Errors         int     `json:"errors"`
+	// Busy counts deliveries answered busy (a duplicate of a key in flight, a lock
+	// held): retried by asynq, not failures.
+	Busy int `json:"busy"`
 	// RowsPerCommit is how many ledger requests (claims, completions, DoTx deliveries)
 	// one shared commit carried on average; 0 without the ledger.
 	RowsPerCommit float64 `json:"rows_per_commit"`

@@ -269,7 +269,8 @@ type recorder struct {
 	last     atomic.Int64 // unix ns of the last successful delivery's end
 	slot     atomic.Int64 // next overhead slot
 	done     atomic.Int64 // successful deliveries
-	errs     atomic.Int64
+	errs     atomic.Int64 // failed deliveries (idempotency.IsFailure)
+	busy     atomic.Int64 // busy answers (a duplicate of a key in flight): retried, not failures
 	lastErr  atomic.Value
 	overhead []time.Duration
 	finished chan struct{}
@@ -287,6 +288,10 @@ func (r *recorder) wrap(h asynq.Handler) asynq.Handler {
 		var inner time.Duration
 		err := h.ProcessTask(context.WithValue(ctx, innerKey{}, &inner), t)
 		end := time.Now()
+		if err != nil && !idempotency.IsFailure(err) {
+			r.busy.Add(1)
+			return err
+		}
 		if err != nil {
 			r.errs.Add(1)
 			r.lastErr.Store(err.Error())
@@ -409,7 +414,7 @@ wait:
 	drain := time.Duration(rec.last.Load() - rec.first.Load())
 	s.DrainSeconds = drain.Seconds()
 	s.TasksPerSecond = float64(n) / drain.Seconds()
-	s.Errors = int(rec.errs.Load())
+	s.Errors, s.Busy = int(rec.errs.Load()), int(rec.busy.Load())
 	oh := slices.Clone(rec.overhead)
 	slices.Sort(oh)
 	s.OverheadP50us = micros(percentile(oh, 0.50))
