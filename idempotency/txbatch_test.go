@@ -317,6 +317,7 @@ func TestDoTxBatchedDuplicates(t *testing.T) {
 	var sizes []int
 	var mu sync.Mutex
 	l := New(pool, &Config{Committers: 1, ObserveBatch: func(_ string, size int) { mu.Lock(); sizes = append(sizes, size); mu.Unlock() }})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	release, waitHolder := holdExecutor(t, l, "holder")
@@ -386,6 +387,7 @@ func TestDoTxBatchedLockedKeyAndCancel(t *testing.T) {
 	ctx := testenv.Context(t, 2*time.Minute)
 	pool := testenv.Postgres(t)
 	l := New(pool, &Config{Committers: 1, ClaimLockTimeout: 200 * time.Millisecond, Lease: time.Minute})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	// An expired claim on "m-locked" whose row another transaction holds.
@@ -455,6 +457,7 @@ func TestDoTxBatchedCtxDoneAtItsTurn(t *testing.T) {
 	ctx := testenv.Context(t, time.Minute)
 	pool := testenv.Postgres(t)
 	l := New(pool, &Config{Committers: 1})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	release, waitHolder := holdExecutor(t, l, "0-holder")
 	entered, gate := make(chan struct{}), make(chan struct{})
@@ -519,6 +522,7 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 				resolved.Done()
 			}
 		}})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	body := `PERFORM pg_sleep(1.5);`
 	if commits {
@@ -544,7 +548,13 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 	release()
 	wg.Wait()
 	waitHolder()
-	resolved.Wait() // one commit_resolved event per member
+	allResolved := make(chan struct{})
+	go func() { resolved.Wait(); close(allResolved) }()
+	select { // one commit_resolved event per member
+	case <-allResolved:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no commit_resolved event for every member: %v", errs)
+	}
 	for i, err := range errs {
 		if commits && err != nil {
 			t.Errorf("%s: %v, want success learned from the transaction id", keys[i], err)
@@ -578,6 +588,7 @@ func TestDoTxBatchedRestart(t *testing.T) {
 	}
 	pool := testenv.Pool(t, pg.URL)
 	l := New(pool, &Config{Committers: 2, WriteTimeout: 5 * time.Second})
+	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
