@@ -96,8 +96,13 @@ func BenchmarkBareTx(b *testing.B) {
 	})
 }
 
-func BenchmarkDoTx(b *testing.B) {
-	env := setupBench(b)
+func BenchmarkDoTx(b *testing.B) { benchDoTx(b, &idempotency.Config{}) }
+
+// BenchmarkDoTxAlone is BenchmarkDoTx with each delivery in a transaction of its own.
+func BenchmarkDoTxAlone(b *testing.B) { benchDoTx(b, &idempotency.Config{DisableGroupCommit: true}) }
+
+func benchDoTx(b *testing.B, cfg *idempotency.Config) {
+	env := setupBenchConfig(b, cfg)
 	runAt(b, func(ctx context.Context, key string) error {
 		_, err := env.ledger.DoTx(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
 			func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
@@ -119,34 +124,16 @@ func BenchmarkTwoCommits(b *testing.B) {
 	})
 }
 
-func BenchmarkDo(b *testing.B) {
-	env := setupBench(b)
-	runAt(b, func(ctx context.Context, key string) error {
-		_, err := env.ledger.Do(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
-			func(ctx context.Context) (json.RawMessage, error) { return nil, nil })
-		return err
-	})
-}
+func BenchmarkDo(b *testing.B) { benchDo(b, &idempotency.Config{}) }
 
 // BenchmarkDoAlone is BenchmarkDo with each claim and completion committed alone.
-func BenchmarkDoAlone(b *testing.B) {
-	env := setupBenchConfig(b, &idempotency.Config{DisableGroupCommit: true})
+func BenchmarkDoAlone(b *testing.B) { benchDo(b, &idempotency.Config{DisableGroupCommit: true}) }
+
+func benchDo(b *testing.B, cfg *idempotency.Config) {
+	env := setupBenchConfig(b, cfg)
 	runAt(b, func(ctx context.Context, key string) error {
 		_, err := env.ledger.Do(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
 			func(ctx context.Context) (json.RawMessage, error) { return nil, nil })
-		return err
-	})
-}
-
-// BenchmarkDoTxAlone is BenchmarkDoTx with each delivery in a transaction of its own.
-func BenchmarkDoTxAlone(b *testing.B) {
-	env := setupBenchConfig(b, &idempotency.Config{DisableGroupCommit: true})
-	runAt(b, func(ctx context.Context, key string) error {
-		_, err := env.ledger.DoTx(ctx, idempotency.Request{Key: env.prefix + key, TaskType: "bench"},
-			func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
-				_, err := tx.Exec(ctx, `INSERT INTO effects (key, amount) VALUES ($1, $2)`, key, 1)
-				return nil, err
-			})
 		return err
 	})
 }
