@@ -143,7 +143,7 @@ WHERE NOT EXISTS (SELECT 1 FROM up)`
 // are arrays with one element per key (key, task type, owner, fingerprint or NULL, lease
 // in microseconds), $6 the maximum age, $7 true in a shared DoTx transaction, where the
 // rows are written completed at once (as claimSQL's $7; the outbox intents are settled
-// by finishTxManySQL). The lock_timeout is set before it, by lockTimeoutSQL.
+// by finishTxManySQL). The lock_timeout is set before it, by claimSettingsSQL.
 // Every answer row starts with the key's ordinal in the arrays, then claimSQL's columns.
 // The settings are made once, before any row is locked; the upsert takes its rows in key
 // order.
@@ -243,8 +243,12 @@ type claimRow struct {
 	serverStart        pgtype.Text
 }
 
-func (r *claimRow) scan(row pgx.Row) error {
-	return row.Scan(&r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
+func (r *claimRow) scan(row pgx.Row) error { return row.Scan(r.targets()...) }
+
+// targets are the scan destinations of claimSQL's columns, in order. lead, if any, go
+// first (claimManySQL's rows start with the key's ordinal).
+func (r *claimRow) targets(lead ...any) []any {
+	return append(lead, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
 		&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
 		&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil)
 }
@@ -307,9 +311,7 @@ func (l *Ledger) claimOne(ctx context.Context, key string, args []any, r *claimR
 		reset: func() { answered = false },
 		read: func(rows pgx.Rows) error {
 			answered = true
-			return rows.Scan(nil, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
-				&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
-				&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil)
+			return rows.Scan(r.targets(nil)...)
 		}})
 	if err == nil && !answered {
 		err = fmt.Errorf("idempotency: claim %s: no answer for the key", key)

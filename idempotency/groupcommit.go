@@ -252,8 +252,7 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 
 	pipe := pc.PgConn().StartPipeline(ctx)
 	defer pipe.Close()
-	pipe.SendQueryParams(keyPlansSQL, nil, nil, nil, nil)
-	pipe.SendQueryParams(lockTimeoutSQL, [][]byte{[]byte(l.lockTimeoutSQL)}, nil, nil, nil)
+	pipe.SendQueryParams(claimSettingsSQL, [][]byte{[]byte(l.lockTimeoutSQL)}, nil, nil, nil)
 	for _, s := range stmts {
 		formats := make([]int16, len(s.params))
 		for j := range formats {
@@ -274,18 +273,12 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 	if err != nil {
 		return fmt.Errorf("idempotency: commit: %w", err)
 	}
-	for range 2 { // the settings
-		var res any
-		if res, err = pipe.GetResults(); err != nil {
-			break
-		}
+	var res any
+	if res, err = pipe.GetResults(); err == nil { // the settings
 		if rr, ok := res.(*pgconn.ResultReader); ok {
 			_, err = rr.Close()
 		} else {
 			err = fmt.Errorf("unexpected pipeline result %T", res)
-		}
-		if err != nil {
-			break
 		}
 	}
 	if err != nil {
@@ -311,7 +304,6 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 		err = pipe.Sync()
 	}
 	if err == nil {
-		var res any
 		res, err = pipe.GetResults()
 		if _, ok := res.(*pgconn.PipelineSync); err == nil && !ok {
 			err = fmt.Errorf("unexpected pipeline result %T", res)
@@ -344,11 +336,14 @@ const (
 	       current_setting('enable_hashjoin'), current_setting('enable_mergejoin')), true),
 	       set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true),
 	       set_config('enable_mergejoin', 'off', true)`
-	// lockTimeoutSQL bounds the claims' waits for another session's row, for the rest of
-	// the transaction ($1, as "2000ms"); restoreLockTimeoutSQL puts the setting back.
-	lockTimeoutSQL        = `SELECT set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), set_config('lock_timeout', $1, true)`
-	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
-	restorePlansSQL       = `SELECT set_config('enable_seqscan', split_part(current_setting('idemq.saved_plans'), ',', 1), true),
+	// claimSettingsSQL is keyPlansSQL plus the bound on the claims' waits for another
+	// session's row ($1, as "2000ms"), for the rest of the transaction;
+	// restoreClaimSettingsSQL puts all of them back.
+	claimSettingsSQL = keyPlansSQL + `,
+	       set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), set_config('lock_timeout', $1, true)`
+	restoreClaimSettingsSQL = restorePlansSQL + `,
+	       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
+	restorePlansSQL = `SELECT set_config('enable_seqscan', split_part(current_setting('idemq.saved_plans'), ',', 1), true),
 	       set_config('enable_hashjoin', split_part(current_setting('idemq.saved_plans'), ',', 2), true),
 	       set_config('enable_mergejoin', split_part(current_setting('idemq.saved_plans'), ',', 3), true)`
 )

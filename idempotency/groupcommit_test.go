@@ -123,9 +123,7 @@ func claimOp(t *testing.T, l *Ledger, key string) (*gcOp, *claimRow) {
 	return &gcOp{key: key, row: &claimArgs{taskType: "test:task", owner: args[2].(pgtype.UUID), leaseUS: args[4].(int64)},
 		reset: func() { *r = claimRow{} },
 		read: func(rows pgx.Rows) error {
-			return rows.Scan(nil, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
-				&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
-				&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil)
+			return rows.Scan(r.targets(nil)...)
 		}}, r
 }
 

@@ -404,11 +404,9 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 	batch.Queue("SELECT set_config('idle_in_transaction_session_timeout', $1, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text", b.idle)
 	args := l.claimManyArgs(ops)
 	args[6] = true // written completed: the row lock is the lease until the COMMIT
-	batch.Queue(keyPlansSQL)
-	batch.Queue(lockTimeoutSQL, l.lockTimeoutSQL)
+	batch.Queue(claimSettingsSQL, l.lockTimeoutSQL)
 	batch.Queue(claimManySQL, args...)
-	batch.Queue(restoreLockTimeoutSQL)
-	batch.Queue(restorePlansSQL)
+	batch.Queue(restoreClaimSettingsSQL)
 	br := b.conn.SendBatch(ctx, batch)
 	rows := make([]claimRow, len(live))
 	answered := make([]bool, len(live))
@@ -417,7 +415,7 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 		// The transaction id, drawn now, resolves a COMMIT whose answer is lost.
 		err = br.QueryRow().Scan(nil, &b.xid, &b.serverStart)
 	}
-	for i := 0; i < 2 && err == nil; i++ { // the planner settings and the lock timeout
+	if err == nil { // the planner settings and the lock timeout
 		_, err = br.Exec()
 	}
 	if err == nil {
@@ -426,9 +424,7 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 		for err == nil && rs.Next() {
 			var ord int
 			var r claimRow
-			if err = rs.Scan(&ord, &r.claimed, &r.attempted, &r.status, &r.fence, &r.owner, &r.fingerprint,
-				&r.result, &r.attempts, &r.lastError, &r.lockedUntil, &r.startedAt, &r.completedAt,
-				&r.generation, &r.dbNow, &r.xid, &r.serverStart, nil); err == nil && (ord < 1 || ord > len(live)) {
+			if err = rs.Scan(r.targets(&ord)...); err == nil && (ord < 1 || ord > len(live)) {
 				err = fmt.Errorf("answer for row %d of %d", ord, len(live))
 			}
 			if err == nil {
@@ -442,7 +438,7 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 			}
 		}
 	}
-	for i := 0; i < 2 && err == nil; i++ { // the settings put back
+	if err == nil { // the settings put back
 		_, err = br.Exec()
 	}
 	if cerr := br.Close(); err == nil {
