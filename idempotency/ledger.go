@@ -245,8 +245,10 @@ func (r *Request) validate() error {
 const MaxKeyBytes = 255
 
 // ValidateKey reports whether key can be an idempotency key: 1..255 bytes, each printable
-// ASCII other than space (0x21..0x7E). It checks what the processed_jobs CHECK constraint
-// checks. The error wraps ErrInvalidKey and names the limit broken.
+// ASCII other than space (0x21..0x7E) and '#', which is reserved for the TaskIDs of
+// republishes (key#r<n>), so that no key can ever name another key's republish. It checks
+// what the processed_jobs and job_intents CHECK constraints check. The error wraps
+// ErrInvalidKey and names the limit broken.
 func ValidateKey(key string) error {
 	if len(key) == 0 {
 		return fmt.Errorf("%w: empty, must be 1..%d bytes", ErrInvalidKey, MaxKeyBytes)
@@ -259,9 +261,16 @@ func ValidateKey(key string) error {
 			return fmt.Errorf("%w: byte 0x%02x at offset %d, must be printable ASCII 0x21..0x7E (no space, control or non-ASCII)",
 				ErrInvalidKey, c, i)
 		}
+		if key[i] == ReservedKeyByte {
+			return fmt.Errorf("%w: '#' at offset %d; '#' is reserved (republished tasks are key#r<n>)", ErrInvalidKey, i)
+		}
 	}
 	return nil
 }
+
+// ReservedKeyByte may not appear in a key: it separates a key from its republish
+// generation in asynq TaskIDs (key#r<n>).
+const ReservedKeyByte = '#'
 
 // Fingerprint returns sha256(taskType || 0x00 || canonicalPayload), the value for
 // Request.Fingerprint. canonicalPayload should be json.Marshal of the strictly decoded

@@ -258,7 +258,7 @@ func decodeStrict(payload []byte, v any) error {
 }
 
 // checkID checks an identifier that becomes part of a key or scope with a prefix of
-// prefixLen bytes: printable ASCII without spaces, and the whole key within MaxKeyBytes.
+// prefixLen bytes: printable ASCII without spaces or '#', and the whole key within MaxKeyBytes.
 func checkID(field, v string, prefixLen int) error {
 	if v == "" {
 		return fmt.Errorf("%s: required", field)
@@ -269,6 +269,9 @@ func checkID(field, v string, prefixLen int) error {
 	for i := 0; i < len(v); i++ {
 		if c := v[i]; c < 0x21 || c > 0x7e {
 			return fmt.Errorf("%s: byte %d is %q; only printable ASCII without spaces is allowed", field, i, c)
+		}
+		if v[i] == '#' {
+			return fmt.Errorf("%s: byte %d is '#', which keys may not contain (it is reserved for republished tasks, key#r<n>)", field, i)
 		}
 	}
 	return nil
