@@ -26,6 +26,7 @@ var pages = template.Must(template.New("").Funcs(template.FuncMap{
 	"stamp":    stamp,
 	"taskLink": taskLink,
 	"rowLink":  func(key string) string { return "/ledger/" + url.PathEscape(key) },
+	"jobLink":  func(key string) string { return "/v1/jobs/" + url.PathEscape(key) },
 	"short": func(b []byte) string {
 		s := string(b)
 		if len(s) > 80 {

@@ -3,7 +3,10 @@ package api
 import (
 	"context"
 	"encoding/json"
+	"html"
 	"net/http"
+	"net/url"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -120,5 +123,112 @@ func TestLedgerKnowsJobWithoutIntent(t *testing.T) {
 	var n int
 	if err := a.pool.QueryRow(testenv.Context(t, 10*time.Second), `SELECT count(*) FROM api_idempotency_keys`).Scan(&n); err != nil || n != 0 {
 		t.Fatalf("%d header rows (%v) after a refused request, want 0", n, err)
+	}
+}
+
+// insertRow writes a completed ledger row for key straight into processed_jobs.
+func (a *testAPI) insertRow(t *testing.T, key, result string) {
+	t.Helper()
+	_, err := a.pool.Exec(testenv.Context(t, 10*time.Second), `INSERT INTO processed_jobs
+		(idempotency_key, task_type, status, fence, result, attempts, completed_at)
+		VALUES ($1, 'payment:charge', 'completed', nextval('processed_jobs_fence_seq'), $2, 1, now())`, key, result)
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+var hrefRE = regexp.MustCompile(`href="([^"]*)"`)
+
+// hrefs are the page's links, HTML-unescaped.
+func hrefs(body string) []string {
+	var out []string
+	for _, m := range hrefRE.FindAllStringSubmatch(body, -1) {
+		out = append(out, html.UnescapeString(m[1]))
+	}
+	return out
+}
+
+// TestLedgerPageLinksReachTheirKey follows every link the ledger pages make to a key
+// (its row page, its JSON, its asynqmon task) through the server: each reaches that very
+// key, whatever '/', '?', '%' or ".." it holds.
+func TestLedgerPageLinksReachTheirKey(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	tricky := []string{"a//b", "q?x", "p%41", "x/../y", "z/", "c&d=e"}
+	rows := map[string]bool{}
+	for _, id := range tricky {
+		rows["debit:"+id] = true
+		a.insertRow(t, "debit:"+id, `{"ok":true}`)
+		// Accepted through the API, no ledger row: the list's "missing" page links its JSON.
+		a.do(t, "POST", "/v1/charges", chargeBody(id, 100)).want(t, 202)
+	}
+
+	// followJSON gets href (a /v1/jobs/ link) and reports the key it answers for.
+	followJSON := func(href string) string {
+		t.Helper()
+		ans := a.do(t, "GET", href, "")
+		key, _ := ans.json["key"].(string)
+		if ans.code != 200 || key == "" {
+			t.Fatalf("%s: %d %s, want 200 with a key", href, ans.code, ans.body)
+		}
+		return key
+	}
+	// checkTaskLink checks an asynqmon link names key as its task id, unaltered.
+	checkTaskLink := func(href, key string) {
+		t.Helper()
+		u, err := url.Parse(href)
+		if err != nil || u.RawQuery != "" || u.Fragment != "" || !strings.HasSuffix(u.Path, "/tasks/"+key) {
+			t.Fatalf("asynqmon link %q for %q: path %q query %q fragment %q", href, key, u.Path, u.RawQuery, u.Fragment)
+		}
+	}
+
+	seen := map[string]bool{}
+	for _, href := range hrefs(a.do(t, "GET", "/ledger/", "").want(t, 200).body) {
+		if !strings.HasPrefix(href, "/ledger/") || href == "/ledger/" {
+			continue
+		}
+		page := a.do(t, "GET", href, "").want(t, 200)
+		m := regexp.MustCompile(`<dt>key</dt><dd class="mono"><code>([^<]*)</code>`).FindStringSubmatch(page.body)
+		if m == nil {
+			t.Fatalf("%s: no key on the row page:\n%s", href, page.body)
+		}
+		key := html.UnescapeString(m[1])
+		if seen[key] {
+			t.Fatalf("two links reach %q", key)
+		}
+		seen[key] = true
+		for _, h := range hrefs(page.body) {
+			switch {
+			case strings.HasPrefix(h, "/v1/jobs/"):
+				if got := followJSON(h); got != key {
+					t.Fatalf("row page of %q links its JSON as %q, which answers for %q", key, h, got)
+				}
+			case strings.HasPrefix(h, "/monitoring/queues/"):
+				checkTaskLink(h, key)
+			}
+		}
+	}
+	for key := range rows {
+		if !seen[key] {
+			t.Errorf("no link on /ledger/ reaches %q (reached: %v)", key, seen)
+		}
+	}
+
+	// A key with no ledger row yet: the page links the API's answer for it.
+	for _, id := range tricky {
+		key := "charge:" + id
+		page := a.do(t, "GET", "/ledger/?key="+url.QueryEscape(key), "").want(t, 200, `id="missing"`)
+		n := 0
+		for _, h := range hrefs(page.body) {
+			if strings.HasPrefix(h, "/v1/jobs/") {
+				n++
+				if got := followJSON(h); got != key {
+					t.Fatalf("missing page of %q links %q, which answers for %q", key, h, got)
+				}
+			}
+		}
+		if n != 1 {
+			t.Fatalf("missing page of %q: %d links to /v1/jobs/, want 1", key, n)
+		}
 	}
 }
