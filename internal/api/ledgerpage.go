@@ -47,22 +47,24 @@ type listPage struct {
 	Statuses []string
 	Limit    int
 	Key      string
-	Missing  string
+	Missing  string // Key has no ledger row
+	Invalid  string // why Key cannot be a key
 }
 
 // ledgerList serves /ledger/: the most recently updated rows, filtered by ?status=; a
 // ?key= search goes to that row's page.
 func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	if key := strings.TrimSpace(q.Get("key")); key != "" {
-		if _, err := s.deps.Ledger.Get(r.Context(), key); err == nil {
-			http.Redirect(w, r, "/ledger/"+url.PathEscape(key), http.StatusSeeOther)
-			return
-		}
-	}
 	p := listPage{Status: q.Get("status"), Statuses: statuses, Limit: 50, Key: strings.TrimSpace(q.Get("key"))}
 	if p.Key != "" {
-		p.Missing = p.Key
+		if err := checkPageKey(p.Key); err != nil {
+			p.Invalid = invalidReason(err)
+		} else if _, err := s.deps.Ledger.Get(r.Context(), p.Key); err == nil {
+			http.Redirect(w, r, "/ledger/"+url.PathEscape(p.Key), http.StatusSeeOther)
+			return
+		} else {
+			p.Missing = p.Key
+		}
 	}
 	if n, err := strconv.Atoi(q.Get("limit")); err == nil && n > 0 && n <= 1000 {
 		p.Limit = n
@@ -83,7 +85,7 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 			s.log.Error("api: ledger page: outbox", "err", err)
 		}
 	}
-	s.render(w, "list.html", p)
+	s.render(w, http.StatusOK, "list.html", p)
 }
 
 // intentLister is the outbox listing the ledger page shows, when the Enqueuer offers it
@@ -104,6 +106,10 @@ type rowPage struct {
 // id when Redis still has it.
 func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
+	if err := checkPageKey(key); err != nil {
+		s.render(w, http.StatusNotFound, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Invalid: invalidReason(err)})
+		return
+	}
 	p := rowPage{Key: key}
 	rec, err := s.deps.Ledger.Get(r.Context(), key)
 	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
@@ -118,8 +124,7 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if p.Row == nil && p.Intent == nil {
-		w.WriteHeader(http.StatusNotFound)
-		s.render(w, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})
+		s.render(w, http.StatusNotFound, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})
 		return
 	}
 	id := key
@@ -129,11 +134,24 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	if info, err := s.insp.GetTaskInfo(tasks.Queue, id); err == nil {
 		p.TaskState, p.TaskLink = info.State.String(), taskLink(id)
 	}
-	s.render(w, "row.html", p)
+	s.render(w, http.StatusOK, "row.html", p)
 }
 
-func (s *Server) render(w http.ResponseWriter, name string, data any) {
+// checkPageKey is idempotency.ValidateKey, except that it lets a '#' pass: finished rows
+// from before '#' was reserved may keep theirs, and their pages still open. Bytes that
+// Postgres refuses in text (a NUL, invalid UTF-8) never reach a query.
+func checkPageKey(key string) error {
+	return idempotency.ValidateKey(strings.ReplaceAll(key, string(idempotency.ReservedKeyByte), "-"))
+}
+
+// invalidReason is what checkPageKey's error says beyond "invalid key".
+func invalidReason(err error) string {
+	return strings.TrimPrefix(err.Error(), idempotency.ErrInvalidKey.Error()+": ")
+}
+
+func (s *Server) render(w http.ResponseWriter, code int, name string, data any) {
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(code)
 	if err := pages.ExecuteTemplate(w, name, data); err != nil {
 		s.log.Error("api: render "+name, "err", err)
 	}
