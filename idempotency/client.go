@@ -39,10 +39,14 @@ type ClientConfig struct {
 	// reconciler republishes it; it must exceed asynq's own recovery of a crashed
 	// worker's task (60–120 s). Default 3m.
 	Grace time.Duration
-	// ReconcileEvery is how often the reconciler runs, besides at once when Redis
-	// restarted. Default 30s.
+	// ReconcileEvery is how often the reconciler runs with the grace period, besides at
+	// once when Redis lost data (see ProbeEvery). Default 30s.
 	ReconcileEvery time.Duration
-	// RepublishPerSecond bounds republishes. Default 50.
+	// ProbeEvery is how often the reconciler compares each queue's epoch marker in Redis
+	// (and Redis's run_id) with Postgres's, to republish at once what Redis lost.
+	// Default 2s.
+	ProbeEvery time.Duration
+	// RepublishPerSecond bounds republishes. Default 500.
 	RepublishPerSecond float64
 	// AlertGeneration: republishing an intent for this generation or later is logged as an
 	// error and counted. Default 3.
@@ -80,17 +84,20 @@ type Client struct {
 	pool  *pgxpool.Pool
 	rdb   redis.UniversalClient
 	asynq *asynq.Client
+	insp  *asynq.Inspector
 	cfg   ClientConfig
 	log   *slog.Logger
 
 	wakeMu   sync.Mutex
 	lastWake time.Time
+
+	epochQueues sync.Map // queue → true once its redis_epochs row is known to exist
 }
 
 // NewClient returns a Client recording intents in pool's database and publishing through
 // rdb (which it does not close). cfg may be nil.
 func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *ClientConfig) *Client {
-	c := &Client{pool: pool, rdb: rdb, asynq: asynq.NewClientFromRedisClient(rdb)}
+	c := &Client{pool: pool, rdb: rdb, asynq: asynq.NewClientFromRedisClient(rdb), insp: asynq.NewInspectorFromRedisClient(rdb)}
 	if cfg != nil {
 		c.cfg = *cfg
 	}
@@ -110,8 +117,11 @@ func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *ClientConfig)
 	if d.ReconcileEvery <= 0 {
 		d.ReconcileEvery = 30 * time.Second
 	}
+	if d.ProbeEvery <= 0 {
+		d.ProbeEvery = 2 * time.Second
+	}
 	if d.RepublishPerSecond <= 0 {
-		d.RepublishPerSecond = 50
+		d.RepublishPerSecond = 500
 	}
 	if d.AlertGeneration <= 0 {
 		d.AlertGeneration = 3

@@ -3,7 +3,7 @@ package idempotency
 import (
 	"context"
 	"fmt"
-	"strings"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,55 +21,158 @@ FROM processed_jobs p
 WHERE p.idempotency_key = i.idempotency_key AND i.state IN ('pending', 'published')
   AND p.status IN ('completed', 'failed')`
 
-// staleIntentsSQL lists published intents older than $1 ms, oldest first.
-const staleIntentsSQL = `
-SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at
-FROM job_intents
-WHERE state = 'published' AND published_at < now() - $1::bigint * interval '1 millisecond'
-ORDER BY published_at
-LIMIT $2`
+// cutoffSQL is the publish time before which a round with grace $1 ms checks intents, on
+// the database clock.
+const cutoffSQL = `SELECT now() - $1::bigint * interval '1 millisecond'`
 
-// bumpGenerationSQL records a republish, unless another reconciler did it first.
+// staleIntentsSQL lists up to $4 intents published before $1, after the cursor
+// (published_at, key) = ($2, $3), in that order; only in the queues $5 unless it is NULL.
+const staleIntentsSQL = `
+SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, published_at
+FROM job_intents
+WHERE state = 'published' AND published_at < $1 AND (published_at, idempotency_key) > ($2, $3)
+  AND ($5::text[] IS NULL OR queue = ANY($5::text[]))
+ORDER BY published_at, idempotency_key
+LIMIT $4`
+
+// bumpGenerationSQL records a republish under generation $3, unless another reconciler
+// did it first.
 const bumpGenerationSQL = `
-UPDATE job_intents SET publish_generation = $2 + 1, published_at = now(), updated_at = now()
+UPDATE job_intents SET publish_generation = $3, published_at = now(), updated_at = now()
 WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
+
+// reconcilePage is how many intents one look-up in Redis covers; a round with a grace
+// period checks one page, a round right after Redis lost data checks them all.
+const reconcilePage = 1000
 
 // ReconcileStats says what one reconcile round did.
 type ReconcileStats struct {
 	Finished    int64 // intents settled from the ledger
 	Checked     int   // published intents older than the grace period, looked up in Redis
-	Missing     int   // of those, missing from Redis (no queue, no task, or an orphaned hash)
+	Missing     int   // of those, missing from Redis (no queue, no task, an orphaned hash, or another task under the TaskID)
 	Republished int   // republished under a new TaskID
 }
 
 // Reconcile settles intents the ledger has finished, then republishes published intents
-// older than grace whose task Redis no longer has, under TaskID key#r<generation> (never
-// colliding with an orphaned or archived task; the ledger dedups across generations). It
-// checks at most 1000 intents per call and republishes at most
-// ClientConfig.RepublishPerSecond per second. Safe for concurrent use.
+// older than grace whose task Redis no longer has (or holds another task under its
+// TaskID), under TaskID key#r<generation> (never colliding with an orphaned or archived
+// task; the ledger dedups across generations). With a grace period it checks the 1000
+// oldest such intents; with none (grace 0, as after Redis lost data) it checks them all.
+// It republishes at most ClientConfig.RepublishPerSecond per second. If Redis loses data
+// during the round (a queue's epoch marker changes), the round runs again without grace.
+// Safe for concurrent use.
 func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileStats, error) {
+	st, _, err := c.reconcile(ctx, grace, nil)
+	return st, err
+}
+
+// reconcile is Reconcile, only for queues when it is not nil. It returns the epoch
+// markers the queues it checked had for the whole round.
+func (c *Client) reconcile(ctx context.Context, grace time.Duration, queues []string) (ReconcileStats, map[string]string, error) {
 	var st ReconcileStats
 	tag, err := c.pool.Exec(ctx, finishIntentsSQL)
 	if err != nil {
-		return st, fmt.Errorf("idempotency: settle intents: %w", err)
+		return st, nil, fmt.Errorf("idempotency: settle intents: %w", err)
 	}
 	st.Finished = tag.RowsAffected()
+	limiter := rate.NewLimiter(rate.Limit(c.cfg.RepublishPerSecond), 1)
+	for attempt := 1; ; attempt++ {
+		marks, err := c.markEpochs(ctx, queues)
+		if err != nil {
+			return st, nil, err
+		}
+		if err := c.reconcileRound(ctx, grace, queues, marks, limiter, &st); err != nil {
+			return st, nil, err
+		}
+		same, err := c.epochsUnchanged(ctx, marks)
+		if err != nil {
+			return st, nil, err
+		}
+		if same {
+			return st, marks, nil
+		}
+		if attempt == 3 {
+			return st, nil, errEpochChanged
+		}
+		// What this round republished may be lost again: look again, at everything.
+		grace = 0
+		c.log.Warn("Redis lost data during a reconcile round; checking again")
+	}
+}
 
-	rows, err := c.pool.Query(ctx, staleIntentsSQL, grace.Milliseconds(), 1000)
+// reconcileRound checks the intents published before the round's cutoff, page by page,
+// and republishes those Redis lacks. It adds the markers of the queues it meets to marks.
+func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues []string, marks map[string]string,
+	limiter *rate.Limiter, st *ReconcileStats) error {
+	var cutoff time.Time
+	if err := c.pool.QueryRow(ctx, cutoffSQL, grace.Milliseconds()).Scan(&cutoff); err != nil {
+		return fmt.Errorf("idempotency: read the clock: %w", err)
+	}
+	var only any
+	if queues != nil {
+		only = queues
+	}
+	afterAt, afterKey := time.Time{}, ""
+	for {
+		rows, err := c.pool.Query(ctx, staleIntentsSQL, cutoff, afterAt, afterKey, reconcilePage, only)
+		if err != nil {
+			return fmt.Errorf("idempotency: list stale intents: %w", err)
+		}
+		var publishedAt time.Time
+		stale, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (intentRow, error) {
+			var r intentRow
+			var timeout, retention int64
+			err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
+				&timeout, &retention, &r.gen, &r.createdAt, &publishedAt)
+			r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
+			return r, err
+		})
+		if err != nil {
+			return fmt.Errorf("idempotency: list stale intents: %w", err)
+		}
+		if len(stale) == 0 {
+			return nil
+		}
+		afterAt, afterKey = publishedAt, stale[len(stale)-1].spec.Key
+		if err := c.addEpochs(ctx, stale, marks); err != nil {
+			return err
+		}
+		if err := c.republishMissing(ctx, stale, limiter, st); err != nil {
+			return err
+		}
+		if len(stale) < reconcilePage || grace > 0 {
+			return nil
+		}
+	}
+}
+
+// addEpochs adds the markers of the batch's queues that marks lacks.
+func (c *Client) addEpochs(ctx context.Context, batch []intentRow, marks map[string]string) error {
+	var fresh []string
+	for _, r := range batch {
+		if _, ok := marks[r.spec.Queue]; !ok && !slices.Contains(fresh, r.spec.Queue) {
+			fresh = append(fresh, r.spec.Queue)
+		}
+	}
+	if len(fresh) == 0 {
+		return nil
+	}
+	got, err := c.markEpochs(ctx, fresh)
 	if err != nil {
-		return st, fmt.Errorf("idempotency: list stale intents: %w", err)
+		return err
 	}
-	stale, err := pgx.CollectRows(rows, scanIntentRow)
-	if err != nil {
-		return st, fmt.Errorf("idempotency: list stale intents: %w", err)
+	for q, m := range got {
+		marks[q] = m
 	}
-	st.Checked = len(stale)
-	if len(stale) == 0 {
-		return st, nil
-	}
+	return nil
+}
+
+// republishMissing republishes the intents of stale whose task Redis lacks.
+func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limiter *rate.Limiter, st *ReconcileStats) error {
+	st.Checked += len(stale)
 	present, err := c.tasksPresent(ctx, stale)
 	if err != nil {
-		return st, err
+		return err
 	}
 	var missing []intentRow
 	for i, r := range stale {
@@ -77,48 +180,47 @@ func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileS
 			missing = append(missing, r)
 		}
 	}
-	if len(missing) > 0 {
-		if err := c.registerQueues(ctx, missing); err != nil {
-			return st, fmt.Errorf("idempotency: register queues: %w", err)
-		}
+	if len(missing) == 0 {
+		return nil
 	}
-	limiter := rate.NewLimiter(rate.Limit(c.cfg.RepublishPerSecond), 1)
-	for i, r := range stale {
-		if present[i] {
-			continue
-		}
+	if err := c.registerQueues(ctx, missing); err != nil {
+		return fmt.Errorf("idempotency: register queues: %w", err)
+	}
+	for _, r := range missing {
 		st.Missing++
 		if err := limiter.Wait(ctx); err != nil {
-			return st, err
+			return err
 		}
 		next := r
 		next.gen = r.gen + 1
-		if err := c.publish(ctx, next); err != nil {
-			return st, fmt.Errorf("idempotency: republish %s: %w", r.spec.Key, err)
-		}
-		tag, err := c.pool.Exec(ctx, bumpGenerationSQL, r.spec.Key, r.gen)
+		gen, err := c.publish(ctx, next)
 		if err != nil {
-			return st, fmt.Errorf("idempotency: record republish of %s: %w", r.spec.Key, err)
+			return fmt.Errorf("idempotency: republish %s: %w", r.spec.Key, err)
+		}
+		tag, err := c.pool.Exec(ctx, bumpGenerationSQL, r.spec.Key, r.gen, gen)
+		if err != nil {
+			return fmt.Errorf("idempotency: record republish of %s: %w", r.spec.Key, err)
 		}
 		if tag.RowsAffected() == 0 {
 			continue // another reconciler republished it, or it finished meanwhile
 		}
 		st.Republished++
 		c.observe(EventRepublished, r.spec.Type)
-		log := c.log.With("task_type", r.spec.Type, "key", r.spec.Key, "task_id", taskID(r.spec.Key, next.gen))
-		if next.gen >= c.cfg.AlertGeneration {
+		log := c.log.With("task_type", r.spec.Type, "key", r.spec.Key, "task_id", taskID(r.spec.Key, gen))
+		if gen >= c.cfg.AlertGeneration {
 			c.observe(EventRepublishAlert, r.spec.Type)
-			log.Error("job republished again: Redis keeps losing it, or it never completes", "generation", next.gen)
+			log.Error("job republished again: Redis keeps losing it, or it never completes", "generation", gen)
 		} else {
-			log.Warn("job missing from Redis; republished", "generation", next.gen)
+			log.Warn("job missing from Redis; republished", "generation", gen)
 		}
 	}
-	return st, nil
+	return nil
 }
 
-// tasksPresent reports, for each intent, whether Redis holds its current task with a
-// message: a missing queue, a missing task hash and an orphaned hash without a message
-// (left by a late result write) all count as absent.
+// tasksPresent reports, for each intent, whether Redis holds its current task: a missing
+// queue, a missing task hash, an orphaned hash without a message (left by a late result
+// write) and another task under the same TaskID (another type or payload) all count as
+// absent.
 func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, error) {
 	cmds := make([]*redis.BoolCmd, len(rs))
 	_, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
@@ -132,7 +234,14 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 	}
 	out := make([]bool, len(rs))
 	for i, cmd := range cmds {
-		out[i] = cmd.Val()
+		if !cmd.Val() {
+			continue
+		}
+		match, err := c.holdsTask(ctx, rs[i], taskID(rs[i].spec.Key, rs[i].gen))
+		if err != nil {
+			return nil, fmt.Errorf("idempotency: look up tasks in Redis: %w", err)
+		}
+		out[i] = match == taskIsThisJob
 	}
 	return out, nil
 }
@@ -143,60 +252,67 @@ func asynqTaskKey(queue, id string) string { return "asynq:{" + queue + "}:t:" +
 // asynqQueuesKey is asynq's set of all queues (its internal base.AllQueues).
 const asynqQueuesKey = "asynq:queues"
 
-// RunReconciler reconciles every ClientConfig.ReconcileEvery with the grace period, and at
-// once, with no grace, when Redis restarted (its run_id changed, so it may have come back
-// empty), until ctx ends. It returns nil when ctx ends. Every replica may run it.
+// RunReconciler reconciles every ClientConfig.ReconcileEvery with the grace period, and,
+// within ClientConfig.ProbeEvery of Redis losing a queue's data (its epoch marker is
+// missing or changed, or Redis's run_id changed: see the epoch markers), that queue at
+// once, without grace, whichever process was watching before. It returns nil when ctx
+// ends. Every replica may run it.
 func (c *Client) RunReconciler(ctx context.Context) error {
-	runID := c.redisRunID(ctx)
 	tick := time.NewTicker(c.cfg.ReconcileEvery)
 	defer tick.Stop()
-	probe := time.NewTicker(2 * time.Second)
+	probe := time.NewTicker(c.cfg.ProbeEvery)
 	defer probe.Stop()
 	for {
-		grace := time.Duration(-1)
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-tick.C:
-			grace = c.cfg.Grace
+			st, err := c.Reconcile(ctx, c.cfg.Grace)
+			c.logRound(ctx, st, err)
 		case <-probe.C:
-			id := c.redisRunID(ctx)
-			if id != "" && runID != "" && id != runID {
-				c.log.Warn("Redis restarted (run_id changed); reconciling now", "old_run_id", runID, "run_id", id)
-				grace = 0
-			}
-			if id != "" {
-				runID = id
-			}
-		}
-		if grace < 0 {
-			continue
-		}
-		st, err := c.Reconcile(ctx, grace)
-		if err != nil && ctx.Err() == nil {
-			c.log.Warn("reconcile", "err", err)
-			if grace == 0 {
-				runID = "" // try the immediate round again at the next probe
-			}
-			continue
-		}
-		if st.Missing > 0 || st.Finished > 0 {
-			c.log.Info("reconciled", "settled", st.Finished, "checked", st.Checked, "missing", st.Missing, "republished", st.Republished)
+			c.reconcileLost(ctx)
 		}
 	}
 }
 
-func (c *Client) redisRunID(ctx context.Context) string {
-	info, err := c.rdb.Info(ctx, "server").Result()
+// reconcileLost reconciles, without grace, the queues whose Redis may have lost tasks,
+// and records their epochs once that round is done.
+func (c *Client) reconcileLost(ctx context.Context) {
+	lost, runID, err := c.lostQueues(ctx)
 	if err != nil {
-		return ""
-	}
-	for _, line := range strings.Split(info, "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "run_id:"); ok {
-			return v
+		if ctx.Err() == nil {
+			c.log.Debug("epoch probe", "err", err)
 		}
+		return
 	}
-	return ""
+	if len(lost) == 0 {
+		return
+	}
+	queues := make([]string, len(lost))
+	for i, l := range lost {
+		queues[i] = l.Queue
+		c.log.Warn("Redis may have lost the queue's tasks; reconciling now", "queue", l.Queue, "reason", l.Reason, "run_id", runID)
+	}
+	st, marks, err := c.reconcile(ctx, 0, queues)
+	c.logRound(ctx, st, err)
+	if err != nil {
+		return // the markers still differ: the next probe tries again
+	}
+	if err := c.settleEpochs(ctx, marks, runID); err != nil && ctx.Err() == nil {
+		c.log.Warn("reconcile", "err", err)
+	}
+}
+
+func (c *Client) logRound(ctx context.Context, st ReconcileStats, err error) {
+	if err != nil {
+		if ctx.Err() == nil {
+			c.log.Warn("reconcile", "err", err)
+		}
+		return
+	}
+	if st.Missing > 0 || st.Finished > 0 {
+		c.log.Info("reconciled", "settled", st.Finished, "checked", st.Checked, "missing", st.Missing, "republished", st.Republished)
+	}
 }
 
 // OutboxStats is the outbox's backlog, for metrics.

@@ -1,9 +1,11 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -28,9 +30,13 @@ WHERE idempotency_key IN (
 	FOR UPDATE SKIP LOCKED)
 RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at`
 
+// markPublishedSQL records the publishes of keys $1, each under the generation at the same
+// index of $2 (a publish moves past TaskIDs that other tasks hold).
 const markPublishedSQL = `
-UPDATE job_intents SET state = 'published', published_at = now(), relay_until = NULL, last_error = NULL, updated_at = now()
-WHERE idempotency_key = ANY($1::text[]) AND state = 'pending'`
+UPDATE job_intents i
+SET state = 'published', published_at = now(), publish_generation = p.gen, relay_until = NULL, last_error = NULL, updated_at = now()
+FROM unnest($1::text[], $2::int[]) AS p(key, gen)
+WHERE i.idempotency_key = p.key AND i.state = 'pending'`
 
 const markPublishFailedSQL = `
 UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', last_error = $3, updated_at = now()
@@ -65,14 +71,84 @@ func scanIntentRow(row pgx.CollectableRow) (intentRow, error) {
 	return r, err
 }
 
-// publish hands one intent's task to asynq. A TaskID conflict means asynq has (or had)
-// the task: published.
-func (c *Client) publish(ctx context.Context, r intentRow) error {
-	_, err := c.asynq.EnqueueContext(ctx, r.spec.Task(taskID(r.spec.Key, r.gen), r.createdAt))
-	if err != nil && !errors.Is(err, asynq.ErrTaskIDConflict) {
-		return err
+// maxTaskIDSkips bounds how many TaskIDs held by other tasks one publish moves past.
+const maxTaskIDSkips = 8
+
+// publish hands one intent's task to asynq under the TaskID of generation r.gen and
+// returns the generation it is published under. A TaskID conflict with this intent's own
+// task (the same type and payload) means asynq has (or had) it: published. A conflict
+// with another task (a plain asynq producer chose this TaskID) is not this job: it moves
+// on to the next generation's TaskID, so the job is never mistaken for a task that is not
+// it.
+func (c *Client) publish(ctx context.Context, r intentRow) (int, error) {
+	gen := r.gen
+	for try := 0; try <= maxTaskIDSkips; try++ {
+		id := taskID(r.spec.Key, gen)
+		_, err := c.asynq.EnqueueContext(ctx, r.spec.Task(id, r.createdAt))
+		if err == nil {
+			return gen, nil
+		}
+		if !errors.Is(err, asynq.ErrTaskIDConflict) {
+			return r.gen, err
+		}
+		match, err := c.holdsTask(ctx, r, id)
+		switch {
+		case err != nil:
+			return r.gen, err
+		case match == taskIsThisJob:
+			return gen, nil
+		case match == taskIsOther:
+			c.log.Warn("TaskID held by another task; publishing under the next one",
+				"task_type", r.spec.Type, "key", r.spec.Key, "task_id", id)
+			gen++
+		}
+		// taskMissing: it went away between the conflict and the look-up; try it again.
 	}
-	return nil
+	return r.gen, fmt.Errorf("%s: TaskIDs from generation %d on are held by other tasks", r.spec.Key, r.gen)
+}
+
+// taskMatch is what Redis holds under an intent's TaskID.
+type taskMatch int
+
+const (
+	taskMissing   taskMatch = iota // no task, no queue, or a hash without a message
+	taskIsThisJob                  // the intent's task: the same type and payload
+	taskIsOther                    // another task under the same TaskID
+)
+
+// holdsTask reports what Redis holds under TaskID id in r's queue.
+func (c *Client) holdsTask(ctx context.Context, r intentRow, id string) (taskMatch, error) {
+	info, err := c.insp.GetTaskInfo(r.spec.Queue, id)
+	switch {
+	case errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound):
+		return taskMissing, nil
+	case err != nil:
+		return taskMissing, fmt.Errorf("look up task %s: %w", id, err)
+	case info.Type == r.spec.Type && bytes.Equal(Fingerprint(info.Type, info.Payload), Fingerprint(r.spec.Type, r.spec.Payload)):
+		return taskIsThisJob, nil
+	default:
+		return taskIsOther, nil
+	}
+}
+
+// prepareQueues readies the batch's queues for publishing: registered with asynq, an
+// epoch marker in Redis and an epoch row in Postgres. It returns the markers, to check
+// after publishing.
+func (c *Client) prepareQueues(ctx context.Context, batch []intentRow) (map[string]string, error) {
+	if err := c.registerQueues(ctx, batch); err != nil {
+		return nil, err
+	}
+	var queues []string
+	for _, r := range batch {
+		if !slices.Contains(queues, r.spec.Queue) {
+			queues = append(queues, r.spec.Queue)
+		}
+	}
+	marks, err := c.markEpochs(ctx, queues)
+	if err != nil {
+		return nil, err
+	}
+	return marks, c.ensureEpochs(ctx, marks)
 }
 
 // registerQueues adds the batch's queues to asynq's set of queues. asynq's client does
@@ -99,31 +175,51 @@ func (c *Client) publishPending(ctx context.Context, keys []string) (int, error)
 	if err != nil {
 		return 0, fmt.Errorf("idempotency: take pending intents: %w", err)
 	}
-	done := make([]string, 0, len(batch))
-	var pubErr error
-	if len(batch) > 0 {
-		pubErr = c.registerQueues(ctx, batch)
+	if len(batch) == 0 {
+		return 0, nil
 	}
+	marks, pubErr := c.prepareQueues(ctx, batch)
+	done := make([]string, 0, len(batch))
+	gens := make([]int, 0, len(batch))
 	var failed []string
 	for i, r := range batch {
+		gen := r.gen
 		if pubErr == nil {
-			pubErr = c.publish(ctx, r)
+			gen, pubErr = c.publish(ctx, r)
 		}
 		if pubErr != nil {
 			for _, r := range batch[i:] {
 				failed = append(failed, r.spec.Key)
-				c.observe(EventRelayError, r.spec.Type)
 			}
 			break
 		}
 		done = append(done, r.spec.Key)
-		c.observe(EventPublished, r.spec.Type)
+		gens = append(gens, gen)
+	}
+	if len(done) > 0 {
+		// A publish counts only if Redis kept its queue's data meanwhile: else publish
+		// the batch again (a TaskID conflict with the job's own task is a success).
+		same, err := c.epochsUnchanged(ctx, marks)
+		if err == nil && !same {
+			err = errEpochChanged
+		}
+		if err != nil {
+			pubErr = err
+			failed, done, gens = append(done, failed...), done[:0], gens[:0]
+		}
+	}
+	for _, r := range batch {
+		if slices.Contains(done, r.spec.Key) {
+			c.observe(EventPublished, r.spec.Type)
+		} else {
+			c.observe(EventRelayError, r.spec.Type)
+		}
 	}
 	// Record the outcome even when ctx ended: the publishes happened.
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if len(done) > 0 {
-		if _, err := c.pool.Exec(wctx, markPublishedSQL, done); err != nil {
+		if _, err := c.pool.Exec(wctx, markPublishedSQL, done, gens); err != nil {
 			// The intents come back after RelayHold and are published again: a TaskID
 			// conflict then, which counts as published.
 			return 0, fmt.Errorf("idempotency: mark intents published: %w", err)

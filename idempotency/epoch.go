@@ -1,0 +1,180 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Epoch markers make a loss of Redis data visible to every process, whenever it started.
+// Before it publishes into a queue, a relay makes sure the queue's hash slot holds a random
+// marker (idemq:{<queue>}:epoch) and that Postgres (redis_epochs) has a row for the queue;
+// after publishing it checks the marker is still there, else the publishes may be lost
+// and it tries again. A reconcile round that checked a queue under a marker records that
+// marker (and Redis's run_id) in Postgres. So a marker missing from Redis (a restart
+// without persistence, FLUSHALL, a failover to a replica without it), a marker other than
+// Postgres's, or another run_id means the queue's tasks may be gone: the reconciler checks
+// the queue's published intents at once instead of after the grace period.
+
+// epochKey is where a queue's epoch marker lives, in the queue's hash slot.
+func epochKey(queue string) string { return "idemq:{" + queue + "}:epoch" }
+
+// errEpochChanged: Redis lost a queue's marker while a publish or a round was under way.
+var errEpochChanged = errors.New("idempotency: Redis lost data meanwhile (epoch marker changed)")
+
+const ensureEpochSQL = `INSERT INTO redis_epochs (queue, epoch) VALUES ($1, $2) ON CONFLICT (queue) DO NOTHING`
+
+const epochsSQL = `SELECT queue, epoch, redis_run_id FROM redis_epochs ORDER BY queue`
+
+const settleEpochSQL = `UPDATE redis_epochs SET epoch = $2, redis_run_id = $3, updated_at = now() WHERE queue = $1`
+
+// newEpoch returns a random marker (crypto/rand, 128 bits).
+func newEpoch() string { return rand.Text() }
+
+// markEpochs returns each queue's epoch marker, setting a new one where Redis has none,
+// in one round trip.
+func (c *Client) markEpochs(ctx context.Context, queues []string) (map[string]string, error) {
+	gets := make([]*redis.StringCmd, len(queues))
+	_, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, q := range queues {
+			p.SetNX(ctx, epochKey(q), newEpoch(), 0)
+			gets[i] = p.Get(ctx, epochKey(q))
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("idempotency: epoch markers: %w", err)
+	}
+	marks := make(map[string]string, len(queues))
+	for i, q := range queues {
+		marks[q] = gets[i].Val()
+	}
+	return marks, nil
+}
+
+// ensureEpochs makes sure Postgres has an epoch row for each queue of marks (once per
+// queue and Client): a queue's tasks are published only once that row exists, so the
+// reconciler knows to watch the queue.
+func (c *Client) ensureEpochs(ctx context.Context, marks map[string]string) error {
+	for q, m := range marks {
+		if _, ok := c.epochQueues.Load(q); ok {
+			continue
+		}
+		if _, err := c.pool.Exec(ctx, ensureEpochSQL, q, m); err != nil {
+			return fmt.Errorf("idempotency: record epoch of queue %s: %w", q, err)
+		}
+		c.epochQueues.Store(q, true)
+	}
+	return nil
+}
+
+// epochsUnchanged reports whether Redis still holds every marker of marks.
+func (c *Client) epochsUnchanged(ctx context.Context, marks map[string]string) (bool, error) {
+	queues := slices.Sorted(maps.Keys(marks))
+	gets := make([]*redis.StringCmd, len(queues))
+	_, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, q := range queues {
+			gets[i] = p.Get(ctx, epochKey(q))
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return false, fmt.Errorf("idempotency: epoch markers: %w", err)
+	}
+	for i, q := range queues {
+		if gets[i].Val() != marks[q] {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// epochLoss is a queue whose Redis may have lost tasks since a round last checked it.
+type epochLoss struct {
+	Queue  string
+	Reason string // "marker missing", "marker changed", "run_id changed"
+}
+
+// lostQueues compares, for every queue with an epoch row, the marker in Redis and Redis's
+// run_id with what Postgres recorded, and returns the queues that may have lost tasks and
+// the run_id read ("" when Redis does not tell it). A run_id seen for the first time is
+// only recorded.
+func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
+	rows, err := c.pool.Query(ctx, epochsSQL)
+	if err != nil {
+		return nil, "", fmt.Errorf("idempotency: read epochs: %w", err)
+	}
+	type row struct{ queue, epoch, runID string }
+	var recorded []row
+	for rows.Next() {
+		var r row
+		if err := rows.Scan(&r.queue, &r.epoch, &r.runID); err != nil {
+			rows.Close()
+			return nil, "", err
+		}
+		recorded = append(recorded, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, "", fmt.Errorf("idempotency: read epochs: %w", err)
+	}
+	if len(recorded) == 0 {
+		return nil, "", nil
+	}
+	var info *redis.StringCmd
+	gets := make([]*redis.StringCmd, len(recorded))
+	// Errors are read per command: a missing marker answers redis.Nil, and a Redis that
+	// refuses INFO only hides its run_id.
+	c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		info = p.Info(ctx, "server")
+		for i, r := range recorded {
+			gets[i] = p.Get(ctx, epochKey(r.queue))
+		}
+		return nil
+	})
+	runID := parseRunID(info.Val())
+	var lost []epochLoss
+	for i, r := range recorded {
+		switch cur := gets[i].Val(); {
+		case gets[i].Err() != nil && !errors.Is(gets[i].Err(), redis.Nil):
+			return nil, "", fmt.Errorf("idempotency: read epoch marker of %s: %w", r.queue, gets[i].Err())
+		case cur == "":
+			lost = append(lost, epochLoss{r.queue, "marker missing"})
+		case cur != r.epoch:
+			lost = append(lost, epochLoss{r.queue, "marker changed"})
+		case runID != "" && r.runID != "" && runID != r.runID:
+			lost = append(lost, epochLoss{r.queue, "run_id changed"})
+		case runID != "" && r.runID == "":
+			if _, err := c.pool.Exec(ctx, settleEpochSQL, r.queue, r.epoch, runID); err != nil {
+				return nil, "", fmt.Errorf("idempotency: record run_id: %w", err)
+			}
+		}
+	}
+	return lost, runID, nil
+}
+
+// settleEpochs records that a round checked each queue of marks under its marker and
+// runID.
+func (c *Client) settleEpochs(ctx context.Context, marks map[string]string, runID string) error {
+	for q, m := range marks {
+		if _, err := c.pool.Exec(ctx, settleEpochSQL, q, m, runID); err != nil {
+			return fmt.Errorf("idempotency: record epoch of queue %s: %w", q, err)
+		}
+	}
+	return nil
+}
+
+// parseRunID reads run_id from the answer to INFO server; "" when it is not there.
+func parseRunID(info string) string {
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "run_id:"); ok {
+			return v
+		}
+	}
+	return ""
+}

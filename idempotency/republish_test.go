@@ -1,0 +1,248 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+// plainTask enqueues, as a plain asynq producer may, a debit task of its own under TaskID
+// id: nothing stops a producer from choosing a TaskID that names a republish.
+func plainTask(t testing.TB, rdb *redis.Client, id, reference string) {
+	t.Helper()
+	payload := []byte(`{"account_id":"other","amount_cents":7,"reference":"` + reference + `"}`)
+	c := asynq.NewClientFromRedisClient(rdb)
+	if _, err := c.Enqueue(asynq.NewTask(tasks.TypeDebit, payload), asynq.TaskID(id), asynq.Queue(tasks.Queue)); err != nil {
+		t.Fatalf("plain producer: %v", err)
+	}
+}
+
+// taskPayload returns the payload of the task Redis holds under id.
+func taskPayload(t testing.TB, rdb *redis.Client, id string) []byte {
+	t.Helper()
+	info, err := asynq.NewInspectorFromRedisClient(rdb).GetTaskInfo(tasks.Queue, id)
+	if err != nil {
+		t.Fatalf("task %s: %v", id, err)
+	}
+	return info.Payload
+}
+
+func TestKeysWithHashAreRefused(t *testing.T) {
+	t.Parallel()
+	if err := idempotency.ValidateKey("debit:victim#r1"); !errors.Is(err, idempotency.ErrInvalidKey) {
+		t.Fatalf("ValidateKey(debit:victim#r1) = %v, want ErrInvalidKey", err)
+	}
+	if _, err := tasks.DebitSpec(tasks.Debit{AccountID: "a", AmountCents: 1, Reference: "victim#r1"}); err == nil {
+		t.Fatal("tasks.DebitSpec accepted a reference with '#'")
+	}
+	pool, rdb := testenv.Pool(t, testenv.PostgresURL(t)), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	spec := debitSpec(t, "victim", 1)
+	spec.Key = "debit:victim#r1"
+	if _, err := c.Enqueue(testenv.Context(t, 10*time.Second), spec); !errors.Is(err, idempotency.ErrInvalidKey) {
+		t.Fatalf("Enqueue of a key with '#' = %v, want ErrInvalidKey", err)
+	}
+}
+
+// A republish whose TaskID (key#r1) another task holds is not counted as published: the
+// intent moves on to the next generation, whose task is really its own.
+func TestReconcileSkipsTaskIDsHeldByOtherTasks(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	spec := debitSpec(t, "victim", 5)
+	if _, err := c.Enqueue(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	plainTask(t, rdb, "debit:victim#r1", "someone-else")
+	if err := asynq.NewInspectorFromRedisClient(rdb).DeleteTask(tasks.Queue, "debit:victim"); err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.Reconcile(ctx, 0)
+	if err != nil || st.Missing != 1 || st.Republished != 1 {
+		t.Fatalf("reconcile: %+v %v; want the lost task republished", st, err)
+	}
+	info, err := c.Intent(ctx, "debit:victim")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.PublishGeneration != 2 {
+		t.Fatalf("intent generation %d, want 2 (generation 1's TaskID is another task's)", info.PublishGeneration)
+	}
+	if got := taskPayload(t, rdb, "debit:victim#r2"); !bytes.Equal(got, spec.Payload) {
+		t.Fatalf("debit:victim#r2 holds %s, want the intent's payload %s", got, spec.Payload)
+	}
+	// The round after finds the job's own task: nothing more to do.
+	st, err = c.Reconcile(ctx, 0)
+	if err != nil || st.Missing != 0 {
+		t.Fatalf("second reconcile: %+v %v; want nothing missing", st, err)
+	}
+}
+
+// A task of another job under an intent's current TaskID does not count as the intent's
+// task being present.
+func TestReconcileTreatsAnotherTaskUnderTheTaskIDAsMissing(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	spec := debitSpec(t, "taken", 5)
+	if _, err := c.Enqueue(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	if err := asynq.NewInspectorFromRedisClient(rdb).DeleteTask(tasks.Queue, "debit:taken"); err != nil {
+		t.Fatal(err)
+	}
+	plainTask(t, rdb, "debit:taken", "someone-else")
+	st, err := c.Reconcile(ctx, 0)
+	if err != nil || st.Checked != 1 || st.Missing != 1 || st.Republished != 1 {
+		t.Fatalf("reconcile: %+v %v; want the intent's task found missing and republished", st, err)
+	}
+	if got := taskPayload(t, rdb, "debit:taken#r1"); !bytes.Equal(got, spec.Payload) {
+		t.Fatalf("debit:taken#r1 holds %s, want %s", got, spec.Payload)
+	}
+}
+
+// The relay's first publish meets a TaskID a plain producer already used for another
+// payload: the intent is published under the next TaskID, not marked published on the
+// strength of the other task.
+func TestRelaySkipsATaskIDHeldByAnotherTask(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := idempotency.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	plainTask(t, rdb, "debit:pre", "someone-else")
+	spec := debitSpec(t, "pre", 5)
+	res, err := c.Enqueue(ctx, spec)
+	if err != nil || res.State != idempotency.IntentPublished {
+		t.Fatalf("enqueue: %+v %v", res, err)
+	}
+	info, err := c.Intent(ctx, "debit:pre")
+	if err != nil || info.PublishGeneration != 1 {
+		t.Fatalf("intent %+v %v; want generation 1", info, err)
+	}
+	if got := taskPayload(t, rdb, "debit:pre#r1"); !bytes.Equal(got, spec.Payload) {
+		t.Fatalf("debit:pre#r1 holds %s, want %s", got, spec.Payload)
+	}
+	// The job's own task under its own TaskID (a plain producer of the same job, or a
+	// publish repeated after a lost answer) is a duplicate: published, generation 0.
+	same := debitSpec(t, "same", 5)
+	if _, _, err := tasks.Enqueue(ctx, asynq.NewClientFromRedisClient(rdb), same.Task(same.Key, time.Now())); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Enqueue(ctx, same); err != nil {
+		t.Fatal(err)
+	}
+	if info, err := c.Intent(ctx, "debit:same"); err != nil || info.PublishGeneration != 0 || info.State != idempotency.IntentPublished {
+		t.Fatalf("intent %+v %v; want published at generation 0", info, err)
+	}
+}
+
+// waitIntentTask waits until Redis holds a task of key's intent (its current TaskID).
+func waitIntentTask(ctx context.Context, t testing.TB, c *idempotency.Client, rdb *redis.Client, key string) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for ctx.Err() == nil {
+		if info, err := c.Intent(ctx, key); err == nil && taskExists(t, rdb, info.TaskID()) {
+			return time.Since(start)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("%s was not republished", key)
+	return 0
+}
+
+// Redis loses everything (FLUSHDB, as a restart without persistence would) while no
+// process that saw it before is running: a reconciler started afterwards notices from the
+// epoch markers and republishes at once, long before the grace period.
+func TestReconcilerStartedAfterTheLossRepublishesAtOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	ctx := testenv.Context(t, 60*time.Second)
+	before := idempotency.NewClient(pool, rdb, nil)
+	keys := []string{"debit:e1", "debit:e2", "debit:e3"}
+	for _, ref := range []string{"e1", "e2", "e3"} {
+		if _, err := before.Enqueue(ctx, debitSpec(t, ref, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := rdb.FlushDB(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	after := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 100 * time.Millisecond})
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- after.RunReconciler(rctx) }()
+	for _, k := range keys {
+		if d := waitIntentTask(ctx, t, after, rdb, k); d > 10*time.Second {
+			t.Errorf("%s republished after %v", k, d)
+		}
+	}
+	stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	// Once settled, the markers agree: nothing more is republished.
+	st, err := after.Reconcile(ctx, time.Hour)
+	if err != nil || st.Republished != 0 {
+		t.Fatalf("reconcile after settling: %+v %v", st, err)
+	}
+}
+
+// A Redis restart that keeps its data (AOF) but may have lost the last writes changes
+// its run_id: a reconciler started after the restart compares it with the run_id
+// Postgres recorded and checks every published intent at once.
+func TestReconcilerNoticesARestartItDidNotSee(t *testing.T) {
+	t.Parallel()
+	srv := testenv.StartRedis(t, testenv.PersistAOFAlways)
+	rdb := testenv.RedisClient(t, srv.URL)
+	pool := testenv.Postgres(t)
+	ctx := testenv.Context(t, 60*time.Second)
+
+	first := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 50 * time.Millisecond})
+	if _, err := first.Enqueue(ctx, debitSpec(t, "aof", 1)); err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- first.RunReconciler(rctx) }()
+	for ctx.Err() == nil { // the first probe records the run_id
+		var runID string
+		if err := pool.QueryRow(ctx, `SELECT redis_run_id FROM redis_epochs WHERE queue = 'default'`).Scan(&runID); err == nil && runID != "" {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	<-done
+
+	// The last write before the restart did not reach the disk: its task is gone, the
+	// marker (older) is still there.
+	if err := asynq.NewInspectorFromRedisClient(rdb).DeleteTask(tasks.Queue, "debit:aof"); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	second := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 100 * time.Millisecond})
+	rctx, stop = context.WithCancel(ctx)
+	go func() { done <- second.RunReconciler(rctx) }()
+	if d := waitIntentTask(ctx, t, second, rdb, "debit:aof"); d > 10*time.Second {
+		t.Errorf("republished after %v", d)
+	}
+	stop()
+	<-done
+}
