@@ -29,6 +29,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/migrations"
@@ -135,7 +136,7 @@ func demoServers(ctx context.Context, out io.Writer) (redisURL, dbURL string, cl
 	if rdb, err := dial.Redis(pctx, redisURL); err == nil {
 		rdb.Close()
 	} else {
-		fmt.Fprintf(out, "Redis at %s does not answer (%v); starting a private redis-server\n", redisURL, err)
+		fmt.Fprintf(out, "Redis at %s does not answer (%v); starting a private redis-server\n", config.RedactURL(redisURL), err)
 		srv, err := localserver.StartRedis(localserver.PersistNone)
 		if err != nil {
 			return "", "", cleanup, fmt.Errorf("demo: no Redis: %w", err)

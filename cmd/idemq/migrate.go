@@ -27,7 +27,7 @@ func migrateCommand() command {
 			}
 			pc, err := pgx.ParseConfig(cfg.DatabaseURL)
 			if err != nil {
-				return fmt.Errorf("DATABASE_URL: %w", err)
+				return fmt.Errorf("DATABASE_URL: %w", config.URLError(cfg.DatabaseURL, err))
 			}
 			db := stdlib.OpenDB(*pc)
 			defer db.Close()

@@ -152,11 +152,11 @@ func checkField(key string, v any) error {
 	switch key {
 	case "REDIS_URL":
 		if _, err := redis.ParseURL(v.(string)); err != nil {
-			return err
+			return URLError(v.(string), err)
 		}
 	case "DATABASE_URL":
 		if _, err := pgx.ParseConfig(v.(string)); err != nil {
-			return errors.New("not a valid Postgres URL or DSN")
+			return fmt.Errorf("not a valid Postgres URL or DSN: %w", URLError(v.(string), err))
 		}
 	case "IDEMQ_FAKEPAY_URL":
 		u, err := url.Parse(v.(string))

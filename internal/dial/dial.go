@@ -9,15 +9,17 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/internal/config"
 )
 
 // Redis connects to the Redis at url and pings it (within 10 s). Commands are bounded by
 // their contexts (ContextTimeoutEnabled), so a paused or partitioned Redis cannot hang a
-// caller past its deadline.
+// caller past its deadline. Errors never show the URL's password.
 func Redis(ctx context.Context, url string) (*redis.Client, error) {
 	opt, err := redis.ParseURL(url)
 	if err != nil {
-		return nil, fmt.Errorf("REDIS_URL: %w", err)
+		return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(url, err))
 	}
 	opt.ContextTimeoutEnabled = true
 	rdb := redis.NewClient(opt)
@@ -31,11 +33,11 @@ func Redis(ctx context.Context, url string) (*redis.Client, error) {
 }
 
 // Postgres opens a pool on dsn of at most maxConns connections (0 keeps pgx's default)
-// and pings it (within 10 s).
+// and pings it (within 10 s). Errors never show the DSN's password.
 func Postgres(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, fmt.Errorf("DATABASE_URL: %w", config.URLError(dsn, err))
 	}
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns
