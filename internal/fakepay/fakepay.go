@@ -5,6 +5,10 @@
 // set): a repeated key returns the first charge, a key reused with other parameters is
 // refused with 400, and a request whose key is still being processed gets 409. With
 // HonorKeys off it creates a charge per request, to show what the ledger alone prevents.
+//
+// A key follows the ledger's rules (idempotency.ValidateKey); a request with a bad key gets
+// 400. Errors are JSON {"error": "..."}; an internal failure answers "internal error" with
+// 500 and logs its cause, so a caller never sees a database error.
 package fakepay
 
 import (
@@ -22,6 +26,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -83,17 +88,39 @@ var errInFlight = errors.New("a request with this Idempotency-Key is in progress
 // errKeyReused answers a key seen before with other parameters.
 var errKeyReused = errors.New("Idempotency-Key was used before with different parameters")
 
+// errInternal answers a failure that is not the caller's; the cause is only logged.
+var errInternal = errors.New("internal error")
+
+// idempotencyKey returns the request's Idempotency-Key header, "" without one. A key is
+// stored and compared as text, so it must be given once and follow the ledger's key rules.
+func idempotencyKey(h http.Header) (string, error) {
+	keys := h.Values("Idempotency-Key")
+	switch {
+	case len(keys) == 0:
+		return "", nil
+	case len(keys) > 1:
+		return "", fmt.Errorf("Idempotency-Key header: given %d times, must be given once", len(keys))
+	}
+	if err := idempotency.ValidateKey(keys[0]); err != nil {
+		return "", fmt.Errorf("Idempotency-Key header: %w", err)
+	}
+	return keys[0], nil
+}
+
 func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
 	// Like a real provider, finish what was asked even if the caller hangs up: the charge
 	// exists whether or not the caller hears about it (the crash window idemq guards).
 	ctx := context.WithoutCancel(r.Context())
-	key := r.Header.Get("Idempotency-Key")
+	key, keyErr := idempotencyKey(r.Header)
 	var req ChargeRequest
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))
 	dec.DisallowUnknownFields()
 	err := dec.Decode(&req)
 	if err == nil {
 		err = tasks.Charge(req).Validate()
+	}
+	if keyErr != nil { // the header is reported first; the body is still recorded
+		err = keyErr
 	}
 	if err != nil {
 		s.answer(ctx, w, key, req, nil, http.StatusBadRequest, err)
@@ -191,8 +218,13 @@ func scanCharge(row pgx.Row) (*Charge, error) {
 }
 
 // answer records the request and writes the response. Recording uses its own context:
-// a client that hung up still leaves a trace.
+// a client that hung up still leaves a trace. The cause of a 5xx is logged, and the caller
+// gets errInternal instead.
 func (s *Server) answer(ctx context.Context, w http.ResponseWriter, key string, req ChargeRequest, ch *Charge, code int, cause error) {
+	if code >= http.StatusInternalServerError {
+		s.cfg.Logger.Error("charge request failed", "key", key, "order_id", req.OrderID, "err", cause)
+		cause = errInternal
+	}
 	body, _ := json.Marshal(req)
 	var chargeID *string
 	replayed := false
