@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/idemq/idemq/tasks"
 )
 
 // chromium finds a headless-capable Chromium. Without one the browser tests skip, except
@@ -72,7 +74,7 @@ func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 		}
 	}
 	// The page the ledger links each key to: asynqmon's task page, TaskID = key.
-	dom = browse(t, bin, a.URL+taskLink("charge:order-1003"), "--dump-dom")
+	dom = browse(t, bin, a.URL+taskLink(tasks.Queue, "charge:order-1003"), "--dump-dom")
 	if !strings.Contains(dom, "charge:order-1003") || !strings.Contains(dom, "payment:charge") {
 		t.Fatalf("asynqmon's task page does not show charge:order-1003:\n%s", tail(dom, 3000))
 	}

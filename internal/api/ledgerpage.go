@@ -6,6 +6,7 @@ import (
 	"embed"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"html/template"
 	"net/http"
 	"net/url"
@@ -13,10 +14,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/hibiken/asynq"
 	"github.com/hibiken/asynqmon"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/tasks"
 )
 
 //go:embed templates/*.html
@@ -38,6 +40,10 @@ var pages = template.Must(template.New("").Funcs(template.FuncMap{
 }).ParseFS(templateFS, "templates/*.html"))
 
 // statuses are the ledger statuses the list page filters by.
+// maxLedgerPageRows caps ?limit= on /ledger/ (a larger limit shows this many): the page
+// reads whole rows, and a result may be up to 1 MiB.
+const maxLedgerPageRows = 100
+
 var statuses = []string{idempotency.StatusInProgress, idempotency.StatusCompleted, idempotency.StatusFailed, idempotency.StatusNeedsAttention}
 
 type listPage struct {
@@ -46,6 +52,8 @@ type listPage struct {
 	Status   string
 	Statuses []string
 	Limit    int
+	Max      int               // maxLedgerPageRows
+	Queues   map[string]string // key → the queue its intent recorded
 	Key      string
 	Missing  string // Key has no ledger row
 	Invalid  string // why Key cannot be a key
@@ -55,7 +63,7 @@ type listPage struct {
 // ?key= search goes to that row's page.
 func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	p := listPage{Status: q.Get("status"), Statuses: statuses, Limit: 50, Key: strings.TrimSpace(q.Get("key"))}
+	p := listPage{Status: q.Get("status"), Statuses: statuses, Limit: 50, Max: maxLedgerPageRows, Key: strings.TrimSpace(q.Get("key"))}
 	if p.Key != "" {
 		if err := checkPageKey(p.Key); err != nil {
 			p.Invalid = invalidReason(err)
@@ -66,8 +74,8 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 			p.Missing = p.Key
 		}
 	}
-	if n, err := strconv.Atoi(q.Get("limit")); err == nil && n > 0 && n <= 1000 {
-		p.Limit = n
+	if n, err := strconv.Atoi(q.Get("limit")); err == nil && n > 0 {
+		p.Limit = min(n, maxLedgerPageRows)
 	}
 	if p.Status != "" && !contains(statuses, p.Status) {
 		http.Error(w, "status: unknown ledger status", http.StatusBadRequest)
@@ -85,6 +93,16 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 			s.log.Error("api: ledger page: outbox", "err", err)
 		}
 	}
+	keys := make([]string, 0, len(p.Rows)+len(p.Intents))
+	for _, r := range p.Rows {
+		keys = append(keys, r.Key)
+	}
+	for _, in := range p.Intents {
+		keys = append(keys, in.Key)
+	}
+	if p.Queues, err = s.intentQueues(r.Context(), keys); err != nil {
+		s.log.Error("api: ledger page: queues", "err", err)
+	}
 	s.render(w, http.StatusOK, "list.html", p)
 }
 
@@ -98,8 +116,9 @@ type rowPage struct {
 	Key       string
 	Row       *idempotency.Record     // nil: no worker has claimed the key yet
 	Intent    *idempotency.IntentInfo // nil: not recorded through the outbox (or purged)
-	TaskState string                  // asynq's state of the task with TaskID = key, "" when Redis has none
-	TaskLink  string
+	TaskState string                  // asynq's state of the job's task, "" when Redis has none
+	TaskLink  string                  // asynqmon's page of it, "" when Redis has none
+	Queue     string                  // where the task is, else the queue its intent recorded, else ""
 }
 
 // ledgerRow serves /ledger/{key}: one row with its result, and the asynq task of the same
@@ -131,10 +150,70 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	if p.Intent != nil {
 		id = p.Intent.TaskID()
 	}
-	if info, err := s.insp.GetTaskInfo(tasks.Queue, id); err == nil {
-		p.TaskState, p.TaskLink = info.State.String(), taskLink(id)
+	queues, err := s.intentQueues(r.Context(), []string{key})
+	if err != nil {
+		s.log.Error("api: ledger row page: queue", "key", key, "err", err)
+	}
+	p.Queue = queues[key]
+	if info, err := s.findTask(p.Queue, id); err == nil {
+		p.TaskState, p.TaskLink, p.Queue = info.State.String(), taskLink(info.Queue, id), info.Queue
+	} else if !taskMissing(err) {
+		s.log.Warn("api: ledger row page: asynq task", "key", key, "err", err)
 	}
 	s.render(w, http.StatusOK, "row.html", p)
+}
+
+// intentQueuesSQL reads the queues the outbox recorded for keys.
+const intentQueuesSQL = `SELECT idempotency_key, queue FROM job_intents WHERE idempotency_key = ANY($1)`
+
+// intentQueues returns the queue each of keys was accepted into, for the keys recorded
+// through the outbox (job_intents); the others are absent from the map.
+func (s *Server) intentQueues(ctx context.Context, keys []string) (map[string]string, error) {
+	queues := make(map[string]string, len(keys))
+	if len(keys) == 0 {
+		return queues, nil
+	}
+	rows, err := s.deps.Pool.Query(ctx, intentQueuesSQL, keys)
+	if err != nil {
+		return queues, err
+	}
+	var key, queue string
+	_, err = pgx.ForEachRow(rows, []any{&key, &queue}, func() error {
+		queues[key] = queue
+		return nil
+	})
+	return queues, err
+}
+
+// findTask looks for the asynq task with TaskID id: in queue first when it is not empty
+// (the one its intent recorded), then in every queue Redis knows, since a job published
+// without the outbox may be in any of them. The error wraps asynq.ErrTaskNotFound when no
+// queue holds it.
+func (s *Server) findTask(queue, id string) (*asynq.TaskInfo, error) {
+	if queue != "" {
+		if info, err := s.insp.GetTaskInfo(queue, id); !taskMissing(err) {
+			return info, err
+		}
+	}
+	all, err := s.insp.Queues()
+	if err != nil {
+		return nil, err
+	}
+	for _, q := range all {
+		if q == queue {
+			continue
+		}
+		if info, err := s.insp.GetTaskInfo(q, id); !taskMissing(err) {
+			return info, err
+		}
+	}
+	return nil, fmt.Errorf("%w: %q is in no queue", asynq.ErrTaskNotFound, id)
+}
+
+// taskMissing reports whether err, from Inspector.GetTaskInfo, says that the queue does
+// not hold the task (or does not exist).
+func taskMissing(err error) bool {
+	return errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound)
 }
 
 // checkPageKey is idempotency.ValidateKey, except that it lets a '#' pass: finished rows
@@ -157,10 +236,10 @@ func (s *Server) render(w http.ResponseWriter, code int, name string, data any) 
 	}
 }
 
-// taskLink is asynqmon's page of the task whose TaskID is key (the first publish of a
-// job uses its key as TaskID; both example types go to tasks.Queue).
-func taskLink(key string) string {
-	return "/monitoring/queues/" + url.PathEscape(tasks.Queue) + "/tasks/" + url.PathEscape(key)
+// taskLink is asynqmon's page of the task in queue whose TaskID is id (the first publish
+// of a job uses its key as TaskID).
+func taskLink(queue, id string) string {
+	return "/monitoring/queues/" + url.PathEscape(queue) + "/tasks/" + url.PathEscape(id)
 }
 
 func stamp(t time.Time) string {

@@ -3,16 +3,19 @@ package api
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"html"
 	"log/slog"
 	"net/http"
 	"net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
@@ -185,10 +188,13 @@ func TestLedgerPageLinksReachTheirKey(t *testing.T) {
 	}
 
 	seen := map[string]bool{}
+	followed := map[string]bool{}
 	for _, href := range hrefs(a.do(t, "GET", "/ledger/", "").want(t, 200).body) {
-		if !strings.HasPrefix(href, "/ledger/") || href == "/ledger/" {
+		href, _, _ = strings.Cut(href, "#") // the row page's #task: keys have no '#'
+		if !strings.HasPrefix(href, "/ledger/") || href == "/ledger/" || followed[href] {
 			continue
 		}
+		followed[href] = true
 		page := a.do(t, "GET", href, "").want(t, 200)
 		m := regexp.MustCompile(`<dt>key</dt><dd class="mono"><code>([^<]*)</code>`).FindStringSubmatch(page.body)
 		if m == nil {
@@ -271,5 +277,70 @@ func TestLedgerRowInvalidKey(t *testing.T) {
 	// A finished row from before '#' was reserved may keep one: its page still opens.
 	if err := checkPageKey("charge:old#1"); err != nil {
 		t.Fatalf("checkPageKey(charge:old#1) = %v, want nil", err)
+	}
+}
+
+// TestLedgerPageLimitCapped: ?limit= above maxLedgerPageRows shows maxLedgerPageRows rows,
+// and the page says so.
+func TestLedgerPageLimitCapped(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	_, err := a.pool.Exec(testenv.Context(t, 10*time.Second), `INSERT INTO processed_jobs
+		(idempotency_key, task_type, status, fence, result, attempts, completed_at)
+		SELECT 'debit:r-' || i, 'wallet:debit', 'completed', nextval('processed_jobs_fence_seq'), '{}', 1, now()
+		FROM generate_series(1, $1::int) i`, maxLedgerPageRows+20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, limit := range []string{"1000", "100000", strconv.Itoa(maxLedgerPageRows + 1)} {
+		page := a.do(t, "GET", "/ledger/?limit="+limit, "").want(t, 200, fmt.Sprintf("newest %d rows", maxLedgerPageRows))
+		if n := strings.Count(page.body, `<td class="mono key">`); n != maxLedgerPageRows {
+			t.Fatalf("?limit=%s: %d rows, want %d", limit, n, maxLedgerPageRows)
+		}
+	}
+	page := a.do(t, "GET", "/ledger/?limit=3", "").want(t, 200, "newest 3 rows")
+	if n := strings.Count(page.body, `<td class="mono key">`); n != 3 {
+		t.Fatalf("?limit=3: %d rows", n)
+	}
+}
+
+// TestLedgerPageFindsTasksInAnyQueue: a key's asynq task is found in the queue its intent
+// recorded, or, published without one, in whichever queue Redis has it.
+func TestLedgerPageFindsTasksInAnyQueue(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	// Recorded through the outbox, in queue "reports".
+	spec := tasks.Spec{Key: "report:r-1", Type: "report:build", Payload: []byte(`{"r":1}`), Queue: "reports",
+		MaxRetry: 3, Timeout: time.Minute, Retention: time.Hour}
+	if _, err := a.client.Enqueue(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	a.insertRow(t, spec.Key, `{"pages":3}`)
+	// Published by a plain asynq producer, in queue "critical", no intent.
+	opt, err := asynq.ParseRedisURI(a.redisURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := asynq.NewClient(opt)
+	defer ac.Close()
+	if _, err := ac.EnqueueContext(ctx, asynq.NewTask("mail:send", []byte(`{}`)), asynq.TaskID("mail:m-1"), asynq.Queue("critical")); err != nil {
+		t.Fatal(err)
+	}
+	a.insertRow(t, "mail:m-1", `{"sent":true}`)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, err := a.s.insp.GetTaskInfo("reports", spec.Key); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("%s never reached Redis: %v", spec.Key, err)
+		}
+	}
+
+	a.do(t, "GET", "/ledger/report:r-1", "").want(t, 200, `href="/monitoring/queues/reports/tasks/report:r-1">pending in asynqmon</a>`)
+	a.do(t, "GET", "/ledger/mail:m-1", "").want(t, 200, `href="/monitoring/queues/critical/tasks/mail:m-1">pending in asynqmon</a>`)
+	// The list links the recorded queue; a key without one links its row page, which looks.
+	list := a.do(t, "GET", "/ledger/", "").want(t, 200, `href="/monitoring/queues/reports/tasks/report:r-1"`, `href="/ledger/mail:m-1#task"`)
+	if strings.Contains(list.body, "/monitoring/queues/default/") {
+		t.Fatalf("the list links a task in queue default:\n%s", list.body)
 	}
 }
