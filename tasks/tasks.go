@@ -16,7 +16,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -87,10 +86,19 @@ func (c Charge) Validate() error {
 	if c.AmountCents <= 0 {
 		return fmt.Errorf("amount_cents: must be a positive number of cents, got %d", c.AmountCents)
 	}
-	if len(c.Currency) != 3 || strings.ToUpper(c.Currency) != c.Currency || !isLetters(c.Currency) {
-		return fmt.Errorf("currency: must be a three-letter ISO 4217 code in upper case, got %q", c.Currency)
+	if len(c.Currency) != 3 || !isLetters(c.Currency) {
+		return fmt.Errorf("currency: must be a three-letter ISO 4217 code (in any case: usd is USD), got %q", c.Currency)
 	}
 	return nil
+}
+
+// Canonical returns c with its enumerated fields in canonical form: Currency in upper
+// case, as ISO 4217 writes it (only ASCII letters change). "usd" and "USD" are one
+// payload, so one fingerprint and one job; ChargeSpec, NewChargeTask and DecodeCharge
+// call it. The identifiers are kept as sent: they are case-sensitive.
+func (c Charge) Canonical() Charge {
+	c.Currency = upperASCII(c.Currency)
+	return c
 }
 
 // Debit is the payload of wallet:debit: take an amount from an account, once per
@@ -118,14 +126,16 @@ func (d Debit) Validate() error {
 	return checkID("reference", d.Reference, len("debit:"))
 }
 
-// DecodeCharge strictly decodes and validates a payment:charge payload: unknown fields,
-// trailing data, a payload over MaxPayloadBytes and invalid fields are errors that name
-// the problem.
+// DecodeCharge strictly decodes and validates a payment:charge payload and returns it in
+// canonical form (Charge.Canonical): unknown, duplicate and case-variant fields (see
+// CheckFieldNames), trailing data, a payload over MaxPayloadBytes and invalid fields are
+// errors that name the problem.
 func DecodeCharge(payload []byte) (Charge, error) {
 	var c Charge
 	if err := decodeStrict(payload, &c); err != nil {
 		return Charge{}, err
 	}
+	c = c.Canonical()
 	return c, c.Validate()
 }
 
@@ -165,9 +175,11 @@ func (s Spec) Task(taskID string, firstEnqueued time.Time, opts ...asynq.Option)
 	return asynq.NewTaskWithHeaders(s.Type, s.Payload, headers, all...)
 }
 
-// ChargeSpec validates c and returns its Spec: key c.Key(), queue Queue, the default
-// retry and retention, a 2-minute timeout.
+// ChargeSpec validates c and returns its Spec, with c's payload in canonical form
+// (Charge.Canonical): key c.Key(), queue Queue, the default retry and retention, a
+// 2-minute timeout.
 func ChargeSpec(c Charge) (Spec, error) {
+	c = c.Canonical()
 	if err := c.Validate(); err != nil {
 		return Spec{}, fmt.Errorf("%s: %w", TypeCharge, err)
 	}
@@ -246,6 +258,9 @@ func decodeStrict(payload []byte, v any) error {
 	if len(payload) > MaxPayloadBytes {
 		return fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), MaxPayloadBytes)
 	}
+	if err := CheckFieldNames(payload, v); err != nil {
+		return err
+	}
 	dec := json.NewDecoder(bytes.NewReader(payload))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
@@ -277,11 +292,29 @@ func checkID(field, v string, prefixLen int) error {
 	return nil
 }
 
+// isLetters reports whether s is ASCII letters only, in either case.
 func isLetters(s string) bool {
-	for _, r := range s {
-		if r < 'A' || r > 'Z' {
+	for i := 0; i < len(s); i++ {
+		if c := s[i] | 0x20; c < 'a' || c > 'z' {
 			return false
 		}
 	}
 	return true
+}
+
+// upperASCII returns s with ASCII a-z in upper case and every other byte as it is (unlike
+// strings.ToUpper, which makes "uſd" "USD").
+func upperASCII(s string) string {
+	for i := 0; i < len(s); i++ {
+		if 'a' <= s[i] && s[i] <= 'z' {
+			b := []byte(s)
+			for j := i; j < len(b); j++ {
+				if 'a' <= b[j] && b[j] <= 'z' {
+					b[j] -= 'a' - 'A'
+				}
+			}
+			return string(b)
+		}
+	}
+	return s
 }

@@ -24,7 +24,7 @@ func TestDecodeCharge(t *testing.T) {
 		{"missing order", `{"customer_id":"c","amount_cents":1,"currency":"EUR"}`, "order_id: required"},
 		{"negative amount", `{"order_id":"o","customer_id":"c","amount_cents":-5,"currency":"EUR"}`, "amount_cents: must be a positive"},
 		{"zero amount", `{"order_id":"o","customer_id":"c","amount_cents":0,"currency":"EUR"}`, "amount_cents"},
-		{"lower-case currency", `{"order_id":"o","customer_id":"c","amount_cents":1,"currency":"eur"}`, "currency"},
+		{"currency with a digit", `{"order_id":"o","customer_id":"c","amount_cents":1,"currency":"E1R"}`, "currency: must be a three-letter ISO 4217 code"},
 		{"space in id", `{"order_id":"o 1","customer_id":"c","amount_cents":1,"currency":"EUR"}`, "order_id: byte 1"},
 		{"non-ASCII id", `{"order_id":"ö","customer_id":"c","amount_cents":1,"currency":"EUR"}`, "order_id: byte 0"},
 		{"key too long", `{"order_id":"` + long + `","customer_id":"c","amount_cents":1,"currency":"EUR"}`, "the limit is 248"},

@@ -279,10 +279,13 @@ func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
 		"negative amount": asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":"o","customer_id":"c","amount_cents":-1,"currency":"EUR"}`)),
 		"300-byte key":    asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"`+long+`"}`)),
 		"unknown field":   asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"r","extra":1}`)),
+		"duplicate field": asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"dup2","reference":"dup3"}`)),
+		"case variant":    asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"dup2","REFERENCE":"dup3"}`)),
 	}
 	want := map[string]string{
 		"malformed JSON": "malformed payload", "missing fields": "amount_cents", "negative amount": "amount_cents",
 		"300-byte key": "the limit is", "unknown field": `unknown field "extra"`,
+		"duplicate field": "reference: duplicate field", "case variant": "REFERENCE: field names are case-sensitive",
 	}
 	for name, task := range bad {
 		s.enqueue(t, task, asynq.TaskID("bad-"+strings.ReplaceAll(name, " ", "-")), asynq.MaxRetry(5))

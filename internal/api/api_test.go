@@ -156,7 +156,7 @@ func TestBadRequests(t *testing.T) {
 		{"wrong type", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":"5","currency":"EUR"}`, nil, 422, "amount_cents: must be a JSON whole number"},
 		{"missing order", "/v1/charges", `{"customer_id":"c","amount_cents":5,"currency":"EUR"}`, nil, 422, "order_id: required"},
 		{"zero amount", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":0,"currency":"EUR"}`, nil, 422, "amount_cents"},
-		{"bad currency", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":5,"currency":"eur"}`, nil, 422, "currency"},
+		{"bad currency", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":5,"currency":"EURO"}`, nil, 422, "currency: must be a three-letter ISO 4217 code"},
 		{"space in order", "/v1/charges", `{"order_id":"o 1","customer_id":"c","amount_cents":5,"currency":"EUR"}`, nil, 422, "order_id"},
 		{"missing reference", "/v1/wallet/debits", `{"account_id":"a-1","amount_cents":5}`, nil, 422, "reference: required"},
 		{"debit unknown field", "/v1/wallet/debits", `{"account_id":"a-1","amount_cents":5,"reference":"r","x":1}`, nil, 422, "x: unknown field"},

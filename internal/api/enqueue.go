@@ -99,8 +99,9 @@ func (s *Server) postDebit(w http.ResponseWriter, r *http.Request) {
 
 // decode reads at most MaxBodyBytes (413 past that) and decodes one JSON object strictly
 // (whatever the Content-Type says: `curl -d` sends a form type):
-// malformed JSON is 400; an unknown field or a value of the wrong type is 422 naming the
-// field.
+// malformed JSON, a field sent twice and a case variant of a field's name ("REFERENCE",
+// see tasks.CheckFieldNames) are 400; an unknown field or a value of the wrong type is
+// 422. Errors name the field.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxBodyBytes))
 	var tooBig *http.MaxBytesError
@@ -110,6 +111,10 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
 		return false
 	case err != nil:
 		writeError(w, http.StatusBadRequest, "body: "+err.Error())
+		return false
+	}
+	if err := tasks.CheckFieldNames(body, v); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
 		return false
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
