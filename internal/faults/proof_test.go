@@ -4,6 +4,7 @@ package faults
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -16,6 +17,8 @@ import (
 	"testing"
 	"text/tabwriter"
 	"time"
+
+	"github.com/hibiken/asynq"
 
 	"github.com/idemq/idemq/internal/localserver"
 )
@@ -64,6 +67,12 @@ type runReport struct {
 	Nudges     int                `json:"drain_nudges"`
 	RetryRuns  int                `json:"drain_retry_tasks_run"`
 	HeldKilled int                `json:"held_keys_tracked"`
+	// Left10s and Left30s classify the keys not yet completed 10 s and 30 s after the
+	// heal (see unsettled); LostS is how long after the heal the last key whose task
+	// Redis had lost was back in Redis (0 when none was missing).
+	Left10s map[string]int `json:"left_10s_after_heal"`
+	Left30s map[string]int `json:"left_30s_after_heal"`
+	LostS   float64        `json:"lost_tasks_back_s"`
 	// ResultOnly are asynq hashes holding no task message, only fields such as "result"
 	// (id → fields): not a task, never run, but left in Redis for ever (docs/proof.md).
 	ResultOnly map[string]string `json:"asynq_hashes_without_message,omitempty"`
@@ -188,7 +197,8 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	if err := c.enqueueBad(ctx); err != nil {
 		r.Failures = append(r.Failures, err.Error())
 	}
-	r.Nudges, r.RetryRuns = c.drain(ctx, p.drain)
+	d := c.drain(ctx, p.drain)
+	r.Nudges, r.RetryRuns, r.Left10s, r.Left30s, r.LostS = d.nudges, d.retryRuns, d.left10s, d.left30s, d.lostS
 	r.DrainS = time.Since(healed).Seconds()
 	r.Counters = c.counters()
 	v, err := c.check(ctx)
@@ -211,6 +221,7 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 		}
 	}
 	fail(driveErr == nil, "workload: %v", driveErr)
+	fail(r.Left30s[leftMissing] == 0, "%d accepted keys still missing from Redis 30 s after the heal", r.Left30s[leftMissing])
 	fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
 	fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
 	fail(v.Lost == 0, "%d keys lost", v.Lost)
@@ -232,16 +243,36 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	return r
 }
 
+// drainReport is what drain saw.
+type drainReport struct {
+	nudges, retryRuns int
+	left10s, left30s  map[string]int
+	lostS             float64
+}
+
 // drain waits, up to bound, until every expected key is completed and no task is left in
 // asynq. Test-only nudges keep it short: every 10 s, a key still in progress whose lease
 // has ended (its holder died; asynq itself would redeliver only after 60-120 s) gets a
-// duplicate delivery, and due-later retries are run now.
-func (c *cluster) drain(ctx context.Context, bound time.Duration) (nudges, retryRuns int) {
+// duplicate delivery, and due-later retries are run now. It classifies what is left 10 s
+// and 30 s after it began, and times the return of tasks Redis lost.
+func (c *cluster) drain(ctx context.Context, bound time.Duration) (d drainReport) {
 	start := time.Now()
 	var lastNudge time.Time
 	for n := 0; time.Since(start) < bound && ctx.Err() == nil; n++ {
-		pending, left, err := c.settled(ctx)
-		if err == nil && pending == 0 && left == 0 {
+		left, err := c.unsettled(ctx)
+		if err == nil {
+			if left[leftMissing] > 0 {
+				d.lostS = time.Since(start).Seconds()
+			}
+			if d.left10s == nil && time.Since(start) >= 10*time.Second {
+				d.left10s = left
+			}
+			if d.left30s == nil && time.Since(start) >= 30*time.Second {
+				d.left30s = left
+			}
+		}
+		pending, leftover, err := c.settled(ctx)
+		if err == nil && pending == 0 && leftover == 0 {
 			return
 		}
 		if time.Since(start) > 10*time.Second && time.Since(lastNudge) > 10*time.Second {
@@ -258,17 +289,78 @@ func (c *cluster) drain(ctx context.Context, bound time.Duration) (nudges, retry
 				rows.Close()
 				for _, k := range keys {
 					if s, err := c.specFor(ctx, k); err == nil && c.enqueueDup(ctx, s, fmt.Sprintf("%s#nudge%d", k, n)) == nil {
-						nudges++
+						d.nudges++
 					}
 				}
 			}
 			if m, err := c.insp.RunAllRetryTasks("default"); err == nil {
-				retryRuns += m
+				d.retryRuns += m
 			}
 		}
 		time.Sleep(2 * time.Second)
 	}
 	return
+}
+
+// leftMissing is unsettled's class of keys whose task Redis does not hold: lost, and not
+// yet republished.
+const leftMissing = "task missing from Redis"
+
+// unsettled classifies the expected keys not completed yet: by their ledger row, and by
+// the state of the task under their intent's current TaskID ("active" while a worker —
+// possibly a killed one, whose task asynq recovers only after 60-120 s — holds it).
+func (c *cluster) unsettled(ctx context.Context) (map[string]int, error) {
+	rows, err := c.pool.Query(ctx, `SELECT e.key, coalesce(p.status, ''), coalesce(i.state, ''), coalesce(i.queue, ''), coalesce(i.publish_generation, 0)
+		FROM faults_expected e
+		LEFT JOIN processed_jobs p ON p.idempotency_key = e.key
+		LEFT JOIN job_intents i ON i.idempotency_key = e.key
+		WHERE p.status IS DISTINCT FROM 'completed'`)
+	if err != nil {
+		return nil, err
+	}
+	type row struct {
+		key, status, intent, queue string
+		gen                        int
+	}
+	var left []row
+	for rows.Next() {
+		var r row
+		if err := rows.Scan(&r.key, &r.status, &r.intent, &r.queue, &r.gen); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		left = append(left, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	out := map[string]int{}
+	for _, r := range left {
+		class := "no intent"
+		switch {
+		case r.intent == "pending":
+			class = "intent pending (not published yet)"
+		case r.intent != "":
+			id := r.key
+			if r.gen > 0 {
+				id = fmt.Sprintf("%s#r%d", r.key, r.gen)
+			}
+			info, err := c.insp.GetTaskInfo(r.queue, id)
+			switch {
+			case errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound):
+				class = leftMissing
+			case err != nil:
+				return nil, err
+			default:
+				class = "task " + info.State.String()
+			}
+		}
+		if r.status != "" {
+			class += ", ledger " + r.status
+		}
+		out[class]++
+	}
+	return out, nil
 }
 
 // runNoGuards is negative control (a): the same seed's workload (its first jobs) with the
@@ -439,6 +531,9 @@ func table(rep *report) string {
 	row("e2e latency p50/p99", func(r runReport) any {
 		return fmt.Sprintf("%.2f/%.2fs", r.Verdict.LatencyP50, r.Verdict.LatencyP99)
 	})
+	row("left 10 s after heal", func(r runReport) any { return kinds(r.Left10s) })
+	row("left 30 s after heal", func(r runReport) any { return kinds(r.Left30s) })
+	row("lost tasks back in Redis after", func(r runReport) any { return fmt.Sprintf("%.0fs", r.LostS) })
 	row("asynq leftover / bad archived", func(r runReport) any {
 		return fmt.Sprintf("%d / %d of %d", len(r.Verdict.Leftover), r.Verdict.BadArchived, len(badPayloads))
 	})
@@ -491,6 +586,9 @@ func kinds(m map[string]int) string {
 		}
 	}
 	sort.Strings(ks)
+	if len(ks) == 0 {
+		return "none"
+	}
 	var parts []string
 	for _, k := range ks {
 		parts = append(parts, fmt.Sprintf("%s=%d", k, m[k]))
