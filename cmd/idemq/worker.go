@@ -151,7 +151,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		h := m.Handler(map[string]metrics.Check{
 			"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
 			"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
-		})
+		}, log)
 		go func() { httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, 5*time.Second, log, nil) }()
 	}
 	go purgeLoop(ctx, ledger, locker, cfg.Retention, log)

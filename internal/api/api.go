@@ -116,7 +116,7 @@ func New(deps Deps, opts *Options) *Server {
 	health := deps.Metrics.Handler(map[string]metrics.Check{
 		"redis":    func(ctx context.Context) error { return deps.Redis.Ping(ctx).Err() },
 		"postgres": func(ctx context.Context) error { return deps.Pool.Ping(ctx) },
-	})
+	}, s.log)
 	s.mux.Handle("GET /metrics", health)
 	s.mux.Handle("GET /healthz", health)
 	s.mux.Handle("GET /readyz", health)

@@ -4,6 +4,7 @@ package metrics
 
 import (
 	"context"
+	"log/slog"
 	"net/http"
 	"time"
 
@@ -76,25 +77,31 @@ func New() *Metrics {
 // Check is a readiness probe of one dependency.
 type Check func(ctx context.Context) error
 
-// Handler serves /metrics, /healthz (the process answers) and /readyz (every check passes
-// within 2 seconds; the body names a failing one).
-func (m *Metrics) Handler(checks map[string]Check) http.Handler {
+// Handler serves /metrics, /healthz (the process answers) and /readyz (see ReadyHandler;
+// log gets the failures, nil discards them).
+func (m *Metrics) Handler(checks map[string]Check, log *slog.Logger) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
-	mux.HandleFunc("GET /readyz", ReadyHandler(checks))
+	mux.HandleFunc("GET /readyz", ReadyHandler(checks, log))
 	return mux
 }
 
 // ReadyHandler answers 200 when every check passes within 2 seconds, else 503 naming the
-// first failure.
-func ReadyHandler(checks map[string]Check) http.HandlerFunc {
+// first failing check ("postgres: unavailable"). The endpoint is unauthenticated, so the
+// error itself, which may carry a user, a database or an address, goes to log only (nil
+// discards it).
+func ReadyHandler(checks map[string]Check, log *slog.Logger) http.HandlerFunc {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 		defer cancel()
 		for name, check := range checks {
 			if err := check(ctx); err != nil {
-				http.Error(w, name+": "+err.Error(), http.StatusServiceUnavailable)
+				log.Warn("readyz: "+name+" unavailable", "check", name, "err", err)
+				http.Error(w, name+": unavailable", http.StatusServiceUnavailable)
 				return
 			}
 		}

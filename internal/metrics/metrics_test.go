@@ -1,0 +1,109 @@
+package metrics
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+// syncBuffer is a log destination safe for the server's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestReadyzHidesDetail: /readyz is unauthenticated, so a failing dependency is named but
+// its error (which carries the Postgres user, database and address) goes to the log only.
+func TestReadyzHidesDetail(t *testing.T) {
+	t.Parallel()
+	good := testenv.Postgres(t)
+	rdb := testenv.Redis(t)
+
+	// A real Postgres refusing a role that does not exist, and a Redis port nobody serves.
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = "idemq_no_such_role"
+	badPG, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(badPG.Close)
+	deadAddr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
+	badRedis := redis.NewClient(&redis.Options{Addr: deadAddr, MaxRetries: -1, DialTimeout: time.Second})
+	t.Cleanup(func() { badRedis.Close() })
+
+	pgOK := func(ctx context.Context) error { return good.Ping(ctx) }
+	redisOK := func(ctx context.Context) error { return rdb.Ping(ctx).Err() }
+	for _, tc := range []struct {
+		name      string
+		checks    map[string]Check
+		code      int
+		body      string
+		logged    []string
+		notInBody []string
+	}{
+		{"ready", map[string]Check{"postgres": pgOK, "redis": redisOK}, 200, "ready\n", nil, nil},
+		{"postgres down", map[string]Check{"postgres": func(ctx context.Context) error { return badPG.Ping(ctx) }, "redis": redisOK},
+			503, "postgres: unavailable\n", []string{"idemq_no_such_role"}, []string{"idemq_no_such_role", "user=", "database=", cfg.ConnConfig.Host}},
+		{"redis down", map[string]Check{"postgres": pgOK, "redis": func(ctx context.Context) error { return badRedis.Ping(ctx).Err() }},
+			503, "redis: unavailable\n", []string{deadAddr}, []string{deadAddr, "dial", "refused"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs syncBuffer
+			srv := httptest.NewServer(New().Handler(tc.checks, slog.New(slog.NewTextHandler(&logs, nil))))
+			defer srv.Close()
+			code, body := get(t, srv.URL+"/readyz")
+			if code != tc.code || body != tc.body {
+				t.Fatalf("/readyz: %d %q, want %d %q", code, body, tc.code, tc.body)
+			}
+			for _, s := range tc.notInBody {
+				if strings.Contains(body, s) {
+					t.Fatalf("/readyz body %q reveals %q", body, s)
+				}
+			}
+			for _, s := range tc.logged {
+				if !strings.Contains(logs.String(), s) {
+					t.Fatalf("log %q does not carry the detail %q", logs.String(), s)
+				}
+			}
+		})
+	}
+}
