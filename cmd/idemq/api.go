@@ -80,7 +80,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- client.RunRelay(relayCtx) }()
 
-	err = httpserver.Serve(ctx, cfg.HTTPAddr, h, cfg.ShutdownTimeout, log, nil)
+	err = httpserver.Serve(ctx, cfg.HTTPAddr, h, log, &httpserver.Options{ShutdownTimeout: cfg.ShutdownTimeout})
 	stopRelay()
 	if err != nil {
 		err = fmt.Errorf("api: %w", err)

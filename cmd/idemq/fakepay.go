@@ -33,7 +33,9 @@ func fakepayCommand() command {
 			}
 			srv := fakepay.New(pool, fakepay.Config{HonorKeys: cfg.HonorKeys, Delay: cfg.Delay, Logger: log})
 			log.Info("fakepay starting", "honor_keys", cfg.HonorKeys, "delay", cfg.Delay)
-			return httpserver.Serve(ctx, cfg.Addr, srv, defaultShutdown, log, nil)
+			// A request may sleep up to cfg.Delay before it answers.
+			return httpserver.Serve(ctx, cfg.Addr, srv, log, &httpserver.Options{
+				ShutdownTimeout: defaultShutdown, WriteTimeout: cfg.Delay + httpserver.DefaultWriteTimeout})
 		},
 	}
 }

@@ -152,7 +152,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
 			"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
 		}, log)
-		go func() { httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, 5*time.Second, log, nil) }()
+		go func() {
+			httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second})
+		}()
 	}
 	go purgeLoop(ctx, ledger, locker, cfg.Retention, log)
 

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/hibiken/asynq"
 	"github.com/hibiken/asynqmon"
@@ -52,6 +53,11 @@ type Options struct {
 	DashboardActions bool
 	// MaxBodyBytes caps request bodies. Default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
+	// RequestTimeout bounds each request (its context's deadline; the enqueue
+	// transaction's statement_timeout sits just below it): past it the client gets 503
+	// with Retry-After. Keep the HTTP server's write timeout above it. Default
+	// DefaultRequestTimeout (10s).
+	RequestTimeout time.Duration
 	// Logger gets request errors. Default: discard.
 	Logger *slog.Logger
 }
@@ -84,6 +90,9 @@ func New(deps Deps, opts *Options) *Server {
 	}
 	if s.opts.MaxBodyBytes <= 0 {
 		s.opts.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if s.opts.RequestTimeout <= 0 {
+		s.opts.RequestTimeout = DefaultRequestTimeout
 	}
 	s.log = s.opts.Logger
 	if s.log == nil {
@@ -132,33 +141,62 @@ func (s *Server) Close() error {
 	return nil // s.insp shares Deps.Redis, which the caller closes
 }
 
-// ServeHTTP counts each request by route pattern and status code.
+// ServeHTTP runs each request under Options.RequestTimeout and counts it by route
+// pattern and status code. A handler that ends without answering never leaves an implicit
+// 200 (which means "duplicate" here): its client gets 503 if the deadline passed, 500
+// otherwise, and a client that already went away is counted and logged as 499.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	rec := &statusRecorder{ResponseWriter: w, code: http.StatusOK}
+	ctx, cancel := context.WithTimeoutCause(r.Context(), s.opts.RequestTimeout, errRequestTimeout)
+	defer cancel()
+	r = r.WithContext(ctx)
+	rec := &statusRecorder{ResponseWriter: w}
 	s.mux.ServeHTTP(rec, r)
 	route := r.Pattern
 	if route == "" {
 		route = "unmatched"
 	}
+	if rec.code == 0 {
+		switch {
+		case clientGone(ctx):
+			rec.code = StatusClientClosedRequest
+			s.log.Info("api: client went away before the answer", "method", r.Method, "path", r.URL.Path, "status", rec.code)
+		case timedOut(ctx):
+			unavailable(rec, "timed out; retry later")
+		default:
+			s.log.Error("api: handler ended without an answer", "method", r.Method, "path", r.URL.Path)
+			writeError(rec, http.StatusInternalServerError, "internal error")
+		}
+	}
 	s.deps.Metrics.APIRequests.WithLabelValues(route, strconv.Itoa(rec.code)).Inc()
 }
 
+// statusRecorder remembers the status a handler answered; code is 0 until it answers.
 type statusRecorder struct {
 	http.ResponseWriter
-	code  int
-	wrote bool
+	code int
 }
 
 func (r *statusRecorder) WriteHeader(code int) {
-	if !r.wrote {
-		r.code, r.wrote = code, true
+	if r.code == 0 && code >= 200 {
+		r.code = code
 	}
 	r.ResponseWriter.WriteHeader(code)
 }
 
 func (r *statusRecorder) Write(b []byte) (int, error) {
-	r.wrote = true
+	if r.code == 0 {
+		r.code = http.StatusOK
+	}
 	return r.ResponseWriter.Write(b)
+}
+
+// Flush flushes the underlying writer, which sends an implicit 200 when nothing was
+// written yet.
+func (r *statusRecorder) Flush() {
+	if r.code == 0 {
+		r.code = http.StatusOK
+	}
+	http.NewResponseController(r.ResponseWriter).Flush()
 }
 
 // Unwrap lets http.ResponseController reach the underlying writer (asynqmon flushes).

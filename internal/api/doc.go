@@ -10,7 +10,7 @@
 //		&api.Options{RedisConnOpt: asynq.RedisClientOpt{Addr: "127.0.0.1:6379"}, DashboardPassword: "secret"})
 //	defer h.Close()
 //	go h.PurgeKeysEvery(ctx, time.Hour, 24*time.Hour)
-//	httpserver.Serve(ctx, ":8080", h, 30*time.Second, log, nil)
+//	httpserver.Serve(ctx, ":8080", h, log, &httpserver.Options{ShutdownTimeout: 30 * time.Second})
 //
 // A POST records the job's intent (through Enqueuer.EnqueueTx, an outbox) and, when the
 // client sent an Idempotency-Key header, the header's row in api_idempotency_keys, in one

@@ -225,7 +225,17 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 		s.internal(w, r, "begin", err)
 		return
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx))
+	defer func() {
+		// Even past the request's deadline, but bounded: a Postgres that stopped answering
+		// must not hold the handler past the server's write timeout.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+		defer cancel()
+		tx.Rollback(ctx)
+	}()
+	if err := setStatementTimeout(ctx, tx); err != nil {
+		s.internal(w, r, "set statement_timeout", err)
+		return
+	}
 
 	if hasKey {
 		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '"+acceptLockTimeout+"'"); err != nil {

@@ -42,7 +42,7 @@ func Example() {
 	defer h.Close()
 	go h.PurgeKeysEvery(ctx, time.Hour, 24*time.Hour)
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	if err := httpserver.Serve(ctx, ":8080", h, 30*time.Second, log, nil); err != nil {
+	if err := httpserver.Serve(ctx, ":8080", h, log, &httpserver.Options{ShutdownTimeout: 30 * time.Second}); err != nil {
 		log.Error("api", "err", err)
 	}
 }

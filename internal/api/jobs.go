@@ -76,10 +76,20 @@ func (s *Server) intent(ctx context.Context, key string) (jobAccepted, bool, err
 
 const intentByHeaderSQL = `SELECT task_type FROM api_idempotency_keys WHERE job_key = $1 AND status_code IS NOT NULL LIMIT 1`
 
+// internal answers an error of the API's own (Postgres, Redis), which it logs but never
+// sends: 503 with Retry-After when the request ran out of time (its deadline passed, or
+// Postgres cancelled a statement at the statement_timeout set below it), 500 otherwise.
+// When the client went away it writes nothing: ServeHTTP records the request as 499.
 func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, err error) {
-	if r.Context().Err() != nil {
-		return // the client went away
+	ctx := r.Context()
+	switch {
+	case clientGone(ctx):
+		s.log.Debug("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
+	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || isQueryCanceled(err):
+		s.log.Warn("api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
+		unavailable(w, what+": timed out; retry later")
+	default:
+		s.log.Error("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
+		writeError(w, http.StatusInternalServerError, what+": internal error")
 	}
-	s.log.Error("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
-	writeError(w, http.StatusInternalServerError, what+": internal error")
 }

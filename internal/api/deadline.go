@@ -1,0 +1,80 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DefaultRequestTimeout bounds each request: past it, a stalled Postgres or Redis gets the
+// client a 503 with Retry-After instead of a wait. It stays below httpserver's default
+// write timeout (60s), which must exceed it.
+const DefaultRequestTimeout = 10 * time.Second
+
+// StatusClientClosedRequest is what the API's metrics and logs record for a request whose
+// client went away before it was answered (nginx's 499); nothing is sent.
+const StatusClientClosedRequest = 499
+
+// retryAfter is the Retry-After, in seconds, of a 503 for a request that ran out of time.
+const retryAfter = "2"
+
+// rollbackTimeout bounds the rollback of a request's transaction, which runs even after
+// the request's deadline.
+const rollbackTimeout = 2 * time.Second
+
+// errRequestTimeout is the cause of a request context that reached its deadline, which
+// tells it apart from a client that went away.
+var errRequestTimeout = errors.New("api: request timeout")
+
+// sqlstateQueryCanceled is SQLSTATE 57014: a statement cancelled at its statement_timeout
+// (or on request).
+const sqlstateQueryCanceled = "57014"
+
+// timedOut reports whether the request's own deadline has passed.
+func timedOut(ctx context.Context) bool {
+	return errors.Is(context.Cause(ctx), errRequestTimeout)
+}
+
+// clientGone reports whether the request's context ended for another reason than its
+// deadline: the client hung up.
+func clientGone(ctx context.Context) bool {
+	return ctx.Err() != nil && !timedOut(ctx)
+}
+
+// isQueryCanceled reports whether Postgres cancelled the statement (statement_timeout).
+func isQueryCanceled(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == sqlstateQueryCanceled
+}
+
+// setStatementTimeoutSQL sets statement_timeout for the rest of the transaction only, so
+// it survives a transaction-mode pooler and never leaks to the next user of the session.
+const setStatementTimeoutSQL = `SELECT set_config('statement_timeout', $1, true)`
+
+// setStatementTimeout bounds each of tx's statements just below the time ctx has left,
+// so a stalled statement is cancelled by Postgres itself (the connection survives) before
+// pgx gives up on the connection at the deadline. A ctx without a deadline sets nothing.
+func setStatementTimeout(ctx context.Context, tx pgx.Tx) error {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return nil
+	}
+	left := time.Until(deadline) * 9 / 10
+	if left < time.Millisecond {
+		return context.DeadlineExceeded // 0 would mean no timeout at all
+	}
+	_, err := tx.Exec(ctx, setStatementTimeoutSQL, fmt.Sprintf("%dms", left.Milliseconds()))
+	return err
+}
+
+// unavailable answers 503 with Retry-After: the request ran out of time, and a retry
+// (with the same body and Idempotency-Key) is safe.
+func unavailable(w http.ResponseWriter, msg string) {
+	w.Header().Set("Retry-After", retryAfter)
+	writeError(w, http.StatusServiceUnavailable, msg)
+}
