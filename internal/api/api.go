@@ -94,6 +94,9 @@ func New(deps Deps, opts *Options) *Server {
 	if s.opts.RequestTimeout <= 0 {
 		s.opts.RequestTimeout = DefaultRequestTimeout
 	}
+	if s.opts.RequestTimeout <= 0 {
+		s.opts.RequestTimeout = DefaultRequestTimeout
+	}
 	s.log = s.opts.Logger
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
@@ -171,6 +174,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // statusRecorder remembers the status a handler answered; code is 0 until it answers.
+// A 413 closes the connection: http.MaxBytesReader, given the recorder rather than the
+// server's own writer, cannot tell the server to, and the rest of an oversized body must
+// not be read as the next request.
 type statusRecorder struct {
 	http.ResponseWriter
 	code int
@@ -179,6 +185,9 @@ type statusRecorder struct {
 func (r *statusRecorder) WriteHeader(code int) {
 	if r.code == 0 && code >= 200 {
 		r.code = code
+		if code == http.StatusRequestEntityTooLarge {
+			r.Header().Set("Connection", "close")
+		}
 	}
 	r.ResponseWriter.WriteHeader(code)
 }

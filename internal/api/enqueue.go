@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -154,8 +153,8 @@ func jsonKind(goKind string) string {
 }
 
 // headerKey reads the Idempotency-Key header: absent is fine; present, it must be one
-// value of 1 to 255 printable ASCII bytes, optionally as a structured-field string in
-// double quotes.
+// value of 1 to 255 printable ASCII bytes, bare or as an RFC 8941 sf-string (in double
+// quotes, `"` and `\` escaped by a backslash; see parseSFString).
 func headerKey(r *http.Request) (key string, present bool, err error) {
 	vals := r.Header.Values(HeaderIdempotencyKey)
 	switch len(vals) {
@@ -166,9 +165,9 @@ func headerKey(r *http.Request) (key string, present bool, err error) {
 		return "", true, errors.New(HeaderIdempotencyKey + ": send one value, not several")
 	}
 	v := vals[0]
-	if len(v) >= 2 && v[0] == '"' && v[len(v)-1] == '"' {
-		if uq, err := strconv.Unquote(v); err == nil {
-			v = uq
+	if strings.HasPrefix(v, `"`) {
+		if v, err = parseSFString(v); err != nil {
+			return "", true, fmt.Errorf("%s: %w", HeaderIdempotencyKey, err)
 		}
 	}
 	if v == "" {
@@ -185,10 +184,41 @@ func headerKey(r *http.Request) (key string, present bool, err error) {
 	return v, true, nil
 }
 
+// parseSFString decodes s, which starts with a double quote, as an RFC 8941 sf-string
+// (section 4.2.5): printable ASCII (0x20-0x7E) up to the closing quote, in which only `"`
+// and `\` are escaped, by a backslash; nothing may follow. Go's own escapes are not
+// escapes here: `"a\x41"` is refused, never read as the key aA.
+func parseSFString(s string) (string, error) {
+	var b strings.Builder
+	for i := 1; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '\\':
+			i++
+			if i == len(s) {
+				return "", errors.New("quoted key: no closing quote")
+			}
+			if s[i] != '"' && s[i] != '\\' {
+				return "", fmt.Errorf(`quoted key: byte %d: only \" and \\ may be escaped`, i)
+			}
+			b.WriteByte(s[i])
+		case c == '"':
+			if i != len(s)-1 {
+				return "", fmt.Errorf("quoted key: data after the closing quote at byte %d", i)
+			}
+			return b.String(), nil
+		case c < 0x20 || c > 0x7e:
+			return "", fmt.Errorf("quoted key: byte %d is not printable ASCII", i)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", errors.New("quoted key: no closing quote")
+}
+
 const (
 	insertHeaderSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type)
 VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING true`
-	getHeaderSQL = `SELECT fingerprint, job_key, status_code, response FROM api_idempotency_keys
+	getHeaderSQL = `SELECT fingerprint, status_code, response FROM api_idempotency_keys
 WHERE route = $1 AND header_key = $2`
 	answerHeaderSQL = `UPDATE api_idempotency_keys SET status_code = $3, response = $4
 WHERE route = $1 AND header_key = $2`
@@ -313,16 +343,16 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 func (s *Server) replay(w http.ResponseWriter, r *http.Request, tx pgx.Tx, route, hk string, fp []byte) {
 	var (
 		storedFP []byte
-		jobKey   string
 		code     *int
 		body     []byte
 	)
-	if err := tx.QueryRow(r.Context(), getHeaderSQL, route, hk).Scan(&storedFP, &jobKey, &code, &body); err != nil {
+	if err := tx.QueryRow(r.Context(), getHeaderSQL, route, hk).Scan(&storedFP, &code, &body); err != nil {
 		s.internal(w, r, "read the Idempotency-Key", err)
 		return
 	}
 	if !bytes.Equal(storedFP, fp) {
-		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s %q was used with a different body (job %q)", HeaderIdempotencyKey, hk, jobKey))
+		// Not naming the job the key made: it may be another caller's.
+		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s %q was used with a different body", HeaderIdempotencyKey, hk))
 		return
 	}
 	if code == nil { // cannot happen: the row is answered in its own transaction
