@@ -94,9 +94,6 @@ func New(deps Deps, opts *Options) *Server {
 	if s.opts.RequestTimeout <= 0 {
 		s.opts.RequestTimeout = DefaultRequestTimeout
 	}
-	if s.opts.RequestTimeout <= 0 {
-		s.opts.RequestTimeout = DefaultRequestTimeout
-	}
 	s.log = s.opts.Logger
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
