@@ -63,12 +63,17 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 		RedisConnOpt:      connOpt,
 		DashboardUser:     cfg.DashboardUser,
 		DashboardPassword: cfg.DashboardPassword,
+		ListenAddr:        cfg.HTTPAddr,
 		DashboardActions:  !cfg.DashboardReadonly,
 		Logger:            log,
 	})
 	defer h.Close()
-	if cfg.DashboardPassword == "" {
-		log.Warn("IDEMQ_DASHBOARD_PASSWORD is empty: /monitoring/ and /ledger/ are open to anyone who can reach " + cfg.HTTPAddr)
+	switch h.Dashboard() {
+	case api.AccessRefused:
+		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set (or is the placeholder "+api.PlaceholderPassword+") and IDEMQ_HTTP_ADDR is not a loopback address: "+
+			"/monitoring/ and /ledger/ answer 403 until a password is set; /v1/, /metrics, /healthz and /readyz are served", "addr", cfg.HTTPAddr)
+	case api.AccessLoopback:
+		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set: /monitoring/ and /ledger/ are open without a password to anyone on this machine", "addr", cfg.HTTPAddr)
 	}
 
 	// The API's relay publishes what it accepted at once (woken after each commit); the

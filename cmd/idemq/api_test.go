@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -104,4 +105,78 @@ func TestAPICommand(t *testing.T) {
 		t.Fatalf("idemq api did not stop within 20s of SIGTERM:\n%s", stderr.String())
 	}
 	exited <- nil // for the cleanup
+}
+
+// TestAPIDashboardWithoutPassword runs `idemq api` on all interfaces with the password
+// compose.yaml falls back on: it says at start that the dashboard and the ledger page
+// answer 403, they do, and the API and the health endpoints are served.
+func TestAPIDashboardWithoutPassword(t *testing.T) {
+	t.Parallel()
+	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
+	port := testenv.FreePort(t)
+	cmd := exec.Command(binary, "api")
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "DATABASE_URL=" + dsn, "REDIS_URL=" + rurl,
+		fmt.Sprintf("IDEMQ_HTTP_ADDR=:%d", port), "IDEMQ_DASHBOARD_PASSWORD=change-me", "IDEMQ_LOG_LEVEL=warn"}
+	var stderr syncBuilder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-exited
+	})
+	get := func(path string) (int, string) {
+		resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d%s", port, path))
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if code, _ := get("/readyz"); code == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("idemq api never became ready:\n%s", stderr.String())
+		}
+	}
+	for _, path := range []string{"/monitoring/", "/ledger/", "/ledger/charge:o-1"} {
+		if code, body := get(path); code != 403 || !strings.Contains(body, "IDEMQ_DASHBOARD_PASSWORD") {
+			t.Errorf("%s: %d %s, want 403 naming IDEMQ_DASHBOARD_PASSWORD", path, code, body)
+		}
+	}
+	for _, path := range []string{"/healthz", "/metrics"} {
+		if code, _ := get(path); code != 200 {
+			t.Errorf("%s: %d, want 200", path, code)
+		}
+	}
+	if code, body := get("/v1/jobs/charge:o-1"); code != 404 || !strings.Contains(body, "no job") {
+		t.Errorf("/v1/jobs/charge:o-1: %d %s, want the API's 404", code, body)
+	}
+	if log := stderr.String(); !strings.Contains(log, "/monitoring/ and /ledger/ answer 403 until a password is set") {
+		t.Errorf("no start-up line about the dashboard's 403:\n%s", log)
+	}
+}
+
+// syncBuilder is a strings.Builder safe for a process's writes and a test's reads.
+type syncBuilder struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuilder) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuilder) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -44,9 +44,14 @@ type Options struct {
 	// at /monitoring/ (404).
 	RedisConnOpt asynq.RedisConnOpt
 	// DashboardUser and DashboardPassword protect /monitoring/ and /ledger/ with basic
-	// auth when DashboardPassword is not empty. Default: no auth.
+	// auth when DashboardPassword is not empty (PlaceholderPassword counts as empty).
+	// Default: no password, and then they answer 403 unless ListenAddr is loopback.
 	DashboardUser     string
 	DashboardPassword string
+	// ListenAddr is the address the server listens on (IDEMQ_HTTP_ADDR). Without a
+	// DashboardPassword, /monitoring/ and /ledger/ are served only when it is a loopback
+	// address (127.0.0.1:8080, [::1]:8080, localhost:8080). Default "": not loopback.
+	ListenAddr string
 	// DashboardActions allows the dashboard's actions (run, delete, archive, pause).
 	// Default false: read-only, because "run" on an archived duplicate whose ledger key
 	// was purged would run its effect again.
@@ -99,6 +104,9 @@ func New(deps Deps, opts *Options) *Server {
 		s.log = slog.New(slog.DiscardHandler)
 	}
 	s.insp = asynq.NewInspectorFromRedisClient(deps.Redis)
+	if s.opts.DashboardPassword == PlaceholderPassword {
+		s.opts.DashboardPassword = ""
+	}
 
 	s.mux.HandleFunc("POST /v1/charges", s.postCharge)
 	s.mux.HandleFunc("POST /v1/wallet/debits", s.postDebit)
@@ -107,8 +115,8 @@ func New(deps Deps, opts *Options) *Server {
 		writeError(w, http.StatusNotFound, "no route "+r.Method+" "+r.URL.Path)
 	})
 
-	s.mux.Handle("GET /ledger/{$}", s.auth(http.HandlerFunc(s.ledgerList)))
-	s.mux.Handle("GET /ledger/{key...}", s.auth(http.HandlerFunc(s.ledgerRow)))
+	s.mux.Handle("GET /ledger/{$}", s.page(http.HandlerFunc(s.ledgerList)))
+	s.mux.Handle("GET /ledger/{key...}", s.page(http.HandlerFunc(s.ledgerRow)))
 	s.mux.Handle("GET /ledger", http.RedirectHandler("/ledger/", http.StatusMovedPermanently))
 
 	if s.opts.RedisConnOpt != nil {
@@ -118,7 +126,7 @@ func New(deps Deps, opts *Options) *Server {
 			ReadOnly:        !s.opts.DashboardActions,
 			ResultFormatter: asynqmon.ResultFormatterFunc(prettyResult),
 		})
-		s.mux.Handle("/monitoring/", s.auth(s.monitor))
+		s.mux.Handle("/monitoring/", s.page(s.monitor))
 		s.mux.Handle("GET /monitoring", http.RedirectHandler("/monitoring/", http.StatusMovedPermanently))
 	}
 

@@ -63,8 +63,13 @@ func newTestAPI(t *testing.T, opts *Options) *testAPI {
 		o = *opts
 	}
 	o.RedisConnOpt = connOpt
+	srv := httptest.NewUnstartedServer(nil)
+	if o.ListenAddr == "" {
+		o.ListenAddr = srv.Listener.Addr().String() // loopback: the dashboard needs no password
+	}
 	s := New(Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: m}, &o)
-	srv := httptest.NewServer(s)
+	srv.Config.Handler = s
+	srv.Start()
 	t.Cleanup(func() {
 		srv.Close()
 		s.Close()

@@ -70,7 +70,7 @@ type API struct {
 	Database
 	HTTPAddr          string        `envconfig:"IDEMQ_HTTP_ADDR" default:":8080" desc:"address of the enqueue API, the dashboard, /metrics, /healthz and /readyz"`
 	DashboardUser     string        `envconfig:"IDEMQ_DASHBOARD_USER" desc:"basic-auth user for /monitoring/ and /ledger/"`
-	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password; when set, the dashboard asks for it"`
+	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password for /monitoring/ and /ledger/; unset (or change-me), they answer 403 unless IDEMQ_HTTP_ADDR is loopback"`
 	DashboardReadonly bool          `envconfig:"IDEMQ_DASHBOARD_READONLY" default:"true" desc:"forbid dashboard actions (run, delete, archive)"`
 	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for requests in flight"`
 	KeyRetention      time.Duration `envconfig:"IDEMQ_API_KEY_RETENTION" default:"24h" desc:"how long an Idempotency-Key header is remembered (its job key dedups for longer)"`
