@@ -76,6 +76,8 @@ type Server struct {
 	monitor *asynqmon.HTTPHandler
 	insp    *asynq.Inspector
 	log     *slog.Logger
+	// crossOrigin refuses cross-origin writes to the dashboard and the ledger page.
+	crossOrigin *http.CrossOriginProtection
 
 	// holdAccept, when set by a test, runs inside the enqueue transaction after the
 	// Idempotency-Key row is written and before the commit.
@@ -107,6 +109,7 @@ func New(deps Deps, opts *Options) *Server {
 	if s.opts.DashboardPassword == PlaceholderPassword {
 		s.opts.DashboardPassword = ""
 	}
+	s.crossOrigin = newCrossOrigin()
 
 	s.mux.HandleFunc("POST /v1/charges", s.postCharge)
 	s.mux.HandleFunc("POST /v1/wallet/debits", s.postDebit)
@@ -115,8 +118,8 @@ func New(deps Deps, opts *Options) *Server {
 		writeError(w, http.StatusNotFound, "no route "+r.Method+" "+r.URL.Path)
 	})
 
-	s.mux.Handle("GET /ledger/{$}", s.page(http.HandlerFunc(s.ledgerList)))
-	s.mux.Handle("GET /ledger/{key...}", s.page(http.HandlerFunc(s.ledgerRow)))
+	s.mux.Handle("GET /ledger/{$}", s.page(ledgerCSP, http.HandlerFunc(s.ledgerList)))
+	s.mux.Handle("GET /ledger/{key...}", s.page(ledgerCSP, http.HandlerFunc(s.ledgerRow)))
 	s.mux.Handle("GET /ledger", http.RedirectHandler("/ledger/", http.StatusMovedPermanently))
 
 	if s.opts.RedisConnOpt != nil {
@@ -126,7 +129,12 @@ func New(deps Deps, opts *Options) *Server {
 			ReadOnly:        !s.opts.DashboardActions,
 			ResultFormatter: asynqmon.ResultFormatterFunc(prettyResult),
 		})
-		s.mux.Handle("/monitoring/", s.page(s.monitor))
+		index, csp, err := monitorIndex(s.monitor, "/monitoring")
+		if err != nil {
+			s.log.Error("api: the dashboard's page cannot run under its CSP", "err", err)
+			csp = monitorCSP(nil)
+		}
+		s.mux.Handle("/monitoring/", s.page(csp, withIndex(s.monitor, index)))
 		s.mux.Handle("GET /monitoring", http.RedirectHandler("/monitoring/", http.StatusMovedPermanently))
 	}
 

@@ -30,13 +30,15 @@ func chromium(t *testing.T) string {
 }
 
 // browse runs headless Chromium on url with extra flags and returns its standard output.
+// It fails the test on any message the page wrote to the console: errors, refused
+// resources and Content-Security-Policy violations are all reported there.
 func browse(t *testing.T, bin, url string, extra ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	args := append([]string{"--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
 		"--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-		"--user-data-dir=" + t.TempDir(), "--virtual-time-budget=10000"}, extra...)
+		"--user-data-dir=" + t.TempDir(), "--virtual-time-budget=10000", "--enable-logging=stderr", "--v=0"}, extra...)
 	args = append(args, url)
 	cmd := exec.CommandContext(ctx, bin, args...)
 	var out, errOut bytes.Buffer
@@ -44,7 +46,22 @@ func browse(t *testing.T, bin, url string, extra ...string) string {
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("chromium %s: %v\n%s", url, err, tail(errOut.String(), 2000))
 	}
+	if console := consoleLines(errOut.String()); len(console) > 0 {
+		t.Fatalf("chromium %s: the page wrote to the console:\n%s", url, strings.Join(console, "\n"))
+	}
 	return out.String()
+}
+
+// consoleLines are the page's console messages in Chromium's log: each is logged as
+// [pid:tid:time:LEVEL:CONSOLE:line] "message", source: url (line).
+func consoleLines(log string) []string {
+	var out []string
+	for _, line := range strings.Split(log, "\n") {
+		if strings.Contains(line, ":CONSOLE") {
+			out = append(out, line)
+		}
+	}
+	return out
 }
 
 func tail(s string, n int) string {
@@ -55,9 +72,10 @@ func tail(s string, n int) string {
 }
 
 // TestBrowserRendersDashboardAndLedger loads the asynqmon SPA and the ledger page in
-// headless Chromium and finds the queue and a key in the rendered DOM, then takes a
-// screenshot of each (into IDEMQ_SCREENSHOT_DIR when set, as `make screenshots` does for
-// docs/).
+// headless Chromium under their Content-Security-Policy and finds the queue, the tasks
+// and the keys in the rendered DOM (data the pages fetched), with nothing written to the
+// console (no violation, no error), then takes a screenshot of each (into
+// IDEMQ_SCREENSHOT_DIR when set, as `make screenshots` does for docs/).
 func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 	bin := chromium(t)
 	a := newTestAPI(t, nil)
@@ -67,14 +85,21 @@ func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 	a.complete(t, "order-1001", `{"charge_id":"ch_3fa9","amount_cents":1999,"currency":"EUR"}`)
 	a.complete(t, "order-1002", `{"charge_id":"ch_77b1","amount_cents":1999,"currency":"EUR"}`)
 
-	dom := browse(t, bin, a.URL+"/monitoring/", "--dump-dom")
-	for _, want := range []string{"default", "Queues"} {
-		if !strings.Contains(dom, want) {
-			t.Fatalf("asynqmon's rendered DOM does not contain %q:\n%s", want, tail(dom, 3000))
+	for path, wants := range map[string][]string{
+		"/monitoring/": {"Queues", "default", "Memory usage"},
+		"/monitoring/queues/default?status=pending": {"Pending", "order-1003", "payment:charge"},
+		"/monitoring/redis":                         {"Redis Info", "redis_version"},
+		"/monitoring/servers":                       {"Servers"},
+	} {
+		dom := browse(t, bin, a.URL+path, "--dump-dom")
+		for _, want := range wants {
+			if !strings.Contains(dom, want) {
+				t.Fatalf("asynqmon's rendered DOM of %s does not contain %q:\n%s", path, want, tail(dom, 3000))
+			}
 		}
 	}
 	// The page the ledger links each key to: asynqmon's task page, TaskID = key.
-	dom = browse(t, bin, a.URL+taskLink(tasks.Queue, "charge:order-1003"), "--dump-dom")
+	dom := browse(t, bin, a.URL+taskLink(tasks.Queue, "charge:order-1003"), "--dump-dom")
 	if !strings.Contains(dom, "charge:order-1003") || !strings.Contains(dom, "payment:charge") {
 		t.Fatalf("asynqmon's task page does not show charge:order-1003:\n%s", tail(dom, 3000))
 	}
@@ -83,6 +108,10 @@ func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 		if !strings.Contains(dom, want) {
 			t.Fatalf("the ledger page's DOM does not contain %q:\n%s", want, tail(dom, 3000))
 		}
+	}
+	dom = browse(t, bin, a.URL+"/ledger/charge:order-1001", "--dump-dom")
+	if !strings.Contains(dom, "ch_3fa9") || !strings.Contains(dom, "in asynqmon") {
+		t.Fatalf("the ledger row page's DOM does not show charge:order-1001:\n%s", tail(dom, 3000))
 	}
 
 	dir := os.Getenv("IDEMQ_SCREENSHOT_DIR")

@@ -53,9 +53,12 @@ func loopback(addr string) bool {
 	return err == nil && ip.IsLoopback()
 }
 
-// page guards a handler of the dashboard or of the ledger page: basic auth, or without a
+// page guards a handler of the dashboard or of the ledger page: every answer carries
+// csp and X-Frame-Options: DENY; a cross-origin request that is not a GET or HEAD is
+// refused (403, by http.CrossOriginProtection: Sec-Fetch-Site other than same-origin or
+// none, else an Origin whose host is not the request's); then basic auth, or without a
 // password 403 unless the server listens on loopback.
-func (s *Server) page(h http.Handler) http.Handler {
+func (s *Server) page(csp string, h http.Handler) http.Handler {
 	switch s.Dashboard() {
 	case AccessPassword:
 		h = s.auth(h)
@@ -65,5 +68,19 @@ func (s *Server) page(h http.Handler) http.Handler {
 				"(without one they are served only when IDEMQ_HTTP_ADDR is a loopback address such as 127.0.0.1:8080)")
 		})
 	}
-	return h
+	h = s.crossOrigin.Handler(h)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Security-Policy", csp)
+		w.Header().Set("X-Frame-Options", "DENY")
+		h.ServeHTTP(w, r)
+	})
+}
+
+// newCrossOrigin is the check of page, answering in the API's JSON error form.
+func newCrossOrigin() *http.CrossOriginProtection {
+	c := http.NewCrossOriginProtection()
+	c.SetDenyHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusForbidden, "cross-origin request refused: only pages of this server may send "+r.Method+" here")
+	}))
+	return c
 }

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"strings"
 	"testing"
 )
 
@@ -57,4 +58,78 @@ func TestDashboardNeedsPasswordOffLoopback(t *testing.T) {
 	}
 	a.do(t, "GET", "/ledger/", "").wantError(t, 401, "authentication required")
 	a.do(t, "GET", "/ledger/", "", "Authorization", basic("ops", "s3cret")).want(t, 200, `id="rows"`)
+}
+
+// TestDashboardRefusesCrossOriginWrites: a write to the dashboard from another origin (a
+// form on another site, sent with the operator's credentials) is refused before it
+// reaches asynqmon, by Sec-Fetch-Site or, without it, by Origin; the same origin and
+// clients that send neither (curl) go through.
+func TestDashboardRefusesCrossOriginWrites(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, &Options{DashboardActions: true, DashboardUser: "ops", DashboardPassword: "s3cret"})
+	a.publish(t, "o-1")
+	good := basic("ops", "s3cret")
+	host := strings.TrimPrefix(a.URL, "http://")
+	pause := "/monitoring/api/queues/default:pause"
+	for _, h := range [][]string{
+		{"Sec-Fetch-Site", "cross-site"},
+		{"Sec-Fetch-Site", "same-site"},
+		{"Sec-Fetch-Site", "cross-site", "Origin", a.URL},
+		{"Origin", "http://evil.example"},
+		{"Origin", "http://" + host + ".evil.example"},
+		{"Origin", "null"},
+	} {
+		a.do(t, "POST", pause, "", append([]string{"Authorization", good}, h...)...).wantError(t, 403, "cross-origin request refused")
+		a.do(t, "DELETE", "/monitoring/api/queues/default/pending_tasks/charge:o-1", "", append([]string{"Authorization", good}, h...)...).
+			wantError(t, 403, "cross-origin request refused")
+		// Reads are not writes: asynqmon still answers them.
+		a.do(t, "GET", "/monitoring/api/queues/default", "", append([]string{"Authorization", good}, h...)...).want(t, 200, `"paused":false`, `"pending":1`)
+	}
+	a.do(t, "POST", pause, "", "Authorization", good, "Sec-Fetch-Site", "same-origin", "Origin", a.URL).want(t, 204)
+	a.do(t, "POST", "/monitoring/api/queues/default:resume", "", "Authorization", good, "Origin", a.URL).want(t, 204)
+	a.do(t, "POST", pause, "", "Authorization", good).want(t, 204) // no browser headers: curl
+	a.do(t, "GET", "/monitoring/api/queues/default", "", "Authorization", good).want(t, 200, `"paused":true`, `"pending":1`)
+}
+
+// TestPagesSendSecurityHeaders: every answer of the dashboard and of the ledger page
+// forbids framing and carries its Content-Security-Policy (the browser test checks that
+// the pages run under it); asynqmon's index page comes without its Google Fonts links.
+func TestPagesSendSecurityHeaders(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	a.publish(t, "o-1")
+	for _, path := range []string{"/monitoring/", "/monitoring/queues/default/tasks/charge:o-1", "/monitoring/api/queues",
+		"/monitoring/static/js/main.5adda2da.chunk.js", "/ledger/", "/ledger/charge:o-1", "/ledger/charge:nope", "/ledger/%00"} {
+		ans := a.do(t, "GET", path, "")
+		if ans.code != 200 && ans.code != 404 {
+			t.Fatalf("%s: %d %s", path, ans.code, ans.body)
+		}
+		if got := ans.header.Get("X-Frame-Options"); got != "DENY" {
+			t.Errorf("%s: X-Frame-Options %q, want DENY", path, got)
+		}
+		csp := ans.header.Get("Content-Security-Policy")
+		for _, want := range []string{"default-src 'none'", "frame-ancestors 'none'", "base-uri 'none'"} {
+			if !strings.Contains(csp, want) {
+				t.Errorf("%s: Content-Security-Policy %q lacks %q", path, csp, want)
+			}
+		}
+		if strings.Contains(csp, "unsafe-eval") || strings.Contains(csp, "script-src 'unsafe-inline'") || strings.Contains(csp, "*") {
+			t.Errorf("%s: Content-Security-Policy %q is not restrictive", path, csp)
+		}
+		if strings.HasPrefix(path, "/ledger/") && (strings.Contains(csp, "script-src") || strings.Contains(csp, "unsafe-inline")) {
+			t.Errorf("%s: the ledger page runs no script and pins its style: %q", path, csp)
+		}
+	}
+	index := a.do(t, "GET", "/monitoring/queues/default", "").want(t, 200, `<div id="root">`, `window.FLAG_ROOT_PATH=`)
+	if ct := index.header.Get("Content-Type"); ct != "text/html; charset=utf-8" {
+		t.Errorf("asynqmon's index page: Content-Type %q", ct)
+	}
+	if strings.Contains(index.body, "fonts.googleapis.com") {
+		t.Errorf("asynqmon's index page still links Google Fonts:\n%s", index.body)
+	}
+	// A 401 carries them too.
+	b := newTestAPI(t, &Options{DashboardPassword: "pw"})
+	if got := b.do(t, "GET", "/monitoring/", "").header.Get("X-Frame-Options"); got != "DENY" {
+		t.Errorf("401: X-Frame-Options %q, want DENY", got)
+	}
 }
