@@ -1,6 +1,9 @@
 // Package api is idemq's web side: the enqueue API (POST /v1/charges, POST
 // /v1/wallet/debits, GET /v1/jobs/{key}), the asynqmon dashboard at /monitoring/, a
-// server-rendered ledger page at /ledger/, and /metrics, /healthz and /readyz.
+// server-rendered ledger page at /ledger/, and /metrics, /healthz and /readyz. The
+// dashboard and the ledger page show every payload: they ask for Options.DashboardPassword,
+// or, without one, answer 403 unless Options.ListenAddr is loopback; they refuse
+// cross-origin writes and send a Content-Security-Policy and X-Frame-Options: DENY.
 //
 // Usage:
 //

@@ -38,6 +38,7 @@ func Example() {
 			RedisConnOpt:      asynq.RedisClientOpt{Addr: "127.0.0.1:6379"},
 			DashboardUser:     "ops",
 			DashboardPassword: os.Getenv("IDEMQ_DASHBOARD_PASSWORD"),
+			ListenAddr:        ":8080", // not loopback: without a password, /monitoring/ and /ledger/ answer 403
 		})
 	defer h.Close()
 	go h.PurgeKeysEvery(ctx, time.Hour, 24*time.Hour)
