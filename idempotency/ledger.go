@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/internal/claimctx"
 )
 
 // Statuses of a ledger row (the status column).
@@ -257,15 +259,23 @@ func ValidateKey(key string) error {
 		return fmt.Errorf("%w: %d bytes, must be 1..%d bytes", ErrInvalidKey, len(key), MaxKeyBytes)
 	}
 	for i := 0; i < len(key); i++ {
-		if c := key[i]; c < 0x21 || c > 0x7e {
-			return fmt.Errorf("%w: byte 0x%02x at offset %d, must be printable ASCII 0x21..0x7E (no space, control or non-ASCII)",
-				ErrInvalidKey, c, i)
-		}
-		if key[i] == ReservedKeyByte {
-			return fmt.Errorf("%w: '#' at offset %d; '#' is reserved (republished tasks are key#r<n>)", ErrInvalidKey, i)
+		if problem := KeyByteProblem(key[i]); problem != "" {
+			return fmt.Errorf("%w: byte 0x%02x at offset %d, %s", ErrInvalidKey, key[i], i, problem)
 		}
 	}
 	return nil
+}
+
+// KeyByteProblem says why c cannot be a byte of a key ("" when it can), for checks that
+// name their own field: keys are printable ASCII other than space and ReservedKeyByte.
+func KeyByteProblem(c byte) string {
+	switch {
+	case c < 0x21 || c > 0x7e:
+		return "must be printable ASCII 0x21..0x7E (no space, control or non-ASCII)"
+	case c == ReservedKeyByte:
+		return "'#' is reserved (republished tasks are key#r<n>)"
+	}
+	return ""
 }
 
 // ReservedKeyByte may not appear in a key: it separates a key from its republish
@@ -283,21 +293,16 @@ func Fingerprint(taskType string, canonicalPayload []byte) []byte {
 	return h.Sum(nil)
 }
 
-type ctxKey struct{}
-
-type ctxClaim struct {
-	key   string
-	fence int64
-}
-
 func withClaim(ctx context.Context, key string, fence int64) context.Context {
-	return context.WithValue(ctx, ctxKey{}, ctxClaim{key, fence})
+	return claimctx.With(ctx, key, fence)
 }
 
 // FromContext returns the key and fence of the claim a Do or DoTx handler runs under.
 // Pass the key (never key+fence) to external providers as their idempotency key. ok is
 // false outside such a handler.
 func FromContext(ctx context.Context) (key string, fence int64, ok bool) {
-	c, ok := ctx.Value(ctxKey{}).(ctxClaim)
-	return c.key, c.fence, ok
+	return claimctx.From(ctx)
 }
+
+// Lease returns the lease a claim holds a key for without a heartbeat (Config.Lease).
+func (l *Ledger) Lease() time.Duration { return l.cfg.Lease }

@@ -3,12 +3,13 @@ package idempotency
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
 	"unicode/utf8"
+
+	"github.com/idemq/idemq/idempotency/internal/pgtext"
 )
 
 // maxLastErrorBytes caps last_error.
-const maxLastErrorBytes = 4096
+const maxLastErrorBytes = pgtext.MaxBytes
 
 // ValidateResult reports why result cannot be stored in a jsonb column within maxBytes:
 // too large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an
@@ -93,17 +94,5 @@ func (l *Ledger) markResult(c *Claim, msg string) (any, any) {
 	return string(b), msg
 }
 
-// cleanText makes s storable in a text column: valid UTF-8, no NUL, at most
-// maxLastErrorBytes.
-func cleanText(s string) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	s = strings.ReplaceAll(s, "\x00", "\\x00")
-	if len(s) > maxLastErrorBytes {
-		cut := maxLastErrorBytes
-		for cut > 0 && !utf8.RuneStart(s[cut]) {
-			cut--
-		}
-		s = s[:cut] + "…"
-	}
-	return s
-}
+// cleanText makes s storable as last_error (see pgtext.Clean).
+func cleanText(s string) string { return pgtext.Clean(s) }

@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 )
 
 // Task type names.
@@ -30,19 +32,6 @@ const (
 // Queue is the asynq queue both example task types go to.
 const Queue = "default"
 
-// Limits checked before a task is enqueued.
-const (
-	// MaxKeyBytes is the longest idempotency key the ledger accepts.
-	MaxKeyBytes = 255
-	// MaxPayloadBytes is the largest payload a constructor or decoder accepts.
-	MaxPayloadBytes = 64 << 10
-)
-
-// HeaderFirstEnqueued is the task header holding the time (RFC 3339, UTC) the job was
-// first enqueued. It bounds how long a task may keep retrying as "busy"; it is not part of
-// the payload's fingerprint.
-const HeaderFirstEnqueued = "idemq-first-enqueued"
-
 // Default asynq options of the example task types.
 const (
 	DefaultMaxRetry  = 10
@@ -51,14 +40,11 @@ const (
 	debitTimeout     = 30 * time.Second
 )
 
-// Job is what the idempotency middleware needs of a decoded payload.
-type Job interface {
-	// Key is the idempotency key: the ledger key, the provider's idempotency key and the
-	// TaskID of the first publish.
-	Key() string
-	// LockScope is the Redis lock's scope; it may be wider than the key.
-	LockScope() string
-}
+// The payloads are jobs of the library's middleware.
+var (
+	_ idempotency.Job = Charge{}
+	_ idempotency.Job = Debit{}
+)
 
 // Charge is the payload of payment:charge: charge a customer for an order, once.
 type Charge struct {
@@ -77,10 +63,10 @@ func (c Charge) LockScope() string { return "customer:" + c.CustomerID }
 
 // Validate reports the first invalid field, by its JSON name.
 func (c Charge) Validate() error {
-	if err := checkID("order_id", c.OrderID, len("charge:")); err != nil {
+	if err := checkID("order_id", c.OrderID, "charge:"); err != nil {
 		return err
 	}
-	if err := checkID("customer_id", c.CustomerID, len("customer:")); err != nil {
+	if err := checkID("customer_id", c.CustomerID, "customer:"); err != nil {
 		return err
 	}
 	if c.AmountCents <= 0 {
@@ -117,18 +103,18 @@ func (d Debit) LockScope() string { return "account:" + d.AccountID }
 
 // Validate reports the first invalid field, by its JSON name.
 func (d Debit) Validate() error {
-	if err := checkID("account_id", d.AccountID, len("account:")); err != nil {
+	if err := checkID("account_id", d.AccountID, "account:"); err != nil {
 		return err
 	}
 	if d.AmountCents <= 0 {
 		return fmt.Errorf("amount_cents: must be a positive number of cents, got %d", d.AmountCents)
 	}
-	return checkID("reference", d.Reference, len("debit:"))
+	return checkID("reference", d.Reference, "debit:")
 }
 
 // DecodeCharge strictly decodes and validates a payment:charge payload and returns it in
 // canonical form (Charge.Canonical): unknown, duplicate and case-variant fields (see
-// CheckFieldNames), trailing data, a payload over MaxPayloadBytes and invalid fields are
+// CheckFieldNames), trailing data, a payload over idempotency.MaxPayloadBytes and invalid fields are
 // errors that name the problem.
 func DecodeCharge(payload []byte) (Charge, error) {
 	var c Charge
@@ -148,58 +134,31 @@ func DecodeDebit(payload []byte) (Debit, error) {
 	return d, d.Validate()
 }
 
-// Spec is everything needed to publish a job: its key, its asynq task type and payload,
-// and asynq's options. An outbox stores it and publishes it later (Spec.Task).
-type Spec struct {
-	Key       string
-	Type      string
-	Payload   []byte
-	Queue     string
-	MaxRetry  int
-	Timeout   time.Duration
-	Retention time.Duration
-}
-
-// Task returns the asynq task for s under TaskID taskID (the key for the first publish),
-// with the first-enqueue header set to firstEnqueued and s's options; opts come last and
-// win.
-func (s Spec) Task(taskID string, firstEnqueued time.Time, opts ...asynq.Option) *asynq.Task {
-	all := append([]asynq.Option{
-		asynq.TaskID(taskID),
-		asynq.Queue(s.Queue),
-		asynq.MaxRetry(s.MaxRetry),
-		asynq.Timeout(s.Timeout),
-		asynq.Retention(s.Retention),
-	}, opts...)
-	headers := map[string]string{HeaderFirstEnqueued: firstEnqueued.UTC().Format(time.RFC3339Nano)}
-	return asynq.NewTaskWithHeaders(s.Type, s.Payload, headers, all...)
-}
-
 // ChargeSpec validates c and returns its Spec, with c's payload in canonical form
 // (Charge.Canonical): key c.Key(), queue Queue, the default retry and retention, a
 // 2-minute timeout.
-func ChargeSpec(c Charge) (Spec, error) {
+func ChargeSpec(c Charge) (outbox.Spec, error) {
 	c = c.Canonical()
 	if err := c.Validate(); err != nil {
-		return Spec{}, fmt.Errorf("%s: %w", TypeCharge, err)
+		return outbox.Spec{}, fmt.Errorf("%s: %w", TypeCharge, err)
 	}
 	return newSpec(TypeCharge, c, c.Key(), chargeTimeout)
 }
 
 // DebitSpec validates d and returns its Spec, like ChargeSpec, with a 30-second timeout.
-func DebitSpec(d Debit) (Spec, error) {
+func DebitSpec(d Debit) (outbox.Spec, error) {
 	if err := d.Validate(); err != nil {
-		return Spec{}, fmt.Errorf("%s: %w", TypeDebit, err)
+		return outbox.Spec{}, fmt.Errorf("%s: %w", TypeDebit, err)
 	}
 	return newSpec(TypeDebit, d, d.Key(), debitTimeout)
 }
 
-func newSpec(typ string, payload any, key string, timeout time.Duration) (Spec, error) {
+func newSpec(typ string, payload any, key string, timeout time.Duration) (outbox.Spec, error) {
 	b, err := json.Marshal(payload)
 	if err != nil {
-		return Spec{}, fmt.Errorf("%s: encode payload: %w", typ, err)
+		return outbox.Spec{}, fmt.Errorf("%s: encode payload: %w", typ, err)
 	}
-	return Spec{Key: key, Type: typ, Payload: b, Queue: Queue, MaxRetry: DefaultMaxRetry,
+	return outbox.Spec{Key: key, Type: typ, Payload: b, Queue: Queue, MaxRetry: DefaultMaxRetry,
 		Timeout: timeout, Retention: DefaultRetention}, nil
 }
 
@@ -220,17 +179,6 @@ func NewDebitTask(d Debit, opts ...asynq.Option) (*asynq.Task, error) {
 		return nil, err
 	}
 	return s.Task(s.Key, time.Now(), opts...), nil
-}
-
-// FirstEnqueued returns the time a task was first enqueued, from its header; ok is false
-// when the header is missing or unreadable.
-func FirstEnqueued(headers map[string]string) (t time.Time, ok bool) {
-	v, found := headers[HeaderFirstEnqueued]
-	if !found {
-		return time.Time{}, false
-	}
-	t, err := time.Parse(time.RFC3339Nano, v)
-	return t, err == nil
 }
 
 // Enqueuer is the part of *asynq.Client that Enqueue needs.
@@ -255,8 +203,8 @@ func Enqueue(ctx context.Context, c Enqueuer, task *asynq.Task, opts ...asynq.Op
 }
 
 func decodeStrict(payload []byte, v any) error {
-	if len(payload) > MaxPayloadBytes {
-		return fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), MaxPayloadBytes)
+	if len(payload) > idempotency.MaxPayloadBytes {
+		return fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), idempotency.MaxPayloadBytes)
 	}
 	if err := CheckFieldNames(payload, v); err != nil {
 		return err
@@ -272,21 +220,19 @@ func decodeStrict(payload []byte, v any) error {
 	return nil
 }
 
-// checkID checks an identifier that becomes part of a key or scope with a prefix of
-// prefixLen bytes: printable ASCII without spaces or '#', and the whole key within MaxKeyBytes.
-func checkID(field, v string, prefixLen int) error {
+// checkID checks an identifier that becomes part of a key (or scope) after prefix, by the
+// library's key rules: within idempotency.MaxKeyBytes with the prefix, and no byte
+// idempotency.KeyByteProblem refuses.
+func checkID(field, v, prefix string) error {
 	if v == "" {
 		return fmt.Errorf("%s: required", field)
 	}
-	if max := MaxKeyBytes - prefixLen; len(v) > max {
-		return fmt.Errorf("%s: %d bytes; the limit is %d (keys are at most %d bytes)", field, len(v), max, MaxKeyBytes)
+	if max := idempotency.MaxKeyBytes - len(prefix); len(v) > max {
+		return fmt.Errorf("%s: %d bytes; the limit is %d (keys are at most %d bytes)", field, len(v), max, idempotency.MaxKeyBytes)
 	}
 	for i := 0; i < len(v); i++ {
-		if c := v[i]; c < 0x21 || c > 0x7e {
-			return fmt.Errorf("%s: byte %d is %q; only printable ASCII without spaces is allowed", field, i, c)
-		}
-		if v[i] == '#' {
-			return fmt.Errorf("%s: byte %d is '#', which keys may not contain (it is reserved for republished tasks, key#r<n>)", field, i)
+		if problem := idempotency.KeyByteProblem(v[i]); problem != "" {
+			return fmt.Errorf("%s: byte %d is %q: %s", field, i, v[i], problem)
 		}
 	}
 	return nil

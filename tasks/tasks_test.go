@@ -7,6 +7,7 @@ import (
 
 	"github.com/hibiken/asynq"
 
+	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
@@ -64,7 +65,7 @@ func TestDecodeDebit(t *testing.T) {
 		`{"account_id":"a","amount_cents":1}`:                          "reference: required",
 		`{"account_id":"a","amount_cents":1,"reference":"r","x":true}`: "unknown field",
 		`[]`: "malformed payload",
-		`{"account_id":"a","amount_cents":1,"reference":"` + strings.Repeat("r", tasks.MaxPayloadBytes) + `"}`: "the limit is 65536",
+		`{"account_id":"a","amount_cents":1,"reference":"` + strings.Repeat("r", idempotency.MaxPayloadBytes) + `"}`: "the limit is 65536",
 	} {
 		if _, err := tasks.DecodeDebit([]byte(payload)); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("DecodeDebit(%.40q…) = %v, want error containing %q", payload, err, want)
@@ -101,8 +102,8 @@ func TestEnqueueReportsDuplicate(t *testing.T) {
 	if info.ID != "charge:o-7" || info.Queue != tasks.Queue || info.MaxRetry != tasks.DefaultMaxRetry || info.Retention != tasks.DefaultRetention {
 		t.Fatalf("task info = id %q queue %q retry %d retention %s", info.ID, info.Queue, info.MaxRetry, info.Retention)
 	}
-	if _, ok := tasks.FirstEnqueued(task.Headers()); !ok {
-		t.Fatalf("task has no %s header: %v", tasks.HeaderFirstEnqueued, task.Headers())
+	if _, ok := idempotency.FirstEnqueued(task.Headers()); !ok {
+		t.Fatalf("task has no %s header: %v", idempotency.HeaderFirstEnqueued, task.Headers())
 	}
 
 	again, _ := tasks.NewChargeTask(charge)

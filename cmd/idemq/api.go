@@ -10,6 +10,7 @@ import (
 	"github.com/hibiken/asynq"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
@@ -56,7 +57,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	// The API only reads the ledger: no heartbeats, so no pool of their own.
 	ledger := idempotency.New(pool, &idempotency.Config{Logger: log, HeartbeatPool: pool})
 	defer ledger.Close()
-	client := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Logger: log})
+	client := outbox.NewClient(pool, rdb, &outbox.Config{Logger: log})
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
 
 	h := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: m}, &api.Options{

@@ -29,6 +29,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/localserver"
@@ -197,10 +198,10 @@ func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, 
 	// asynq under another TaskID, so duplicate deliveries race in the workers.
 	type job struct {
 		path, body string
-		spec       tasks.Spec
+		spec       outbox.Spec
 	}
 	var jobs []job
-	var specs []tasks.Spec
+	var specs []outbox.Spec
 	tag := randomHex(3)
 	for i := range max(o.charges, o.debits) {
 		if i < o.charges {
@@ -549,7 +550,7 @@ func (st *demoStack) finished(ctx context.Context, guarded bool, keys []string) 
 
 // nudge re-delivers, under a new TaskID, the jobs a killed worker left behind, once the
 // queue is otherwise idle: asynq itself would redeliver them only after 60–120 s.
-func (st *demoStack) nudge(ctx context.Context, client *asynq.Client, guarded bool, specs []tasks.Spec) (int, error) {
+func (st *demoStack) nudge(ctx context.Context, client *asynq.Client, guarded bool, specs []outbox.Spec) (int, error) {
 	info, err := asynq.NewInspectorFromRedisClient(st.rdb).GetQueueInfo(tasks.Queue)
 	if err != nil || info.Pending+info.Retry+info.Scheduled > 0 {
 		return 0, nil

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/tasks"
@@ -26,7 +26,7 @@ func enqueueCommand() command {
 			fs := flag.NewFlagSet("enqueue "+args[0], flag.ContinueOnError)
 			fs.SetOutput(stderr)
 			var (
-				job tasks.Spec
+				job outbox.Spec
 				err error
 			)
 			switch args[0] {
@@ -71,7 +71,7 @@ func enqueueCommand() command {
 			if err := requireSchema(ctx, pool); err != nil {
 				return err
 			}
-			res, err := idempotency.NewClient(pool, rdb, nil).Enqueue(ctx, job)
+			res, err := outbox.NewClient(pool, rdb, nil).Enqueue(ctx, job)
 			if err != nil {
 				return fmt.Errorf("enqueue %s: %w", job.Key, err)
 			}

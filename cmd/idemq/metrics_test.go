@@ -18,6 +18,8 @@ import (
 	"github.com/hibiken/asynq"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/lock"
@@ -183,20 +185,20 @@ func TestWorkerMetrics(t *testing.T) {
 	ledger := idempotency.New(pool, &idempotency.Config{Lease: 4 * time.Second})
 	t.Cleanup(ledger.Close)
 	tctx := testenv.Context(t, 3*time.Minute)
-	enqueue := func(spec tasks.Spec, taskID string) {
+	enqueue := func(spec outbox.Spec, taskID string) {
 		t.Helper()
 		if _, err := client.EnqueueContext(tctx, spec.Task(taskID, time.Now())); err != nil {
 			t.Fatalf("enqueue %s: %v", taskID, err)
 		}
 	}
-	debit := func(account, ref string) tasks.Spec {
+	debit := func(account, ref string) outbox.Spec {
 		s, err := tasks.DebitSpec(tasks.Debit{AccountID: account, AmountCents: 100, Reference: ref})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return s
 	}
-	charge := func(order, customer string) tasks.Spec {
+	charge := func(order, customer string) outbox.Spec {
 		s, err := tasks.ChargeSpec(tasks.Charge{OrderID: order, CustomerID: customer, AmountCents: 1999, Currency: "EUR"})
 		if err != nil {
 			t.Fatal(err)
@@ -210,7 +212,7 @@ func TestWorkerMetrics(t *testing.T) {
 	// then mismatch for the same key with another payload.
 	r1 := debit("a-1", "r-1")
 	enqueue(r1, r1.Key)
-	waitMetric(t, metricsURL, handled(D, idempotency.OutcomeCompleted), atLeast(1))
+	waitMetric(t, metricsURL, handled(D, asynqmw.OutcomeCompleted), atLeast(1))
 	enqueue(r1, r1.Key+"#dup")
 	waitMetric(t, metricsURL, ledgerEvent("cache_hit", D), atLeast(1))
 	enqueue(debit("a-other", "r-1"), r1.Key+"#mismatch")
@@ -225,7 +227,7 @@ func TestWorkerMetrics(t *testing.T) {
 	enqueue(r2, r2.Key)
 	waitMetric(t, metricsURL, ledgerEvent("busy", D), atLeast(1))
 	waitMetric(t, metricsURL, ledgerEvent("takeover", D), atLeast(1))
-	waitMetric(t, metricsURL, handled(D, idempotency.OutcomeCompleted), atLeast(2))
+	waitMetric(t, metricsURL, handled(D, asynqmw.OutcomeCompleted), atLeast(2))
 
 	// lock busy: the test holds the Redis lock of debit:r-3's scope; released, the job
 	// runs.
@@ -240,7 +242,7 @@ func TestWorkerMetrics(t *testing.T) {
 	if err := held.Release(tctx); err != nil {
 		t.Fatal(err)
 	}
-	waitMetric(t, metricsURL, handled(D, idempotency.OutcomeCompleted), atLeast(3))
+	waitMetric(t, metricsURL, handled(D, asynqmw.OutcomeCompleted), atLeast(3))
 
 	// lease_lost: while the charge waits on the provider, the test ends its lease and
 	// takes the key over; the worker's next heartbeat finds the fence gone.
@@ -283,11 +285,11 @@ func TestWorkerMetrics(t *testing.T) {
 		{lockEvent("busy", D), atLeast(1), "r-3 while the test held account:a-3"},
 		{lockEvent("lost", C), atLeast(1), "o-lock after its key vanished"},
 		{lockEvent("obtained", C), atLeast(2), "o-lease and o-lock"},
-		{handled(D, idempotency.OutcomeCompleted), eq(3), "r-1, r-2, r-3"},
-		{handled(D, idempotency.OutcomeCached), eq(1), "the duplicate of r-1"},
-		{handled(D, idempotency.OutcomeRejected), eq(1), "the mismatch"},
-		{handled(D, idempotency.OutcomeBusy), atLeast(2), "ledger busy (r-2) and lock busy (r-3)"},
-		{handled(C, idempotency.OutcomeError), atLeast(1), "o-lease, cancelled by its lost lease"},
+		{handled(D, asynqmw.OutcomeCompleted), eq(3), "r-1, r-2, r-3"},
+		{handled(D, asynqmw.OutcomeCached), eq(1), "the duplicate of r-1"},
+		{handled(D, asynqmw.OutcomeRejected), eq(1), "the mismatch"},
+		{handled(D, asynqmw.OutcomeBusy), atLeast(2), "ledger busy (r-2) and lock busy (r-3)"},
+		{handled(C, asynqmw.OutcomeError), atLeast(1), "o-lease, cancelled by its lost lease"},
 	} {
 		if v := scrape(t, metricsURL, tc.series); !tc.want(v) {
 			t.Errorf("%s = %v: want %s", tc.series, v, tc.desc)

@@ -20,10 +20,13 @@ import (
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/lock"
 	"github.com/idemq/idemq/tasks"
 )
@@ -89,12 +92,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	})
 	defer ledger.Close()
 	locker := lock.New(rdb, &lock.Config{Logger: log})
-	w := idempotency.NewWorker(ledger, locker, &idempotency.WorkerConfig{
+	w := asynqmw.NewWorker(ledger, locker, &asynqmw.Config{
 		LockTTL:    cfg.LockTTL,
 		BusyBudget: busyBudget,
 		Redis:      rdb,
 		Logger:     log,
-		ObserveLock: func(ev idempotency.Event, taskType string) {
+		ObserveLock: func(ev asynqmw.LockEvent, taskType string) {
 			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
 		},
 		ObserveHandler: func(taskType, outcome string, d time.Duration) {
@@ -114,11 +117,11 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	charge, debit := fp.wrap(charge, handlers.Debit, log)
 	if cfg.UnsafeNoGuards {
 		log.Warn("IDEMQ_UNSAFE_NO_GUARDS is set: no lock, no ledger; duplicate deliveries take effect twice")
-		mux.Handle(tasks.TypeCharge, idempotency.UnguardedLeased(tasks.TypeCharge, tasks.DecodeCharge, charge))
-		mux.Handle(tasks.TypeDebit, idempotency.UnguardedTransactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
+		mux.Handle(tasks.TypeCharge, unguarded.Leased(tasks.TypeCharge, tasks.DecodeCharge, charge))
+		mux.Handle(tasks.TypeDebit, unguarded.Transactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
 	} else {
-		mux.Handle(tasks.TypeCharge, idempotency.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, charge))
-		mux.Handle(tasks.TypeDebit, idempotency.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, debit))
+		mux.Handle(tasks.TypeCharge, asynqmw.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, charge))
+		mux.Handle(tasks.TypeDebit, asynqmw.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, debit))
 	}
 
 	acfg := asynq.Config{
@@ -130,14 +133,14 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		Logger:                   asynqLogger{log.With("component", "asynq")},
 		LogLevel:                 asynqLevel(cfg.LogLevel),
 		ErrorHandler: asynq.ErrorHandlerFunc(func(ctx context.Context, t *asynq.Task, err error) {
-			if idempotency.IsFailure(err) {
+			if asynqmw.IsFailure(err) {
 				log.Warn("task failed", "task_type", t.Type(), "err", err)
 			} else {
 				log.Debug("task busy; retrying soon", "task_type", t.Type(), "err", err)
 			}
 		}),
 	}
-	idempotency.Configure(&acfg)
+	asynqmw.Configure(&acfg)
 	srv := asynq.NewServerFromRedisClient(rdb, acfg)
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
 
@@ -159,10 +162,10 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	go purgeLoop(ctx, ledger, locker, cfg.Retention, log)
 
 	// Every replica runs the outbox relay and reconciler: they take disjoint batches.
-	client := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{
+	client := outbox.NewClient(pool, rdb, &outbox.Config{
 		Grace:  cfg.ReconcileGrace,
 		Logger: log.With("component", "outbox"),
-		Observe: func(ev idempotency.Event, taskType string) {
+		Observe: func(ev outbox.Event, taskType string) {
 			m.OutboxEvents.WithLabelValues(string(ev), taskType).Inc()
 		},
 	})

@@ -31,7 +31,7 @@ type Deps struct {
 	// Ledger answers GET /v1/jobs/{key} and the ledger page.
 	Ledger *idempotency.Ledger
 	// Enqueuer records a job's intent inside the API's transaction (an
-	// *idempotency.Client).
+	// *outbox.Client).
 	Enqueuer Enqueuer
 	// Metrics gets the API's request counters; its registry is served at /metrics.
 	Metrics *metrics.Metrics

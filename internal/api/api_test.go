@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/metrics"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
@@ -29,7 +30,7 @@ type testAPI struct {
 	pool     *pgxpool.Pool
 	rdb      *redis.Client
 	ledger   *idempotency.Ledger
-	client   *idempotency.Client
+	client   *outbox.Client
 	metrics  *metrics.Metrics
 	redisURL string
 }
@@ -41,7 +42,7 @@ func newTestAPI(t *testing.T, opts *Options) *testAPI {
 	rdb := testenv.RedisClient(t, rurl)
 	ledger := idempotency.New(pool, nil)
 	t.Cleanup(ledger.Close)
-	client := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{RelayPoll: 100 * time.Millisecond})
+	client := outbox.NewClient(pool, rdb, &outbox.Config{RelayPoll: 100 * time.Millisecond})
 	// Like `idemq api`, run a relay: what the API accepts reaches Redis.
 	relayCtx, stopRelay := context.WithCancel(context.Background())
 	relayDone := make(chan struct{})
@@ -209,7 +210,7 @@ func TestAcceptDuplicateMismatchWithoutHeader(t *testing.T) {
 
 	// Accepted, not yet claimed by a worker: the intent answers.
 	job := a.do(t, "GET", "/v1/jobs/charge:o-1", "").want(t, 200, `"key":"charge:o-1"`, `"status":"accepted"`, `"type":"payment:charge"`)
-	if in := job.json["intent"]; in != idempotency.IntentPending && in != idempotency.IntentPublished {
+	if in := job.json["intent"]; in != outbox.IntentPending && in != outbox.IntentPublished {
 		t.Fatalf("intent %v, want pending or published", in)
 	}
 	a.do(t, "GET", "/v1/jobs/charge:nope", "").wantError(t, 404, `no job with key "charge:nope"`)

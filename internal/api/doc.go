@@ -7,7 +7,7 @@
 //
 // Usage:
 //
-//	client := idempotency.NewClient(pool, rdb, nil)
+//	client := outbox.NewClient(pool, rdb, nil)
 //	go client.RunRelay(ctx) // publishes what the API accepts
 //	h := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: metrics.New()},
 //		&api.Options{RedisConnOpt: asynq.RedisClientOpt{Addr: "127.0.0.1:6379"}, DashboardPassword: "secret"})

@@ -14,22 +14,23 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/tasks"
 )
 
-// Enqueuer records a job's intent inside the caller's transaction: *idempotency.Client.
+// Enqueuer records a job's intent inside the caller's transaction: *outbox.Client.
 // EnqueueTx reports an existing key with the same fingerprint as a duplicate, and one
 // with another fingerprint as an error wrapping idempotency.ErrMismatch.
 type Enqueuer interface {
-	EnqueueTx(ctx context.Context, tx pgx.Tx, spec tasks.Spec) (EnqueueResult, error)
+	EnqueueTx(ctx context.Context, tx pgx.Tx, spec outbox.Spec) (EnqueueResult, error)
 }
 
 // IntentLookup is what GET /v1/jobs/{key} uses, when the Enqueuer offers it
-// (*idempotency.Client does), to report a job whose intent is recorded but which no
+// (*outbox.Client does), to report a job whose intent is recorded but which no
 // worker has claimed yet. Intent returns an error wrapping idempotency.ErrNotFound for an
 // unknown key.
 type IntentLookup interface {
-	Intent(ctx context.Context, key string) (*idempotency.IntentInfo, error)
+	Intent(ctx context.Context, key string) (*outbox.IntentInfo, error)
 }
 
 // waker is the Enqueuer's optional wake-up of its relays, called after a commit.
@@ -226,7 +227,7 @@ WHERE route = $1 AND header_key = $2`
 
 // accept records the job's intent and, with an Idempotency-Key, the header's row, in one
 // transaction, and answers 202 (new job), 200 (duplicate), a replay, 409 or 422.
-func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string, spec tasks.Spec) {
+func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string, spec outbox.Spec) {
 	hk, hasKey, err := headerKey(r)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
@@ -371,4 +372,4 @@ func isLockTimeout(err error) bool {
 }
 
 // EnqueueResult is what Enqueuer.EnqueueTx reports.
-type EnqueueResult = idempotency.EnqueueResult
+type EnqueueResult = outbox.EnqueueResult

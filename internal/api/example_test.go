@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
@@ -30,7 +31,7 @@ func Example() {
 
 	ledger := idempotency.New(pool, nil)
 	defer ledger.Close()
-	client := idempotency.NewClient(pool, rdb, nil)
+	client := outbox.NewClient(pool, rdb, nil)
 	go client.RunRelay(ctx)
 
 	h := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: metrics.New()},

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 )
 
 //go:embed templates/*.html
@@ -48,7 +49,7 @@ var statuses = []string{idempotency.StatusInProgress, idempotency.StatusComplete
 
 type listPage struct {
 	Rows     []idempotency.Record
-	Intents  []idempotency.IntentInfo // accepted jobs not finished yet (the outbox)
+	Intents  []outbox.IntentInfo // accepted jobs not finished yet (the outbox)
 	Status   string
 	Statuses []string
 	Limit    int
@@ -107,18 +108,18 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 }
 
 // intentLister is the outbox listing the ledger page shows, when the Enqueuer offers it
-// (*idempotency.Client does).
+// (*outbox.Client does).
 type intentLister interface {
-	UnfinishedIntents(ctx context.Context, limit int) ([]idempotency.IntentInfo, error)
+	UnfinishedIntents(ctx context.Context, limit int) ([]outbox.IntentInfo, error)
 }
 
 type rowPage struct {
 	Key       string
-	Row       *idempotency.Record     // nil: no worker has claimed the key yet
-	Intent    *idempotency.IntentInfo // nil: not recorded through the outbox (or purged)
-	TaskState string                  // asynq's state of the job's task, "" when Redis has none
-	TaskLink  string                  // asynqmon's page of it, "" when Redis has none
-	Queue     string                  // where the task is, else the queue its intent recorded, else ""
+	Row       *idempotency.Record // nil: no worker has claimed the key yet
+	Intent    *outbox.IntentInfo  // nil: not recorded through the outbox (or purged)
+	TaskState string              // asynq's state of the job's task, "" when Redis has none
+	TaskLink  string              // asynqmon's page of it, "" when Redis has none
+	Queue     string              // where the task is, else the queue its intent recorded, else ""
 }
 
 // ledgerRow serves /ledger/{key}: one row with its result, and the asynq task of the same

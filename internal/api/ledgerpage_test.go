@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
@@ -311,7 +312,7 @@ func TestLedgerPageFindsTasksInAnyQueue(t *testing.T) {
 	a := newTestAPI(t, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 	// Recorded through the outbox, in queue "reports".
-	spec := tasks.Spec{Key: "report:r-1", Type: "report:build", Payload: []byte(`{"r":1}`), Queue: "reports",
+	spec := outbox.Spec{Key: "report:r-1", Type: "report:build", Payload: []byte(`{"r":1}`), Queue: "reports",
 		MaxRetry: 3, Timeout: time.Minute, Retention: time.Hour}
 	if _, err := a.client.Enqueue(ctx, spec); err != nil {
 		t.Fatal(err)

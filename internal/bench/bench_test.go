@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/lock"
 )
@@ -145,7 +146,7 @@ func TestMemoryTiny(t *testing.T) {
 //
 //	BenchmarkHandler/A (bare no-op handler) — the floor
 //	BenchmarkHandler/B (+ Redis lock), /C (+ Ledger.Do), /D (+ Ledger.DoTx)
-//	BenchmarkHandler/E (idempotency.Leased), /F (idempotency.Transactional)
+//	BenchmarkHandler/E (asynqmw.Leased), /F (asynqmw.Transactional)
 //
 // Run them together: go test -run '^$' -bench . -benchtime 3s ./internal/bench/
 func BenchmarkHandler(b *testing.B) {
@@ -155,7 +156,7 @@ func BenchmarkHandler(b *testing.B) {
 	b.Cleanup(ledger.Close)
 	locker := lock.New(rdb, nil)
 	st := &stack{rdb: rdb, pool: pool, ledger: ledger, locker: locker,
-		worker: idempotency.NewWorker(ledger, locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: rdb})}
+		worker: asynqmw.NewWorker(ledger, locker, &asynqmw.Config{LockTTL: lockTTL, Redis: rdb})}
 	w := noopWorkload("noop", 0)
 	var seq atomic.Int64
 	prefix := strconv.FormatInt(time.Now().UnixNano(), 36)

@@ -12,6 +12,9 @@ import (
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -21,8 +24,8 @@ const (
 	ConfigLock      = "B" // + Redis lock (lock.Obtain / Release)
 	ConfigLedger    = "C" // + ledger, leased mode (Ledger.Do)
 	ConfigLedgerTx  = "D" // + ledger, transactional mode (Ledger.DoTx)
-	ConfigFull      = "E" // full stack, leased (idempotency.Leased)
-	ConfigFullTx    = "F" // full stack, transactional (idempotency.Transactional)
+	ConfigFull      = "E" // full stack, leased (asynqmw.Leased)
+	ConfigFullTx    = "F" // full stack, transactional (asynqmw.Transactional)
 	ConfigFullLock  = "G" // full stack, leased, taking the Redis lock on a key-scoped job too
 	typeNoop        = "bench:noop"
 	lockTTL         = 30 * time.Second
@@ -48,7 +51,7 @@ type noopJob struct {
 func (j noopJob) Key() string       { return "noop:" + j.ID }
 func (j noopJob) LockScope() string { return j.Key() }
 
-var _ tasks.Job = noopJob{}
+var _ idempotency.Job = noopJob{}
 
 func decodeNoop(b []byte) (noopJob, error) {
 	var j noopJob
@@ -77,9 +80,9 @@ type workload struct {
 	taskType string
 	configs  []string
 	// spec returns task i of a measurement whose keys start with prefix.
-	spec func(prefix string, i int) tasks.Spec
+	spec func(prefix string, i int) outbox.Spec
 	// taskID, if set, is task i's asynq TaskID (default: its key).
-	taskID func(s tasks.Spec, i int) string
+	taskID func(s outbox.Spec, i int) string
 	// handler returns the asynq handler of config on st.
 	handler func(config string, st *stack) asynq.Handler
 	// rate, when positive, makes the measurement paced: the servers start first and the
@@ -91,7 +94,7 @@ type workload struct {
 
 // parts are a workload's pieces: its decoder and business function, leased (no tx)
 // and/or transactional.
-type parts[T tasks.Job] struct {
+type parts[T idempotency.Job] struct {
 	taskType string
 	decode   func([]byte) (T, error)
 	leased   func(ctx context.Context, job T) (json.RawMessage, error)
@@ -112,9 +115,9 @@ func (p parts[T]) handler(config string, st *stack) asynq.Handler {
 			})
 		}
 		if p.leased != nil {
-			return idempotency.UnguardedLeased(p.taskType, p.decode, p.leased)
+			return unguarded.Leased(p.taskType, p.decode, p.leased)
 		}
-		return idempotency.UnguardedTransactional(st.pool, p.taskType, p.decode, p.tx)
+		return unguarded.Transactional(st.pool, p.taskType, p.decode, p.tx)
 	case ConfigLock:
 		// The bare handler under the lock of the job's scope (so a real handler's payload
 		// is decoded twice: once here for the scope, once by the bare handler).
@@ -146,12 +149,12 @@ func (p parts[T]) handler(config string, st *stack) asynq.Handler {
 			return err
 		})
 	case ConfigFull:
-		return idempotency.Leased(st.worker, p.taskType, p.decode, p.leased)
+		return asynqmw.Leased(st.worker, p.taskType, p.decode, p.leased)
 	case ConfigFullTx:
-		return idempotency.Transactional(st.worker, p.taskType, p.decode, p.tx)
+		return asynqmw.Transactional(st.worker, p.taskType, p.decode, p.tx)
 	case ConfigFullLock:
-		w := idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: st.rdb, LockKeyScoped: true})
-		return idempotency.Leased(w, p.taskType, p.decode, p.leased)
+		w := asynqmw.NewWorker(st.ledger, st.locker, &asynqmw.Config{LockTTL: lockTTL, Redis: st.rdb, LockKeyScoped: true})
+		return asynqmw.Leased(w, p.taskType, p.decode, p.leased)
 	}
 	panic("bench: unknown configuration " + config)
 }
@@ -166,7 +169,7 @@ func (p parts[T]) decoded(run func(ctx context.Context, job T) error) asynq.Hand
 	})
 }
 
-func request(ctx context.Context, taskType string, job tasks.Job) idempotency.Request {
+func request(ctx context.Context, taskType string, job idempotency.Job) idempotency.Request {
 	r := idempotency.Request{Key: job.Key(), TaskType: taskType}
 	if d, ok := ctx.Deadline(); ok {
 		r.Deadline = d
@@ -197,10 +200,10 @@ func noopWorkload(name string, work time.Duration) *workload {
 	}
 	return &workload{
 		name: name, taskType: typeNoop, configs: configs, handler: p.handler,
-		spec: func(prefix string, i int) tasks.Spec {
+		spec: func(prefix string, i int) outbox.Spec {
 			j := noopJob{ID: fmt.Sprintf("%s-%d", prefix, i)}
 			b, _ := json.Marshal(j)
-			return tasks.Spec{Key: j.Key(), Type: typeNoop, Payload: b, Queue: tasks.Queue,
+			return outbox.Spec{Key: j.Key(), Type: typeNoop, Payload: b, Queue: tasks.Queue,
 				MaxRetry: tasks.DefaultMaxRetry, Timeout: noopTaskTimeout, Retention: tasks.DefaultRetention}
 		},
 	}
@@ -218,7 +221,7 @@ func debitWorkload() *workload {
 	return &workload{
 		name: "debit", taskType: tasks.TypeDebit, handler: p.handler,
 		configs: []string{ConfigBare, ConfigLock, ConfigLedgerTx, ConfigFullTx},
-		spec: func(prefix string, i int) tasks.Spec {
+		spec: func(prefix string, i int) outbox.Spec {
 			s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("acct-%s-%d", prefix, i), AmountCents: 100 + int64(i%900), Reference: fmt.Sprintf("%s-%d", prefix, i)})
 			if err != nil {
 				panic(err)
@@ -240,7 +243,7 @@ func chargeWorkload(charger *handlers.Charger) *workload {
 	return &workload{
 		name: "charge", taskType: tasks.TypeCharge, handler: p.handler,
 		configs: []string{ConfigBare, ConfigLock, ConfigLedger, ConfigFull},
-		spec: func(prefix string, i int) tasks.Spec {
+		spec: func(prefix string, i int) outbox.Spec {
 			s, err := tasks.ChargeSpec(tasks.Charge{OrderID: fmt.Sprintf("%s-%d", prefix, i), CustomerID: fmt.Sprintf("cust-%s-%d", prefix, i), AmountCents: 500 + int64(i%900), Currency: "EUR"})
 			if err != nil {
 				panic(err)
@@ -267,7 +270,7 @@ func dupWorkload() *workload {
 	w := noopWorkload("dup", 0)
 	base := w.spec
 	w.configs = []string{ConfigBare, ConfigFull, ConfigFullLock}
-	w.spec = func(prefix string, i int) tasks.Spec { return base(prefix, i/3) }
-	w.taskID = func(s tasks.Spec, i int) string { return fmt.Sprintf("%s#d%d", s.Key, i%3) }
+	w.spec = func(prefix string, i int) outbox.Spec { return base(prefix, i/3) }
+	w.taskID = func(s outbox.Spec, i int) string { return fmt.Sprintf("%s#d%d", s.Key, i%3) }
 	return w
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/localserver"
@@ -129,7 +130,7 @@ type stack struct {
 	pool   *pgxpool.Pool
 	ledger *idempotency.Ledger
 	locker *lock.Locker
-	worker *idempotency.Worker
+	worker *asynqmw.Worker
 	// commits and rows count the ledger's shared commits and the requests they carried.
 	commits, rows atomic.Int64
 }
@@ -175,7 +176,7 @@ func openStack(ctx context.Context, redisURL, dsn string, poolSize int32) (*stac
 	}})
 	st.locker = lock.New(st.rdb, nil)
 	// As `idemq worker` does: results reach asynq through the compare-and-set script.
-	st.worker = idempotency.NewWorker(st.ledger, st.locker, &idempotency.WorkerConfig{LockTTL: lockTTL, Redis: st.rdb})
+	st.worker = asynqmw.NewWorker(st.ledger, st.locker, &asynqmw.Config{LockTTL: lockTTL, Redis: st.rdb})
 	return st, nil
 }
 
@@ -269,7 +270,7 @@ type recorder struct {
 	last     atomic.Int64 // unix ns of the last successful delivery's end
 	slot     atomic.Int64 // next overhead slot
 	done     atomic.Int64 // successful deliveries
-	errs     atomic.Int64 // failed deliveries (idempotency.IsFailure)
+	errs     atomic.Int64 // failed deliveries (asynqmw.IsFailure)
 	busy     atomic.Int64 // busy answers (a duplicate of a key in flight): retried, not failures
 	lastErr  atomic.Value
 	overhead []time.Duration
@@ -288,7 +289,7 @@ func (r *recorder) wrap(h asynq.Handler) asynq.Handler {
 		var inner time.Duration
 		err := h.ProcessTask(context.WithValue(ctx, innerKey{}, &inner), t)
 		end := time.Now()
-		if err != nil && !idempotency.IsFailure(err) {
+		if err != nil && !asynqmw.IsFailure(err) {
 			r.busy.Add(1)
 			return err
 		}
@@ -436,7 +437,7 @@ func serverConfig(concurrency int) asynq.Config {
 		LogLevel:                 asynq.ErrorLevel,
 		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 100 * time.Millisecond },
 	}
-	idempotency.Configure(&cfg)
+	asynqmw.Configure(&cfg)
 	return cfg
 }
 

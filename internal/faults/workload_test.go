@@ -15,6 +15,7 @@ import (
 
 	"github.com/hibiken/asynq"
 
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -44,8 +45,8 @@ func (j job) key() string {
 	return j.debit.Key()
 }
 
-func (j job) spec() tasks.Spec {
-	var s tasks.Spec
+func (j job) spec() outbox.Spec {
+	var s outbox.Spec
 	var err error
 	if j.charge != nil {
 		s, err = tasks.ChargeSpec(*j.charge)
@@ -170,7 +171,7 @@ func (c *cluster) send(ctx context.Context, j job) error {
 
 // enqueueDup publishes a second delivery of a job straight to asynq under taskID (test
 // only: the API dedups).
-func (c *cluster) enqueueDup(ctx context.Context, s tasks.Spec, taskID string) error {
+func (c *cluster) enqueueDup(ctx context.Context, s outbox.Spec, taskID string) error {
 	return retry(ctx, 20*time.Second, func() error {
 		_, err := c.client.EnqueueContext(ctx, s.Task(taskID, time.Now()))
 		if errors.Is(err, asynq.ErrTaskIDConflict) {
@@ -181,8 +182,8 @@ func (c *cluster) enqueueDup(ctx context.Context, s tasks.Spec, taskID string) e
 }
 
 // specFor rebuilds a job's Spec from its recorded key and the stored intent.
-func (c *cluster) specFor(ctx context.Context, key string) (tasks.Spec, error) {
-	var s tasks.Spec
+func (c *cluster) specFor(ctx context.Context, key string) (outbox.Spec, error) {
+	var s outbox.Spec
 	var timeoutMS, retentionMS int64
 	err := c.pool.QueryRow(ctx, `SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms
 		FROM job_intents WHERE idempotency_key = $1`, key).Scan(&s.Key, &s.Type, &s.Payload, &s.Queue, &s.MaxRetry, &timeoutMS, &retentionMS)

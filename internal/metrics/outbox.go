@@ -4,15 +4,14 @@ import (
 	"context"
 	"time"
 
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/idemq/idemq/idempotency"
 )
 
 // OutboxCollector exports the outbox's backlog at each scrape: relay lag (the oldest
 // pending intent) and accepted jobs still not done after the threshold.
 type OutboxCollector struct {
-	client    *idempotency.Client
+	client    *outbox.Client
 	threshold time.Duration
 
 	pending, lag, published, stale *prometheus.Desc
@@ -20,7 +19,7 @@ type OutboxCollector struct {
 
 // NewOutboxCollector returns a collector of client's outbox; threshold is the age past
 // which a published, unfinished job counts as stale (the reconciler's grace period).
-func NewOutboxCollector(client *idempotency.Client, threshold time.Duration) *OutboxCollector {
+func NewOutboxCollector(client *outbox.Client, threshold time.Duration) *OutboxCollector {
 	return &OutboxCollector{
 		client: client, threshold: threshold,
 		pending:   prometheus.NewDesc("idemq_outbox_pending", "Accepted jobs not yet handed to asynq.", nil, nil),

@@ -1,4 +1,4 @@
-package idempotency
+package asynqmw
 
 import (
 	"context"
@@ -15,8 +15,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/asynqkeys"
 	"github.com/idemq/idemq/lock"
-	"github.com/idemq/idemq/tasks"
 )
 
 //go:embed result_write.lua
@@ -30,19 +31,16 @@ const MaxResultWriteBytes = 64 << 10
 
 // ErrLockBusy reports that another delivery holds the Redis lock of the task's scope. Like
 // ErrBusy, it is not a failure: IsFailure returns false and RetryDelay retries soon.
-var ErrLockBusy = errors.New("idempotency: lock busy")
+var ErrLockBusy = errors.New("asynqmw: lock busy")
 
-// Job is a decoded payload: what the middleware needs to know of it.
-type Job = tasks.Job
-
-// WorkerConfig configures a Worker. The zero value (or nil) gives the defaults.
-type WorkerConfig struct {
+// Config configures a Worker. The zero value (or nil) gives the defaults.
+type Config struct {
 	// LockTTL is the Redis lock's TTL; a watchdog refreshes it every LockTTL/3 while the
 	// handler runs. Default: 30s.
 	LockTTL time.Duration
 
 	// BusyBudget bounds how long a task may keep retrying as busy, counted from its
-	// first enqueue (the tasks.HeaderFirstEnqueued header); past it, busy is a counted
+	// first enqueue (the idempotency.HeaderFirstEnqueued header); past it, busy is a counted
 	// failure naming the owner, fence and age. Default: max(2 × the ledger's lease, 15m).
 	BusyBudget time.Duration
 
@@ -62,10 +60,10 @@ type WorkerConfig struct {
 	// result, which asynq can never run or expire. Default: nil.
 	Redis redis.Scripter
 
-	// ObserveLock, if set, is called with each lock outcome (EventLockObtained,
-	// EventLockBusy, EventLockLost, EventLockError) and the task type, for metrics. It must
-	// be fast and safe for concurrent use.
-	ObserveLock func(ev Event, taskType string)
+	// ObserveLock, if set, is called with each lock outcome (LockObtained, LockBusy,
+	// LockLost, LockError) and the task type, for metrics. It must be fast and safe for
+	// concurrent use.
+	ObserveLock func(ev LockEvent, taskType string)
 
 	// ObserveHandler, if set, is called once per delivery with the task type, its outcome
 	// (OutcomeCompleted, OutcomeCached, OutcomeBusy, OutcomeError, OutcomeRejected) and how
@@ -73,15 +71,18 @@ type WorkerConfig struct {
 	ObserveHandler func(taskType, outcome string, d time.Duration)
 }
 
-// Lock outcomes passed to WorkerConfig.ObserveLock.
+// LockEvent is a lock outcome, for counters (see Config.ObserveLock).
+type LockEvent string
+
+// Lock outcomes passed to Config.ObserveLock.
 const (
-	EventLockObtained Event = "obtained" // the scope's lock was taken
-	EventLockBusy     Event = "busy"     // another delivery holds it: retried soon
-	EventLockLost     Event = "lost"     // it expired or was taken while the handler ran
-	EventLockError    Event = "error"    // Redis failed; the ledger alone guarded the work
+	LockObtained LockEvent = "obtained" // the scope's lock was taken
+	LockBusy     LockEvent = "busy"     // another delivery holds it: retried soon
+	LockLost     LockEvent = "lost"     // it expired or was taken while the handler ran
+	LockError    LockEvent = "error"    // Redis failed; the ledger alone guarded the work
 )
 
-// Delivery outcomes passed to WorkerConfig.ObserveHandler.
+// Delivery outcomes passed to Config.ObserveHandler.
 const (
 	OutcomeCompleted = "completed" // the handler ran and its completion is durable
 	OutcomeCached    = "cached"    // the key was already completed: answered from the ledger
@@ -94,15 +95,15 @@ const (
 // decode → lock → claim → handler → complete → result → release. It is safe for
 // concurrent use; build handlers for it with Leased and Transactional.
 type Worker struct {
-	ledger *Ledger
+	ledger *idempotency.Ledger
 	locker *lock.Locker
-	cfg    WorkerConfig
+	cfg    Config
 	log    *slog.Logger
 }
 
 // NewWorker returns a Worker using ledger and locker (locker may be nil: no Redis lock,
 // the ledger alone guards the work).
-func NewWorker(ledger *Ledger, locker *lock.Locker, cfg *WorkerConfig) *Worker {
+func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Worker {
 	w := &Worker{ledger: ledger, locker: locker}
 	if cfg != nil {
 		w.cfg = *cfg
@@ -111,7 +112,7 @@ func NewWorker(ledger *Ledger, locker *lock.Locker, cfg *WorkerConfig) *Worker {
 		w.cfg.LockTTL = 30 * time.Second
 	}
 	if w.cfg.BusyBudget <= 0 {
-		w.cfg.BusyBudget = max(2*ledger.cfg.Lease, 15*time.Minute)
+		w.cfg.BusyBudget = max(2*ledger.Lease(), 15*time.Minute)
 	}
 	w.log = w.cfg.Logger
 	if w.log == nil {
@@ -124,8 +125,8 @@ func NewWorker(ledger *Ledger, locker *lock.Locker, cfg *WorkerConfig) *Worker {
 // email): fn runs under a heartbeated ledger lease, with the key and fence in its context
 // (FromContext) to pass downstream as the provider's idempotency key. decode must decode
 // strictly and validate; its error archives the task with the reason.
-func Leased[T Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, job T) (json.RawMessage, error)) asynq.Handler {
-	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req Request, job T) (Result, error) {
+func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, job T) (json.RawMessage, error)) asynq.Handler {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
 		return w.ledger.Do(ctx, req, func(ctx context.Context) (json.RawMessage, error) {
 			return permanentIfSkip(fn(ctx, job))
 		})
@@ -135,8 +136,8 @@ func Leased[T Job](w *Worker, taskType string, decode func([]byte) (T, error), f
 // Transactional returns the handler of a task type whose effect lives in the ledger's
 // Postgres: fn's writes and the completion commit in one transaction. fn must not do
 // external I/O. decode as for Leased.
-func Transactional[T Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
-	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req Request, job T) (Result, error) {
+func Transactional[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
 		return w.ledger.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
 			return permanentIfSkip(fn(ctx, tx, job))
 		})
@@ -145,20 +146,20 @@ func Transactional[T Job](w *Worker, taskType string, decode func([]byte) (T, er
 
 // permanentIfSkip makes a handler's asynq.SkipRetry a permanent failure in the ledger.
 func permanentIfSkip(out json.RawMessage, err error) (json.RawMessage, error) {
-	if errors.Is(err, asynq.SkipRetry) && !IsPermanent(err) {
-		return out, Permanent(err)
+	if errors.Is(err, asynq.SkipRetry) && !idempotency.IsPermanent(err) {
+		return out, idempotency.Permanent(err)
 	}
 	return out, err
 }
 
-type handler[T Job] struct {
+type handler[T idempotency.Job] struct {
 	w        *Worker
 	taskType string
 	decode   func([]byte) (T, error)
-	run      func(ctx context.Context, req Request, job T) (Result, error)
+	run      func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error)
 }
 
-var _ asynq.Handler = (*handler[tasks.Charge])(nil)
+var _ asynq.Handler = (*handler[idempotency.Job])(nil)
 
 // ProcessTask handles one delivery.
 func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
@@ -170,7 +171,7 @@ func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
 	return err
 }
 
-func (h *handler[T]) observeLock(ev Event) {
+func (h *handler[T]) observeLock(ev LockEvent) {
 	if h.w.cfg.ObserveLock != nil {
 		h.w.cfg.ObserveLock(ev, h.taskType)
 	}
@@ -185,7 +186,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		return OutcomeRejected, fmt.Errorf("%s: bad payload: %v: %w", h.taskType, err, asynq.SkipRetry)
 	}
 	key := job.Key()
-	if err := ValidateKey(key); err != nil {
+	if err := idempotency.ValidateKey(key); err != nil {
 		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %.64q: %v: %w", h.taskType, key, err, asynq.SkipRetry)
 	}
 	canonical, err := json.Marshal(job)
@@ -212,22 +213,22 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		lk, err := h.w.locker.Obtain(ctx, scope, h.w.cfg.LockTTL, opts)
 		switch {
 		case errors.Is(err, lock.ErrNotObtained):
-			h.observeLock(EventLockBusy)
+			h.observeLock(LockBusy)
 			return OutcomeBusy, fmt.Errorf("%s: key %s: lock %s held by another delivery: %w", h.taskType, key, scope, ErrLockBusy)
 		case err != nil && ctx.Err() != nil:
 			return OutcomeError, err
 		case err != nil:
 			// Redis is a fast path: without it the ledger still guards the work.
-			h.observeLock(EventLockError)
+			h.observeLock(LockError)
 			log.Warn("lock unavailable; relying on the ledger", "scope", scope, "err", err)
 		default:
-			h.observeLock(EventLockObtained)
+			h.observeLock(LockObtained)
 			watched, stop := lk.Watch(ctx, &lock.WatchOptions{
 				// When the scope is the key (LockKeyScoped), the ledger's fence guards
 				// the work: losing the lock must not cancel it.
 				IgnoreLoss: scope == key,
 				OnLost: func(cause error) {
-					h.observeLock(EventLockLost)
+					h.observeLock(LockLost)
 					log.Warn("lock lost while running", "scope", scope, "err", cause)
 				},
 			})
@@ -243,7 +244,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		}
 	}
 
-	req := Request{Key: key, TaskType: h.taskType, Fingerprint: Fingerprint(h.taskType, canonical)}
+	req := idempotency.Request{Key: key, TaskType: h.taskType, Fingerprint: idempotency.Fingerprint(h.taskType, canonical)}
 	if d, ok := ctx.Deadline(); ok {
 		req.Deadline = d
 	}
@@ -256,7 +257,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			}
 			return OutcomeCompleted, nil
 		}
-		var busy *BusyError
+		var busy *idempotency.BusyError
 		if !errors.As(err, &busy) {
 			return h.mapError(err, key)
 		}
@@ -281,12 +282,12 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 
 func (h *handler[T]) mapError(err error, key string) (string, error) {
 	switch {
-	case errors.Is(err, ErrMismatch), errors.Is(err, ErrFailed), errors.Is(err, ErrNeedsAttention),
-		errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidRequest):
+	case errors.Is(err, idempotency.ErrMismatch), errors.Is(err, idempotency.ErrFailed), errors.Is(err, idempotency.ErrNeedsAttention),
+		errors.Is(err, idempotency.ErrInvalidKey), errors.Is(err, idempotency.ErrInvalidRequest):
 		return OutcomeRejected, fmt.Errorf("%s: key %s: %w: %w", h.taskType, key, err, asynq.SkipRetry)
 	case errors.Is(err, asynq.SkipRetry):
 		return OutcomeError, fmt.Errorf("%s: key %s: %w", h.taskType, key, err)
-	case IsPermanent(err):
+	case idempotency.IsPermanent(err):
 		return OutcomeError, fmt.Errorf("%s: key %s: %w: %w", h.taskType, key, err, asynq.SkipRetry)
 	}
 	return OutcomeError, fmt.Errorf("%s: key %s: %w", h.taskType, key, err)
@@ -306,7 +307,7 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 	queue, _ := asynq.GetQueueName(ctx)
 	switch {
 	case h.w.cfg.Redis != nil && queue != "":
-		n, err := writeResultScript.Run(ctx, h.w.cfg.Redis, []string{asynqTaskKey(queue, w.TaskID())}, []byte(result)).Int()
+		n, err := writeResultScript.Run(ctx, h.w.cfg.Redis, []string{asynqkeys.Task(queue, w.TaskID())}, []byte(result)).Int()
 		if err != nil {
 			log.Debug("write task result", "err", err)
 		} else if n < 0 {
@@ -330,15 +331,15 @@ type BusyTooLongError struct {
 
 func (e *BusyTooLongError) Error() string {
 	if e.Age == 0 {
-		return fmt.Sprintf("idempotency: key %s busy (owner %s, fence %d) and the task has no %s header", e.Key, e.Owner, e.Fence, tasks.HeaderFirstEnqueued)
+		return fmt.Sprintf("asynqmw: key %s busy (owner %s, fence %d) and the task has no %s header", e.Key, e.Owner, e.Fence, idempotency.HeaderFirstEnqueued)
 	}
-	return fmt.Sprintf("idempotency: key %s still busy after %s (owner %s, fence %d)", e.Key, e.Age.Round(time.Second), e.Owner, e.Fence)
+	return fmt.Sprintf("asynqmw: key %s still busy after %s (owner %s, fence %d)", e.Key, e.Age.Round(time.Second), e.Owner, e.Fence)
 }
 
 // IsFailure tells asynq which errors count as failures (asynq.Config.IsFailure): a busy
 // key or lock does not, so it never burns the retry budget.
 func IsFailure(err error) bool {
-	return !errors.Is(err, ErrBusy) && !errors.Is(err, ErrLockBusy)
+	return !errors.Is(err, idempotency.ErrBusy) && !errors.Is(err, ErrLockBusy)
 }
 
 // RetryDelay tells asynq when to run a task again (asynq.Config.RetryDelayFunc): a busy
@@ -350,7 +351,7 @@ func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 		next = asynq.DefaultRetryDelayFunc
 	}
 	return func(n int, err error, t *asynq.Task) time.Duration {
-		var busy *BusyError
+		var busy *idempotency.BusyError
 		switch {
 		case errors.As(err, &busy):
 			d := time.Until(busy.Until) + 100*time.Millisecond // the lease's end
@@ -381,7 +382,7 @@ func taskAge(t *asynq.Task) (time.Duration, bool) {
 	if t == nil {
 		return 0, false
 	}
-	first, ok := tasks.FirstEnqueued(t.Headers())
+	first, ok := idempotency.FirstEnqueued(t.Headers())
 	if !ok {
 		return 0, false
 	}

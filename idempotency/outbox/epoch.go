@@ -1,4 +1,4 @@
-package idempotency
+package outbox
 
 import (
 	"context"
@@ -26,7 +26,7 @@ import (
 func epochKey(queue string) string { return "idemq:{" + queue + "}:epoch" }
 
 // errEpochChanged: Redis lost a queue's marker while a publish or a round was under way.
-var errEpochChanged = errors.New("idempotency: Redis lost data meanwhile (epoch marker changed)")
+var errEpochChanged = errors.New("outbox: Redis lost data meanwhile (epoch marker changed)")
 
 const ensureEpochSQL = `INSERT INTO redis_epochs (queue, epoch) VALUES ($1, $2) ON CONFLICT (queue) DO NOTHING`
 
@@ -49,7 +49,7 @@ func (c *Client) markEpochs(ctx context.Context, queues []string) (map[string]st
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("idempotency: epoch markers: %w", err)
+		return nil, fmt.Errorf("outbox: epoch markers: %w", err)
 	}
 	marks := make(map[string]string, len(queues))
 	for i, q := range queues {
@@ -67,7 +67,7 @@ func (c *Client) ensureEpochs(ctx context.Context, marks map[string]string) erro
 			continue
 		}
 		if _, err := c.pool.Exec(ctx, ensureEpochSQL, q, m); err != nil {
-			return fmt.Errorf("idempotency: record epoch of queue %s: %w", q, err)
+			return fmt.Errorf("outbox: record epoch of queue %s: %w", q, err)
 		}
 		c.epochQueues.Store(q, true)
 	}
@@ -85,7 +85,7 @@ func (c *Client) epochsUnchanged(ctx context.Context, marks map[string]string) (
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return false, fmt.Errorf("idempotency: epoch markers: %w", err)
+		return false, fmt.Errorf("outbox: epoch markers: %w", err)
 	}
 	for i, q := range queues {
 		if gets[i].Val() != marks[q] {
@@ -108,7 +108,7 @@ type epochLoss struct {
 func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 	rows, err := c.pool.Query(ctx, epochsSQL)
 	if err != nil {
-		return nil, "", fmt.Errorf("idempotency: read epochs: %w", err)
+		return nil, "", fmt.Errorf("outbox: read epochs: %w", err)
 	}
 	type row struct{ queue, epoch, runID string }
 	var recorded []row
@@ -121,7 +121,7 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 		recorded = append(recorded, r)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, "", fmt.Errorf("idempotency: read epochs: %w", err)
+		return nil, "", fmt.Errorf("outbox: read epochs: %w", err)
 	}
 	if len(recorded) == 0 {
 		return nil, "", nil
@@ -142,7 +142,7 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 	for i, r := range recorded {
 		switch cur := gets[i].Val(); {
 		case gets[i].Err() != nil && !errors.Is(gets[i].Err(), redis.Nil):
-			return nil, "", fmt.Errorf("idempotency: read epoch marker of %s: %w", r.queue, gets[i].Err())
+			return nil, "", fmt.Errorf("outbox: read epoch marker of %s: %w", r.queue, gets[i].Err())
 		case cur == "":
 			lost = append(lost, epochLoss{r.queue, "marker missing"})
 		case cur != r.epoch:
@@ -151,7 +151,7 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 			lost = append(lost, epochLoss{r.queue, "run_id changed"})
 		case runID != "" && r.runID == "":
 			if _, err := c.pool.Exec(ctx, settleEpochSQL, r.queue, r.epoch, runID); err != nil {
-				return nil, "", fmt.Errorf("idempotency: record run_id: %w", err)
+				return nil, "", fmt.Errorf("outbox: record run_id: %w", err)
 			}
 		}
 	}
@@ -163,7 +163,7 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 func (c *Client) settleEpochs(ctx context.Context, marks map[string]string, runID string) error {
 	for q, m := range marks {
 		if _, err := c.pool.Exec(ctx, settleEpochSQL, q, m, runID); err != nil {
-			return fmt.Errorf("idempotency: record epoch of queue %s: %w", q, err)
+			return fmt.Errorf("outbox: record epoch of queue %s: %w", q, err)
 		}
 	}
 	return nil

@@ -1,4 +1,4 @@
-package idempotency_test
+package outbox_test
 
 import (
 	"context"
@@ -16,11 +16,12 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
 
-func debitSpec(t testing.TB, ref string, amount int64) tasks.Spec {
+func debitSpec(t testing.TB, ref string, amount int64) outbox.Spec {
 	t.Helper()
 	s, err := tasks.DebitSpec(tasks.Debit{AccountID: "a-1", AmountCents: amount, Reference: ref})
 	if err != nil {
@@ -29,7 +30,7 @@ func debitSpec(t testing.TB, ref string, amount int64) tasks.Spec {
 	return s
 }
 
-func enqueueTx(t testing.TB, pool *pgxpool.Pool, c *idempotency.Client, spec tasks.Spec, commit bool) (idempotency.EnqueueResult, error) {
+func enqueueTx(t testing.TB, pool *pgxpool.Pool, c *outbox.Client, spec outbox.Spec, commit bool) (outbox.EnqueueResult, error) {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := pool.Begin(ctx)
@@ -53,14 +54,14 @@ func taskExists(t testing.TB, rdb *redis.Client, id string) bool {
 func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 
 	if _, err := enqueueTx(t, pool, c, debitSpec(t, "rolled-back", 5), false); err != nil {
 		t.Fatal(err)
 	}
 	res, err := enqueueTx(t, pool, c, debitSpec(t, "committed", 5), true)
-	if err != nil || res.Duplicate || res.State != idempotency.IntentPending || res.Key != "debit:committed" {
+	if err != nil || res.Duplicate || res.State != outbox.IntentPending || res.Key != "debit:committed" {
 		t.Fatalf("first record: %+v %v", res, err)
 	}
 	st, err := c.Reconcile(ctx, time.Hour) // settles nothing, checks nothing: a no-op here
@@ -88,13 +89,13 @@ func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 		t.Fatalf("rolled-back intent: %v, want ErrNotFound", err)
 	}
 	info, err := c.Intent(ctx, "debit:committed")
-	if err != nil || info.State != idempotency.IntentPublished || info.PublishedAt.IsZero() {
+	if err != nil || info.State != outbox.IntentPublished || info.PublishedAt.IsZero() {
 		t.Fatalf("committed intent: %+v %v", info, err)
 	}
 
 	// Recording again: a duplicate with the same payload, a mismatch with another.
 	res, err = enqueueTx(t, pool, c, debitSpec(t, "committed", 5), true)
-	if err != nil || !res.Duplicate || res.State != idempotency.IntentPublished {
+	if err != nil || !res.Duplicate || res.State != outbox.IntentPublished {
 		t.Fatalf("re-record: %+v %v, want a duplicate", res, err)
 	}
 	_, err = enqueueTx(t, pool, c, debitSpec(t, "committed", 6), true)
@@ -112,10 +113,10 @@ func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 func TestEnqueuePublishesAtOnce(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 	res, err := c.Enqueue(ctx, debitSpec(t, "direct", 9))
-	if err != nil || res.State != idempotency.IntentPublished || !taskExists(t, rdb, "debit:direct") {
+	if err != nil || res.State != outbox.IntentPublished || !taskExists(t, rdb, "debit:direct") {
 		t.Fatalf("Enqueue: %+v %v", res, err)
 	}
 	res, err = c.Enqueue(ctx, debitSpec(t, "direct", 9))
@@ -130,17 +131,17 @@ func TestRelayReplicasPublishEachIntentOnce(t *testing.T) {
 	ctx := testenv.Context(t, time.Minute)
 	const n = 300
 	var published atomic.Int64
-	cfg := &idempotency.ClientConfig{RelayBatch: 20, Observe: func(ev idempotency.Event, _ string) {
-		if ev == idempotency.EventPublished {
+	cfg := &outbox.Config{RelayBatch: 20, Observe: func(ev outbox.Event, _ string) {
+		if ev == outbox.EventPublished {
 			published.Add(1)
 		}
 	}}
-	recorder := idempotency.NewClient(pool, rdb, cfg)
+	recorder := outbox.NewClient(pool, rdb, cfg)
 
 	relayCtx, stop := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	for range 3 {
-		c := idempotency.NewClient(pool, rdb, cfg)
+		c := outbox.NewClient(pool, rdb, cfg)
 		wg.Add(1)
 		go func() { defer wg.Done(); c.RunRelay(relayCtx) }()
 	}
@@ -177,8 +178,8 @@ func TestRelaySurvivesRedisDown(t *testing.T) {
 	t.Cleanup(func() { rdb.Close() })
 	pool := testenv.Postgres(t)
 	var relayErrors atomic.Int64
-	c := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{RelayPoll: 50 * time.Millisecond, Observe: func(ev idempotency.Event, _ string) {
-		if ev == idempotency.EventRelayError {
+	c := outbox.NewClient(pool, rdb, &outbox.Config{RelayPoll: 50 * time.Millisecond, Observe: func(ev outbox.Event, _ string) {
+		if ev == outbox.EventRelayError {
 			relayErrors.Add(1)
 		}
 	}})
@@ -216,8 +217,8 @@ func TestReconcileRepublishesLostTasks(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	var alerts atomic.Int64
-	c := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{AlertGeneration: 2, Observe: func(ev idempotency.Event, _ string) {
-		if ev == idempotency.EventRepublishAlert {
+	c := outbox.NewClient(pool, rdb, &outbox.Config{AlertGeneration: 2, Observe: func(ev outbox.Event, _ string) {
+		if ev == outbox.EventRepublishAlert {
 			alerts.Add(1)
 		}
 	}})
@@ -289,7 +290,7 @@ func TestReconcileRepublishesLostTasks(t *testing.T) {
 func TestCompletionSettlesIntentInTheSameTransaction(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	l := idempotency.New(pool, nil)
 	t.Cleanup(l.Close)
 	ctx := testenv.Context(t, 30*time.Second)
@@ -318,8 +319,8 @@ func TestCompletionSettlesIntentInTheSameTransaction(t *testing.T) {
 	}); err == nil {
 		t.Fatal("the handler's error was not returned")
 	}
-	for ref, want := range map[string]string{"tx": idempotency.IntentDone, "leased": idempotency.IntentDone,
-		"failed": idempotency.IntentDead, "rolled-back": idempotency.IntentPublished} {
+	for ref, want := range map[string]string{"tx": outbox.IntentDone, "leased": outbox.IntentDone,
+		"failed": outbox.IntentDead, "rolled-back": outbox.IntentPublished} {
 		info, err := c.Intent(ctx, "debit:"+ref)
 		if err != nil || info.State != want {
 			t.Errorf("%s: intent %+v (%v), want state %s", ref, info, err, want)
@@ -331,33 +332,5 @@ func TestCompletionSettlesIntentInTheSameTransaction(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM job_intents`); n != 1 {
 		t.Fatalf("%d intents left after the purge, want 1 (the unfinished one)", n)
-	}
-}
-
-// TestUnsafeNoFencingLetsAStaleOwnerWrite is the ledger-level negative control: with
-// fencing off, the stale owner's heartbeat and completion go through.
-func TestUnsafeNoFencingLetsAStaleOwnerWrite(t *testing.T) {
-	t.Parallel()
-	for _, unsafe := range []bool{false, true} {
-		l, _ := newLedger(t, &idempotency.Config{Lease: 200 * time.Millisecond, UnsafeNoFencing: unsafe})
-		ctx := testenv.Context(t, 30*time.Second)
-		first, err := l.Claim(ctx, req("k"))
-		if err != nil || first.Claim == nil {
-			t.Fatal(first, err)
-		}
-		time.Sleep(300 * time.Millisecond)
-		second, err := l.Claim(ctx, req("k"))
-		if err != nil || second.Claim == nil {
-			t.Fatal(second, err)
-		}
-		_, hbErr := l.Heartbeat(ctx, first.Claim)
-		cErr := l.Complete(ctx, first.Claim, json.RawMessage(`"stale"`))
-		if unsafe {
-			if hbErr != nil || cErr != nil || string(get(t, l, "k").Result) != `"stale"` {
-				t.Fatalf("fencing off: heartbeat %v, complete %v; want both to go through", hbErr, cErr)
-			}
-		} else if !errors.Is(hbErr, idempotency.ErrLeaseLost) || !errors.Is(cErr, idempotency.ErrLeaseLost) {
-			t.Fatalf("fencing on: heartbeat %v, complete %v; want ErrLeaseLost", hbErr, cErr)
-		}
 	}
 }

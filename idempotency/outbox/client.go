@@ -1,4 +1,4 @@
-package idempotency
+package outbox
 
 import (
 	"context"
@@ -10,11 +10,10 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/idemq/idemq/idempotency"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
-
-	"github.com/idemq/idemq/tasks"
 )
 
 // Intent states (the job_intents.state column).
@@ -25,8 +24,8 @@ const (
 	IntentDead      = "dead"      // the ledger failed the key permanently
 )
 
-// ClientConfig tunes a Client. The zero value of each field means its default.
-type ClientConfig struct {
+// Config tunes a Client. The zero value of each field means its default.
+type Config struct {
 	// RelayBatch is how many pending intents one relay round publishes. Default 100.
 	RelayBatch int
 	// RelayPoll is how often the relay looks for pending intents without a wake-up.
@@ -58,11 +57,14 @@ type ClientConfig struct {
 	Observe func(ev Event, taskType string)
 }
 
-// Outbox events passed to ClientConfig.Observe.
+// Event names what the outbox did, for counters (see Config.Observe).
+type Event string
+
+// Events passed to Config.Observe.
 const (
 	EventPublished      Event = "published"       // the relay handed an intent to asynq
 	EventRepublished    Event = "republished"     // the reconciler republished a lost task
-	EventRepublishAlert Event = "republish_alert" // a republish reached ClientConfig.AlertGeneration
+	EventRepublishAlert Event = "republish_alert" // a republish reached Config.AlertGeneration
 	EventRelayError     Event = "relay_error"     // a publish failed; retried later
 )
 
@@ -85,7 +87,7 @@ type Client struct {
 	rdb   redis.UniversalClient
 	asynq *asynq.Client
 	insp  *asynq.Inspector
-	cfg   ClientConfig
+	cfg   Config
 	log   *slog.Logger
 
 	wakeMu   sync.Mutex
@@ -96,7 +98,7 @@ type Client struct {
 
 // NewClient returns a Client recording intents in pool's database and publishing through
 // rdb (which it does not close). cfg may be nil.
-func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *ClientConfig) *Client {
+func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) *Client {
 	c := &Client{pool: pool, rdb: rdb, asynq: asynq.NewClientFromRedisClient(rdb), insp: asynq.NewInspectorFromRedisClient(rdb)}
 	if cfg != nil {
 		c.cfg = *cfg
@@ -155,17 +157,17 @@ const readIntentSQL = `SELECT task_type, payload_sha256, state FROM job_intents 
 // Duplicate and the intent's state; with another payload (or task type) it returns a
 // *MismatchError. An invalid key returns an error wrapping ErrInvalidKey. A concurrent
 // uncommitted EnqueueTx of the same key makes this one wait for it.
-func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec tasks.Spec) (EnqueueResult, error) {
-	if err := ValidateKey(spec.Key); err != nil {
+func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueResult, error) {
+	if err := idempotency.ValidateKey(spec.Key); err != nil {
 		return EnqueueResult{}, err
 	}
-	if len(spec.Payload) > tasks.MaxPayloadBytes {
-		return EnqueueResult{}, fmt.Errorf("%w: payload of %s is %d bytes; the limit is %d", ErrInvalidRequest, spec.Key, len(spec.Payload), tasks.MaxPayloadBytes)
+	if len(spec.Payload) > idempotency.MaxPayloadBytes {
+		return EnqueueResult{}, fmt.Errorf("%w: payload of %s is %d bytes; the limit is %d", idempotency.ErrInvalidRequest, spec.Key, len(spec.Payload), idempotency.MaxPayloadBytes)
 	}
 	if spec.Type == "" || spec.Queue == "" {
-		return EnqueueResult{}, fmt.Errorf("%w: %s: task type and queue are required", ErrInvalidRequest, spec.Key)
+		return EnqueueResult{}, fmt.Errorf("%w: %s: task type and queue are required", idempotency.ErrInvalidRequest, spec.Key)
 	}
-	fp := Fingerprint(spec.Type, spec.Payload)
+	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
 	var state string
 	err := tx.QueryRow(ctx, insertIntentSQL, spec.Key, spec.Type, spec.Payload, fp, spec.Queue,
 		spec.MaxRetry, spec.Timeout.Milliseconds(), spec.Retention.Milliseconds()).Scan(&state)
@@ -173,15 +175,15 @@ func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec tasks.Spec) (Enq
 		return EnqueueResult{Key: spec.Key, State: state}, nil
 	}
 	if !errors.Is(err, pgx.ErrNoRows) {
-		return EnqueueResult{}, fmt.Errorf("idempotency: record intent %s: %w", spec.Key, err)
+		return EnqueueResult{}, fmt.Errorf("outbox: record intent %s: %w", spec.Key, err)
 	}
 	var typ string
 	var stored []byte
 	if err := tx.QueryRow(ctx, readIntentSQL, spec.Key).Scan(&typ, &stored, &state); err != nil {
-		return EnqueueResult{}, fmt.Errorf("idempotency: read intent %s: %w", spec.Key, err)
+		return EnqueueResult{}, fmt.Errorf("outbox: read intent %s: %w", spec.Key, err)
 	}
 	if typ != spec.Type || string(stored) != string(fp) {
-		return EnqueueResult{}, &MismatchError{Key: spec.Key}
+		return EnqueueResult{}, &idempotency.MismatchError{Key: spec.Key}
 	}
 	return EnqueueResult{Key: spec.Key, Duplicate: true, State: state}, nil
 }
@@ -189,7 +191,7 @@ func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec tasks.Spec) (Enq
 // Enqueue records spec's intent in a transaction of its own and publishes it at once (a
 // relay publishes it later if that fails). Duplicates and mismatches are reported as by
 // EnqueueTx.
-func (c *Client) Enqueue(ctx context.Context, spec tasks.Spec) (EnqueueResult, error) {
+func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) {
 	var res EnqueueResult
 	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		var err error
@@ -229,7 +231,7 @@ func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
 	err := c.pool.QueryRow(ctx, intentInfoSQL, key).Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration,
 		&i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, fmt.Errorf("%w: no intent for %q", ErrNotFound, key)
+		return nil, fmt.Errorf("%w: no intent for %q", idempotency.ErrNotFound, key)
 	}
 	if err != nil {
 		return nil, err

@@ -1,4 +1,4 @@
-package idempotency_test
+package outbox_test
 
 import (
 	"bytes"
@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
@@ -45,7 +46,7 @@ func TestKeysWithHashAreRefused(t *testing.T) {
 		t.Fatal("tasks.DebitSpec accepted a reference with '#'")
 	}
 	pool, rdb := testenv.Pool(t, testenv.PostgresURL(t)), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	spec := debitSpec(t, "victim", 1)
 	spec.Key = "debit:victim#r1"
 	if _, err := c.Enqueue(testenv.Context(t, 10*time.Second), spec); !errors.Is(err, idempotency.ErrInvalidKey) {
@@ -58,7 +59,7 @@ func TestKeysWithHashAreRefused(t *testing.T) {
 func TestReconcileSkipsTaskIDsHeldByOtherTasks(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 	spec := debitSpec(t, "victim", 5)
 	if _, err := c.Enqueue(ctx, spec); err != nil {
@@ -94,7 +95,7 @@ func TestReconcileSkipsTaskIDsHeldByOtherTasks(t *testing.T) {
 func TestReconcileTreatsAnotherTaskUnderTheTaskIDAsMissing(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 	spec := debitSpec(t, "taken", 5)
 	if _, err := c.Enqueue(ctx, spec); err != nil {
@@ -119,12 +120,12 @@ func TestReconcileTreatsAnotherTaskUnderTheTaskIDAsMissing(t *testing.T) {
 func TestRelaySkipsATaskIDHeldByAnotherTask(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
-	c := idempotency.NewClient(pool, rdb, nil)
+	c := outbox.NewClient(pool, rdb, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 	plainTask(t, rdb, "debit:pre", "someone-else")
 	spec := debitSpec(t, "pre", 5)
 	res, err := c.Enqueue(ctx, spec)
-	if err != nil || res.State != idempotency.IntentPublished {
+	if err != nil || res.State != outbox.IntentPublished {
 		t.Fatalf("enqueue: %+v %v", res, err)
 	}
 	info, err := c.Intent(ctx, "debit:pre")
@@ -143,13 +144,13 @@ func TestRelaySkipsATaskIDHeldByAnotherTask(t *testing.T) {
 	if _, err := c.Enqueue(ctx, same); err != nil {
 		t.Fatal(err)
 	}
-	if info, err := c.Intent(ctx, "debit:same"); err != nil || info.PublishGeneration != 0 || info.State != idempotency.IntentPublished {
+	if info, err := c.Intent(ctx, "debit:same"); err != nil || info.PublishGeneration != 0 || info.State != outbox.IntentPublished {
 		t.Fatalf("intent %+v %v; want published at generation 0", info, err)
 	}
 }
 
 // waitIntentTask waits until Redis holds a task of key's intent (its current TaskID).
-func waitIntentTask(ctx context.Context, t testing.TB, c *idempotency.Client, rdb *redis.Client, key string) time.Duration {
+func waitIntentTask(ctx context.Context, t testing.TB, c *outbox.Client, rdb *redis.Client, key string) time.Duration {
 	t.Helper()
 	start := time.Now()
 	for ctx.Err() == nil {
@@ -169,7 +170,7 @@ func TestReconcilerStartedAfterTheLossRepublishesAtOnce(t *testing.T) {
 	t.Parallel()
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	ctx := testenv.Context(t, 60*time.Second)
-	before := idempotency.NewClient(pool, rdb, nil)
+	before := outbox.NewClient(pool, rdb, nil)
 	keys := []string{"debit:e1", "debit:e2", "debit:e3"}
 	for _, ref := range []string{"e1", "e2", "e3"} {
 		if _, err := before.Enqueue(ctx, debitSpec(t, ref, 1)); err != nil {
@@ -179,7 +180,7 @@ func TestReconcilerStartedAfterTheLossRepublishesAtOnce(t *testing.T) {
 	if err := rdb.FlushDB(ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	after := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 100 * time.Millisecond})
+	after := outbox.NewClient(pool, rdb, &outbox.Config{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 100 * time.Millisecond})
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- after.RunReconciler(rctx) }()
@@ -209,7 +210,7 @@ func TestReconcilerNoticesARestartItDidNotSee(t *testing.T) {
 	pool := testenv.Postgres(t)
 	ctx := testenv.Context(t, 60*time.Second)
 
-	first := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 50 * time.Millisecond})
+	first := outbox.NewClient(pool, rdb, &outbox.Config{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 50 * time.Millisecond})
 	if _, err := first.Enqueue(ctx, debitSpec(t, "aof", 1)); err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +238,7 @@ func TestReconcilerNoticesARestartItDidNotSee(t *testing.T) {
 	if err := srv.Start(); err != nil {
 		t.Fatal(err)
 	}
-	second := idempotency.NewClient(pool, rdb, &idempotency.ClientConfig{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 100 * time.Millisecond})
+	second := outbox.NewClient(pool, rdb, &outbox.Config{Grace: time.Hour, ReconcileEvery: time.Hour, ProbeEvery: 100 * time.Millisecond})
 	rctx, stop = context.WithCancel(ctx)
 	go func() { done <- second.RunReconciler(rctx) }()
 	if d := waitIntentTask(ctx, t, second, rdb, "debit:aof"); d > 10*time.Second {

@@ -1,4 +1,4 @@
-package idempotency
+package outbox
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/idemq/idemq/internal/asynqkeys"
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/time/rate"
@@ -58,7 +59,7 @@ type ReconcileStats struct {
 // TaskID), under TaskID key#r<generation> (never colliding with an orphaned or archived
 // task; the ledger dedups across generations). With a grace period it checks the 1000
 // oldest such intents; with none (grace 0, as after Redis lost data) it checks them all.
-// It republishes at most ClientConfig.RepublishPerSecond per second. If Redis loses data
+// It republishes at most Config.RepublishPerSecond per second. If Redis loses data
 // during the round (a queue's epoch marker changes), the round runs again without grace.
 // Safe for concurrent use.
 func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileStats, error) {
@@ -72,7 +73,7 @@ func (c *Client) reconcile(ctx context.Context, grace time.Duration, queues []st
 	var st ReconcileStats
 	tag, err := c.pool.Exec(ctx, finishIntentsSQL)
 	if err != nil {
-		return st, nil, fmt.Errorf("idempotency: settle intents: %w", err)
+		return st, nil, fmt.Errorf("outbox: settle intents: %w", err)
 	}
 	st.Finished = tag.RowsAffected()
 	limiter := rate.NewLimiter(rate.Limit(c.cfg.RepublishPerSecond), 1)
@@ -106,7 +107,7 @@ func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues
 	limiter *rate.Limiter, st *ReconcileStats) error {
 	var cutoff time.Time
 	if err := c.pool.QueryRow(ctx, cutoffSQL, grace.Milliseconds()).Scan(&cutoff); err != nil {
-		return fmt.Errorf("idempotency: read the clock: %w", err)
+		return fmt.Errorf("outbox: read the clock: %w", err)
 	}
 	var only any
 	if queues != nil {
@@ -116,7 +117,7 @@ func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues
 	for {
 		rows, err := c.pool.Query(ctx, staleIntentsSQL, cutoff, afterAt, afterKey, reconcilePage, only)
 		if err != nil {
-			return fmt.Errorf("idempotency: list stale intents: %w", err)
+			return fmt.Errorf("outbox: list stale intents: %w", err)
 		}
 		var publishedAt time.Time
 		stale, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (intentRow, error) {
@@ -128,7 +129,7 @@ func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues
 			return r, err
 		})
 		if err != nil {
-			return fmt.Errorf("idempotency: list stale intents: %w", err)
+			return fmt.Errorf("outbox: list stale intents: %w", err)
 		}
 		if len(stale) == 0 {
 			return nil
@@ -184,7 +185,7 @@ func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limite
 		return nil
 	}
 	if err := c.registerQueues(ctx, missing); err != nil {
-		return fmt.Errorf("idempotency: register queues: %w", err)
+		return fmt.Errorf("outbox: register queues: %w", err)
 	}
 	for _, r := range missing {
 		st.Missing++
@@ -195,11 +196,11 @@ func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limite
 		next.gen = r.gen + 1
 		gen, err := c.publish(ctx, next)
 		if err != nil {
-			return fmt.Errorf("idempotency: republish %s: %w", r.spec.Key, err)
+			return fmt.Errorf("outbox: republish %s: %w", r.spec.Key, err)
 		}
 		tag, err := c.pool.Exec(ctx, bumpGenerationSQL, r.spec.Key, r.gen, gen)
 		if err != nil {
-			return fmt.Errorf("idempotency: record republish of %s: %w", r.spec.Key, err)
+			return fmt.Errorf("outbox: record republish of %s: %w", r.spec.Key, err)
 		}
 		if tag.RowsAffected() == 0 {
 			continue // another reconciler republished it, or it finished meanwhile
@@ -225,12 +226,12 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 	cmds := make([]*redis.BoolCmd, len(rs))
 	_, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, r := range rs {
-			cmds[i] = p.HExists(ctx, asynqTaskKey(r.spec.Queue, taskID(r.spec.Key, r.gen)), "msg")
+			cmds[i] = p.HExists(ctx, asynqkeys.Task(r.spec.Queue, taskID(r.spec.Key, r.gen)), "msg")
 		}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("idempotency: look up tasks in Redis: %w", err)
+		return nil, fmt.Errorf("outbox: look up tasks in Redis: %w", err)
 	}
 	out := make([]bool, len(rs))
 	for i, cmd := range cmds {
@@ -239,21 +240,15 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 		}
 		match, err := c.holdsTask(ctx, rs[i], taskID(rs[i].spec.Key, rs[i].gen))
 		if err != nil {
-			return nil, fmt.Errorf("idempotency: look up tasks in Redis: %w", err)
+			return nil, fmt.Errorf("outbox: look up tasks in Redis: %w", err)
 		}
 		out[i] = match == taskIsThisJob
 	}
 	return out, nil
 }
 
-// asynqTaskKey is where asynq keeps a task's hash (asynq's internal base.TaskKey).
-func asynqTaskKey(queue, id string) string { return "asynq:{" + queue + "}:t:" + id }
-
-// asynqQueuesKey is asynq's set of all queues (its internal base.AllQueues).
-const asynqQueuesKey = "asynq:queues"
-
-// RunReconciler reconciles every ClientConfig.ReconcileEvery with the grace period, and,
-// within ClientConfig.ProbeEvery of Redis losing a queue's data (its epoch marker is
+// RunReconciler reconciles every Config.ReconcileEvery with the grace period, and,
+// within Config.ProbeEvery of Redis losing a queue's data (its epoch marker is
 // missing or changed, or Redis's run_id changed: see the epoch markers), that queue at
 // once, without grace, whichever process was watching before. It returns nil when ctx
 // ends. Every replica may run it.
@@ -315,8 +310,8 @@ func (c *Client) logRound(ctx context.Context, st ReconcileStats, err error) {
 	}
 }
 
-// OutboxStats is the outbox's backlog, for metrics.
-type OutboxStats struct {
+// Stats is the outbox's backlog, for metrics.
+type Stats struct {
 	Pending            int
 	OldestPending      time.Duration // relay lag
 	Published          int           // published, not yet done or dead
@@ -333,8 +328,8 @@ SELECT count(*) FILTER (WHERE state = 'pending'),
 FROM job_intents WHERE state IN ('pending', 'published')`
 
 // Stats returns the outbox's backlog; threshold sets PublishedOlderThan.
-func (c *Client) Stats(ctx context.Context, threshold time.Duration) (OutboxStats, error) {
-	var s OutboxStats
+func (c *Client) Stats(ctx context.Context, threshold time.Duration) (Stats, error) {
+	var s Stats
 	var oldestPending, oldestPublished float64
 	err := c.pool.QueryRow(ctx, outboxStatsSQL, threshold.Milliseconds()).Scan(&s.Pending, &oldestPending, &s.Published, &oldestPublished, &s.PublishedOlderThan)
 	s.OldestPending = time.Duration(oldestPending * float64(time.Second))

@@ -1,4 +1,4 @@
-package idempotency_test
+package asynqmw_test
 
 import (
 	"context"
@@ -14,6 +14,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/lock"
 	"github.com/idemq/idemq/tasks"
@@ -24,27 +26,27 @@ import (
 type mwFixture struct {
 	ledger  *idempotency.Ledger
 	locker  *lock.Locker
-	worker  *idempotency.Worker
+	worker  *asynqmw.Worker
 	charge  asynq.Handler // leased
 	debit   asynq.Handler // transactional
 	runs    atomic.Int64
 	chargeF func(ctx context.Context, c tasks.Charge) (json.RawMessage, error)
 }
 
-func newMW(t *testing.T, lease time.Duration, wcfg *idempotency.WorkerConfig) *mwFixture {
+func newMW(t *testing.T, lease time.Duration, wcfg *asynqmw.Config) *mwFixture {
 	t.Helper()
 	f := &mwFixture{}
 	f.ledger, _ = newLedger(t, &idempotency.Config{Lease: lease})
 	f.locker = lock.New(testenv.Redis(t), nil)
-	f.worker = idempotency.NewWorker(f.ledger, f.locker, wcfg)
+	f.worker = asynqmw.NewWorker(f.ledger, f.locker, wcfg)
 	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
 	}
-	f.charge = idempotency.Leased(f.worker, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+	f.charge = asynqmw.Leased(f.worker, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		f.runs.Add(1)
 		return f.chargeF(ctx, c)
 	})
-	f.debit = idempotency.Transactional(f.worker, tasks.TypeDebit, tasks.DecodeDebit, func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
+	f.debit = asynqmw.Transactional(f.worker, tasks.TypeDebit, tasks.DecodeDebit, func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
 		f.runs.Add(1)
 		var one int
 		if err := tx.QueryRow(ctx, `SELECT 1`).Scan(&one); err != nil {
@@ -56,11 +58,11 @@ func newMW(t *testing.T, lease time.Duration, wcfg *idempotency.WorkerConfig) *m
 }
 
 // serve runs the fixture's charge handler on an asynq server configured by cfg (and
-// idempotency.Configure) until the test ends.
+// asynqmw.Configure) until the test ends.
 func (f *mwFixture) serve(t *testing.T, rdb *redis.Client, cfg asynq.Config) {
 	t.Helper()
 	cfg.LogLevel = asynq.FatalLevel
-	idempotency.Configure(&cfg)
+	asynqmw.Configure(&cfg)
 	srv := asynq.NewServerFromRedisClient(rdb, cfg)
 	mux := asynq.NewServeMux()
 	mux.Handle(tasks.TypeCharge, f.charge)
@@ -114,7 +116,7 @@ func TestMiddlewareRejectsBadInputWithoutLedgerRow(t *testing.T) {
 		if !errors.Is(err, asynq.SkipRetry) || !strings.Contains(err.Error(), tasks.TypeCharge) {
 			t.Errorf("%s: %v, want SkipRetry naming the task type", name, err)
 		}
-		if idempotency.IsFailure(err) == false {
+		if asynqmw.IsFailure(err) == false {
 			t.Errorf("%s: a bad payload must count as a failure", name)
 		}
 	}
@@ -147,7 +149,7 @@ func TestMiddlewareHandlerSkipRetryFailsKeyTerminally(t *testing.T) {
 	}
 	ctx := testenv.Context(t, 30*time.Second)
 	err := f.charge.ProcessTask(ctx, chargeTask(t, "o-3", 100))
-	if err == nil || errors.Is(err, asynq.SkipRetry) || !idempotency.IsFailure(err) {
+	if err == nil || errors.Is(err, asynq.SkipRetry) || !asynqmw.IsFailure(err) {
 		t.Fatalf("retryable handler error: %v", err)
 	}
 	if r := get(t, f.ledger, "charge:o-3"); r.Status != idempotency.StatusInProgress || r.LastError == "" {
@@ -209,10 +211,10 @@ func TestMiddlewareBusyIsNotAFailure(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = f.charge.ProcessTask(ctx, chargeTask(t, "o-5", 100))
-	if !errors.Is(err, idempotency.ErrLockBusy) || idempotency.IsFailure(err) {
-		t.Fatalf("lock busy: %v (failure %v); want ErrLockBusy, not a failure", err, idempotency.IsFailure(err))
+	if !errors.Is(err, asynqmw.ErrLockBusy) || asynqmw.IsFailure(err) {
+		t.Fatalf("lock busy: %v (failure %v); want ErrLockBusy, not a failure", err, asynqmw.IsFailure(err))
 	}
-	if d := idempotency.RetryDelay(nil)(0, err, nil); d < 500*time.Millisecond || d > time.Second {
+	if d := asynqmw.RetryDelay(nil)(0, err, nil); d < 500*time.Millisecond || d > time.Second {
 		t.Fatalf("lock busy retry delay %s, want 0.5–1 s", d)
 	}
 	lk.Release(ctx)
@@ -226,21 +228,21 @@ func TestMiddlewareBusyIsNotAFailure(t *testing.T) {
 	}
 	err = f.charge.ProcessTask(ctx, task)
 	var busy *idempotency.BusyError
-	if !errors.As(err, &busy) || idempotency.IsFailure(err) || busy.Fence != cr.Claim.Fence {
+	if !errors.As(err, &busy) || asynqmw.IsFailure(err) || busy.Fence != cr.Claim.Fence {
 		t.Fatalf("lease busy: %v; want a *BusyError naming fence %d, not a failure", err, cr.Claim.Fence)
 	}
-	d := idempotency.RetryDelay(nil)(0, err, nil)
+	d := asynqmw.RetryDelay(nil)(0, err, nil)
 	if left := time.Until(busy.Until); d < left || d > left+2*time.Second {
 		t.Fatalf("lease busy retry delay %s, want about the %s left on the lease", d, left)
 	}
 	// A task first enqueued just now looks again soon; one enqueued long ago, at half its
 	// age, but never after the lease ends.
-	fresh := tasks.Spec{Key: "charge:o-6", Type: tasks.TypeCharge, Payload: task.Payload()}.Task("t-fresh", time.Now())
-	if d := idempotency.RetryDelay(nil)(0, err, fresh); d < 250*time.Millisecond || d > 600*time.Millisecond {
+	fresh := outbox.Spec{Key: "charge:o-6", Type: tasks.TypeCharge, Payload: task.Payload()}.Task("t-fresh", time.Now())
+	if d := asynqmw.RetryDelay(nil)(0, err, fresh); d < 250*time.Millisecond || d > 600*time.Millisecond {
 		t.Fatalf("lease busy retry delay of a fresh task %s, want 250–500 ms", d)
 	}
-	old := tasks.Spec{Key: "charge:o-6", Type: tasks.TypeCharge, Payload: task.Payload()}.Task("t-old", time.Now().Add(-time.Hour))
-	if d, left := idempotency.RetryDelay(nil)(0, err, old), time.Until(busy.Until); d < left || d > left+2*time.Second {
+	old := outbox.Spec{Key: "charge:o-6", Type: tasks.TypeCharge, Payload: task.Payload()}.Task("t-old", time.Now().Add(-time.Hour))
+	if d, left := asynqmw.RetryDelay(nil)(0, err, old), time.Until(busy.Until); d < left || d > left+2*time.Second {
 		t.Fatalf("lease busy retry delay of an hour-old task %s, want the %s left on the lease", d, left)
 	}
 	if f.runs.Load() != 0 {
@@ -250,10 +252,10 @@ func TestMiddlewareBusyIsNotAFailure(t *testing.T) {
 
 func TestMiddlewareBusyBudget(t *testing.T) {
 	t.Parallel()
-	f := newMW(t, 10*time.Second, &idempotency.WorkerConfig{BusyBudget: time.Minute})
+	f := newMW(t, 10*time.Second, &asynqmw.Config{BusyBudget: time.Minute})
 	ctx := testenv.Context(t, 30*time.Second)
 	old := asynq.NewTaskWithHeaders(tasks.TypeCharge, chargeTask(t, "o-7", 1).Payload(),
-		map[string]string{tasks.HeaderFirstEnqueued: time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)})
+		map[string]string{idempotency.HeaderFirstEnqueued: time.Now().Add(-time.Hour).UTC().Format(time.RFC3339Nano)})
 	noHeader := asynq.NewTask(tasks.TypeCharge, old.Payload())
 	if _, err := f.ledger.Claim(ctx, idempotency.Request{Key: "charge:o-7", TaskType: tasks.TypeCharge,
 		Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, old.Payload())}); err != nil {
@@ -261,8 +263,8 @@ func TestMiddlewareBusyBudget(t *testing.T) {
 	}
 	for name, task := range map[string]*asynq.Task{"past budget": old, "no header": noHeader} {
 		err := f.charge.ProcessTask(ctx, task)
-		var tooLong *idempotency.BusyTooLongError
-		if !errors.As(err, &tooLong) || !idempotency.IsFailure(err) || tooLong.Fence == 0 || tooLong.Owner == "" {
+		var tooLong *asynqmw.BusyTooLongError
+		if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || tooLong.Fence == 0 || tooLong.Owner == "" {
 			t.Errorf("%s: %v; want a counted BusyTooLongError naming owner and fence", name, err)
 		}
 	}
@@ -272,7 +274,7 @@ func TestMiddlewareWithAsynqServer(t *testing.T) {
 	t.Parallel()
 	f := newMW(t, 800*time.Millisecond, nil)
 	rdb := testenv.Redis(t)
-	big := strings.Repeat("x", idempotency.MaxResultWriteBytes)
+	big := strings.Repeat("x", asynqmw.MaxResultWriteBytes)
 	f.chargeF = func(_ context.Context, c tasks.Charge) (json.RawMessage, error) {
 		if c.OrderID == "big" {
 			return json.Marshal(map[string]string{"pad": big})
@@ -314,9 +316,9 @@ func TestMiddlewareWithAsynqServer(t *testing.T) {
 		t.Errorf("small result in asynq = %q", got)
 	}
 	if n := len(infos["charge:big"].Result); n != 0 {
-		t.Errorf("a %d-byte result was written to asynq, want none over %d", n, idempotency.MaxResultWriteBytes)
+		t.Errorf("a %d-byte result was written to asynq, want none over %d", n, asynqmw.MaxResultWriteBytes)
 	}
-	if r := get(t, f.ledger, "charge:big"); len(r.Result) <= idempotency.MaxResultWriteBytes {
+	if r := get(t, f.ledger, "charge:big"); len(r.Result) <= asynqmw.MaxResultWriteBytes {
 		t.Errorf("the ledger kept %d bytes of the big result", len(r.Result))
 	}
 	if r := get(t, f.ledger, "charge:held"); r.Status != idempotency.StatusCompleted || r.Attempts != 2 {
@@ -327,10 +329,10 @@ func TestMiddlewareWithAsynqServer(t *testing.T) {
 func TestRetryDelayDefersOtherErrors(t *testing.T) {
 	t.Parallel()
 	next := func(n int, err error, t *asynq.Task) time.Duration { return time.Duration(n) * time.Hour }
-	if d := idempotency.RetryDelay(next)(3, errors.New("x"), nil); d != 3*time.Hour {
+	if d := asynqmw.RetryDelay(next)(3, errors.New("x"), nil); d != 3*time.Hour {
 		t.Fatalf("other error: %s, want the next func's 3h", d)
 	}
-	if !idempotency.IsFailure(errors.New("x")) || idempotency.IsFailure(&idempotency.BusyError{Key: "k"}) {
+	if !asynqmw.IsFailure(errors.New("x")) || asynqmw.IsFailure(&idempotency.BusyError{Key: "k"}) {
 		t.Fatal("IsFailure: an ordinary error must count, a busy key must not")
 	}
 }
@@ -340,7 +342,7 @@ func TestRetryDelayDefersOtherErrors(t *testing.T) {
 func TestMiddlewareDoesNotWriteResultsForLostTasks(t *testing.T) {
 	t.Parallel()
 	rdb := testenv.Redis(t)
-	f := newMW(t, 5*time.Second, &idempotency.WorkerConfig{Redis: rdb})
+	f := newMW(t, 5*time.Second, &asynqmw.Config{Redis: rdb})
 	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		if c.OrderID == "lost" {
 			// Redis loses everything while the handler runs (a restart without persistence).
@@ -412,12 +414,12 @@ func TestMiddlewareKeyScopedJobsSkipTheLock(t *testing.T) {
 	t.Parallel()
 	for _, locked := range []bool{false, true} {
 		var lockEvents atomic.Int64
-		f := newMW(t, 5*time.Second, &idempotency.WorkerConfig{
+		f := newMW(t, 5*time.Second, &asynqmw.Config{
 			LockKeyScoped: locked,
-			ObserveLock:   func(idempotency.Event, string) { lockEvents.Add(1) },
+			ObserveLock:   func(asynqmw.LockEvent, string) { lockEvents.Add(1) },
 		})
 		var runs atomic.Int64
-		h := idempotency.Leased(f.worker, "test:keyjob", func(b []byte) (keyJob, error) {
+		h := asynqmw.Leased(f.worker, "test:keyjob", func(b []byte) (keyJob, error) {
 			var j keyJob
 			return j, json.Unmarshal(b, &j)
 		}, func(ctx context.Context, j keyJob) (json.RawMessage, error) {

@@ -1,4 +1,4 @@
-package idempotency
+package outbox
 
 import (
 	"bytes"
@@ -9,9 +9,10 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/internal/pgtext"
+	"github.com/idemq/idemq/internal/asynqkeys"
 	"github.com/jackc/pgx/v5"
-
-	"github.com/idemq/idemq/tasks"
 )
 
 // wakeChannel is the LISTEN/NOTIFY channel relays wait on.
@@ -44,7 +45,7 @@ WHERE idempotency_key = ANY($1::text[]) AND state = 'pending'`
 
 // intentRow is an intent taken for publishing.
 type intentRow struct {
-	spec      tasks.Spec
+	spec      Spec
 	gen       int
 	createdAt time.Time
 }
@@ -124,7 +125,7 @@ func (c *Client) holdsTask(ctx context.Context, r intentRow, id string) (taskMat
 		return taskMissing, nil
 	case err != nil:
 		return taskMissing, fmt.Errorf("look up task %s: %w", id, err)
-	case info.Type == r.spec.Type && bytes.Equal(Fingerprint(info.Type, info.Payload), Fingerprint(r.spec.Type, r.spec.Payload)):
+	case info.Type == r.spec.Type && bytes.Equal(idempotency.Fingerprint(info.Type, info.Payload), idempotency.Fingerprint(r.spec.Type, r.spec.Payload)):
 		return taskIsThisJob, nil
 	default:
 		return taskIsOther, nil
@@ -164,7 +165,7 @@ func (c *Client) registerQueues(ctx context.Context, batch []intentRow) error {
 			queues = append(queues, r.spec.Queue)
 		}
 	}
-	return c.rdb.SAdd(ctx, asynqQueuesKey, queues...).Err()
+	return c.rdb.SAdd(ctx, asynqkeys.AllQueues, queues...).Err()
 }
 
 // publishPending publishes one batch of pending intents (only keys, when not nil) and
@@ -173,7 +174,7 @@ func (c *Client) registerQueues(ctx context.Context, batch []intentRow) error {
 func (c *Client) publishPending(ctx context.Context, keys []string) (int, error) {
 	batch, err := c.takePending(ctx, keys)
 	if err != nil {
-		return 0, fmt.Errorf("idempotency: take pending intents: %w", err)
+		return 0, fmt.Errorf("outbox: take pending intents: %w", err)
 	}
 	if len(batch) == 0 {
 		return 0, nil
@@ -222,20 +223,20 @@ func (c *Client) publishPending(ctx context.Context, keys []string) (int, error)
 		if _, err := c.pool.Exec(wctx, markPublishedSQL, done, gens); err != nil {
 			// The intents come back after RelayHold and are published again: a TaskID
 			// conflict then, which counts as published.
-			return 0, fmt.Errorf("idempotency: mark intents published: %w", err)
+			return 0, fmt.Errorf("outbox: mark intents published: %w", err)
 		}
 	}
 	if pubErr != nil {
-		if _, err := c.pool.Exec(wctx, markPublishFailedSQL, failed, time.Second.Milliseconds(), cleanText(pubErr.Error())); err != nil {
+		if _, err := c.pool.Exec(wctx, markPublishFailedSQL, failed, time.Second.Milliseconds(), pgtext.Clean(pubErr.Error())); err != nil {
 			c.log.Warn("record publish failure", "err", err)
 		}
-		return len(done), fmt.Errorf("idempotency: publish: %w", pubErr)
+		return len(done), fmt.Errorf("outbox: publish: %w", pubErr)
 	}
 	return len(done), nil
 }
 
 // RunRelay publishes committed intents until ctx ends: at once when woken (Wake, on a
-// dedicated LISTEN connection), else every ClientConfig.RelayPoll. While Redis is down it
+// dedicated LISTEN connection), else every Config.RelayPoll. While Redis is down it
 // backs off (up to 5 s) and drops nothing. Every replica may run a relay: they take
 // disjoint batches. It returns nil when ctx ends.
 func (c *Client) RunRelay(ctx context.Context) error {

@@ -1,0 +1,38 @@
+package asynqmw_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+func newLedger(t testing.TB, cfg *idempotency.Config) (*idempotency.Ledger, *pgxpool.Pool) {
+	t.Helper()
+	pool := testenv.Postgres(t)
+	l := idempotency.New(pool, cfg)
+	t.Cleanup(l.Close)
+	return l, pool
+}
+
+func get(t testing.TB, l *idempotency.Ledger, key string) *idempotency.Record {
+	t.Helper()
+	r, err := l.Get(context.Background(), key)
+	if err != nil {
+		t.Fatalf("Get(%q): %v", key, err)
+	}
+	return r
+}
+
+func jsonEqual(a, b json.RawMessage) bool {
+	var x, y any
+	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
+		return false
+	}
+	return fmt.Sprint(x) == fmt.Sprint(y)
+}

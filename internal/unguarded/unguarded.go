@@ -1,0 +1,46 @@
+// Package unguarded holds handlers with no lock and no ledger: plain at-least-once
+// processing, duplicates and all. They exist to show (idemq demo) and to test (the
+// negative controls, the benchmarks' bare baseline) what the guards prevent; never use
+// them for real work.
+package unguarded
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	"github.com/hibiken/asynq"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/claimctx"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Leased returns a handler that decodes each delivery and runs fn on it with no
+// lock and no ledger: plain at-least-once processing, duplicates and all. It exists to
+// show (idemq demo) and to test (negative controls) what the guards prevent; never use it
+// for real work. fn's context carries the key and fence 0 (idempotency.FromContext).
+func Leased[T idempotency.Job](taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, job T) (json.RawMessage, error)) asynq.Handler {
+	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		job, err := decode(t.Payload())
+		if err != nil {
+			return fmt.Errorf("%s: bad payload: %v: %w", taskType, err, asynq.SkipRetry)
+		}
+		_, err = fn(claimctx.With(ctx, job.Key(), 0), job)
+		return err
+	})
+}
+
+// Transactional is Leased for a transactional fn: each delivery runs fn
+// in a transaction of its own on pool, with no claim and no completion.
+func Transactional[T idempotency.Job](pool *pgxpool.Pool, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
+	return Leased(taskType, decode, func(ctx context.Context, job T) (json.RawMessage, error) {
+		var out json.RawMessage
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			var err error
+			out, err = fn(ctx, tx, job)
+			return err
+		})
+		return out, err
+	})
+}
