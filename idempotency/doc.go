@@ -48,6 +48,10 @@
 //	default: // res.Result; res.Cached tells a duplicate
 //	}
 //
+// The asynq middleware that runs handlers under the ledger (and the Redis lock) is
+// idempotency/asynqmw; the outbox that keeps accepted jobs in Postgres until they are
+// done is idempotency/outbox.
+//
 // Terminal means terminal: completed and failed keys are never reopened by a delivery,
 // only by an operator's Rerun, which bumps the generation. Rows in progress longer than
 // Config.MaxAge become needs_attention instead of running again. Purge removes terminal
