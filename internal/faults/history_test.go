@@ -23,6 +23,14 @@ type history struct {
 	dupErrors int // workload duplicates that could not be sent (Redis down throughout)
 	// resultOnly are asynq task hashes without a message (id → field names).
 	resultOnly map[string]string
+	lost       []lostTasks // per reboot: the tasks Redis lost, and when they were back
+}
+
+// lostTasks are the accepted keys whose tasks one reboot lost, and how long after Redis
+// answered again they were all back in Redis (-1: not within two minutes).
+type lostTasks struct {
+	n    int
+	back time.Duration
 }
 
 type event struct {

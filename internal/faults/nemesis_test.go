@@ -18,9 +18,10 @@ const (
 	faultKillRedis    = "kill_redis"         // SIGKILL Redis, restart it
 	faultStopPostgres = "stop_postgres"      // immediate shutdown of Postgres, restart it
 	faultTerminate    = "terminate_backends" // pg_terminate_backend on the workers' connections
+	faultReboot       = "reboot"             // SIGKILL Redis and every worker at once (a node's reboot), restart them
 )
 
-var allFaults = []string{faultKillWorker, faultStopWorker, faultTermWorker, faultKillRedis, faultStopPostgres, faultTerminate}
+var allFaults = []string{faultKillWorker, faultStopWorker, faultTermWorker, faultKillRedis, faultStopPostgres, faultTerminate, faultReboot}
 
 // runNemesis injects faults for d: first every kind once in a seeded order, then kinds at
 // random, with random gaps. It leaves everything running.
@@ -129,6 +130,36 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		}
 		c.redisUp.Store(true)
 
+	case faultReboot:
+		// No process that saw Redis before survives to notice that it came back empty.
+		c.redisUp.Store(false)
+		var dones []chan struct{}
+		for _, w := range c.workers {
+			w.scrape()
+			if done := w.signal(syscall.SIGKILL, true); done != nil {
+				dones = append(dones, done)
+			}
+		}
+		if err := c.rd.Kill(); err != nil {
+			c.t.Logf("kill redis: %v", err)
+		}
+		for _, done := range dones {
+			<-done
+		}
+		t0 := time.Now()
+		c.hist.nemesis(kind, "redis and every worker")
+		go c.trackHeld(t0)
+		time.Sleep(pause(time.Second, 3*time.Second))
+		if err := c.rd.Start(); err != nil {
+			c.t.Errorf("restart redis: %v", err)
+			return
+		}
+		c.redisUp.Store(true)
+		for _, w := range c.workers {
+			c.startWorker(w)
+		}
+		go c.trackLost(ctx, time.Now())
+
 	case faultStopPostgres:
 		c.pgUp.Store(false)
 		if err := c.pg.StopImmediate(); err != nil {
@@ -152,6 +183,25 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		}
 		c.hist.note(kind, "workers", note)
 	}
+}
+
+// trackLost records how long after since the accepted keys whose task Redis lost are all
+// back in Redis (republished), and how many were missing.
+func (c *cluster) trackLost(ctx context.Context, since time.Time) {
+	most := 0
+	for time.Since(since) < 2*time.Minute && ctx.Err() == nil {
+		left, err := c.unsettled(ctx)
+		if err == nil {
+			most = max(most, left[leftMissing])
+			if left[leftMissing] == 0 {
+				c.hist.add(func(h *history) { h.lost = append(h.lost, lostTasks{n: most, back: time.Since(since)}) })
+				c.hist.note("lost_back", "", fmt.Sprintf("%d tasks Redis lost were back after %s", most, time.Since(since).Round(100*time.Millisecond)))
+				return
+			}
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	c.hist.add(func(h *history) { h.lost = append(h.lost, lostTasks{n: most, back: -1}) })
 }
 
 // heal makes sure every server and worker runs (none stopped).

@@ -73,6 +73,10 @@ type runReport struct {
 	Left10s map[string]int `json:"left_10s_after_heal"`
 	Left30s map[string]int `json:"left_30s_after_heal"`
 	LostS   float64        `json:"lost_tasks_back_s"`
+	// RebootLost and RebootBackS are, over the reboots, the most tasks Redis lost at
+	// once and the longest wait (after Redis answered again) until all were back.
+	RebootLost  int     `json:"reboot_lost_tasks"`
+	RebootBackS float64 `json:"reboot_lost_back_s"`
 	// ResultOnly are asynq hashes holding no task message, only fields such as "result"
 	// (id → fields): not a task, never run, but left in Redis for ever (docs/proof.md).
 	ResultOnly map[string]string `json:"asynq_hashes_without_message,omitempty"`
@@ -210,6 +214,14 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	hist.mu.Lock()
 	r.Events, r.Dups, r.DupErrors, r.StopDups = hist.events, hist.dups, hist.dupErrors, hist.stopDups
 	r.ResultOnly = hist.resultOnly
+	for _, l := range hist.lost {
+		r.RebootLost = max(r.RebootLost, l.n)
+		if l.back < 0 {
+			r.RebootBackS = -1
+		} else if r.RebootBackS >= 0 {
+			r.RebootBackS = max(r.RebootBackS, l.back.Seconds())
+		}
+	}
 	for _, h := range hist.held {
 		r.HeldKilled += len(h.keys)
 	}
@@ -221,6 +233,7 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 		}
 	}
 	fail(driveErr == nil, "workload: %v", driveErr)
+	fail(r.RebootBackS >= 0 && r.RebootBackS <= 10, "tasks lost by a reboot (%d) back in Redis after %.1f s, want within 10 s (-1: not within 2 min)", r.RebootLost, r.RebootBackS)
 	fail(r.Left30s[leftMissing] == 0, "%d accepted keys still missing from Redis 30 s after the heal", r.Left30s[leftMissing])
 	fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
 	fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
@@ -534,6 +547,7 @@ func table(rep *report) string {
 	row("left 10 s after heal", func(r runReport) any { return kinds(r.Left10s) })
 	row("left 30 s after heal", func(r runReport) any { return kinds(r.Left30s) })
 	row("lost tasks back in Redis after", func(r runReport) any { return fmt.Sprintf("%.0fs", r.LostS) })
+	row("reboot: tasks lost / back after", func(r runReport) any { return fmt.Sprintf("%d / %.1fs", r.RebootLost, r.RebootBackS) })
 	row("asynq leftover / bad archived", func(r runReport) any {
 		return fmt.Sprintf("%d / %d of %d", len(r.Verdict.Leftover), r.Verdict.BadArchived, len(badPayloads))
 	})
