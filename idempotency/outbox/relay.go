@@ -209,14 +209,17 @@ func (c *Client) publishPending(ctx context.Context, keys []string) (int, error)
 			failed, done, gens = append(done, failed...), done[:0], gens[:0]
 		}
 	}
-	for _, r := range batch {
-		if slices.Contains(done, r.spec.Key) {
-			c.observe(EventPublished, r.spec.Type)
-		} else {
-			c.observe(EventRelayError, r.spec.Type)
+	// Record the outcome even when ctx ended: the publishes happened. Count each intent
+	// once its outcome is recorded.
+	defer func() {
+		for _, r := range batch {
+			if slices.Contains(done, r.spec.Key) {
+				c.observe(EventPublished, r.spec.Type)
+			} else {
+				c.observe(EventRelayError, r.spec.Type)
+			}
 		}
-	}
-	// Record the outcome even when ctx ended: the publishes happened.
+	}()
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if len(done) > 0 {
