@@ -14,6 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // Claim is a live claim on a key: its identity (fence and owner) makes every later write
@@ -431,7 +433,7 @@ func (l *Ledger) claimError(req Request, err error) error {
 		return fmt.Errorf("%w: %w", &BusyError{Key: req.Key}, err)
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "23514" && pgErr.ConstraintName == "processed_jobs_key_check" {
+	if errors.As(err, &pgErr) && pgErr.Code == pgcode.CheckViolation && (pgErr.ConstraintName == "processed_jobs_key_check" || pgErr.ConstraintName == "processed_jobs_key_no_hash_check") {
 		return fmt.Errorf("%w: %w", ErrInvalidKey, err)
 	}
 	return fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
@@ -444,7 +446,7 @@ func isRetryable(err error) bool {
 		return false
 	}
 	switch pgErr.Code {
-	case "40001", "40P01", "55P03":
+	case pgcode.SerializationFailure, pgcode.DeadlockDetected, pgcode.LockNotAvailable:
 		return true
 	}
 	return false

@@ -10,6 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // storeResultTxSQL stores a DoTx result on the row the claim wrote completed. The division
@@ -179,7 +181,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 	err = l.commitTx(ctx, pc, c, stored, lastErr)
 	done = true
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && pgErr.Code != "22012" {
+	if errors.As(err, &pgErr) && pgErr.Code[:2] == pgcode.DataExceptionClass && pgErr.Code != pgcode.DivisionByZero {
 		// The database refused the result after all (a data exception), which aborted the
 		// transaction and fn's effect with it: nothing happened; record that for good.
 		return Result{}, false, Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
@@ -226,7 +228,7 @@ func (l *Ledger) commitTx(ctx context.Context, conn *pgx.Conn, c *Claim, stored,
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		if pgErr.Code == "22012" {
+		if pgErr.Code == pgcode.DivisionByZero {
 			l.leaseLost(c, "completion")
 			return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
 		}

@@ -15,6 +15,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // The statements that frame a shared DoTx transaction. Each member runs in a savepoint of
@@ -548,7 +550,7 @@ func (b *txBatch) runMember(m *txMember) {
 			b.broken = err
 			b.replyWith(m, txAnswer{err: err})
 			return
-		case pgErr.Code == "22012":
+		case pgErr.Code == pgcode.DivisionByZero:
 			b.l.leaseLost(c, "completion")
 			ran.err = fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
 		case pgErr.Code[:2] == "22":

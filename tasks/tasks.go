@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
 )

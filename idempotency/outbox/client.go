@@ -10,10 +10,11 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/idemq/idemq/idempotency"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/idempotency"
 )
 
 // Intent states (the job_intents.state column).

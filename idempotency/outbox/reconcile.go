@@ -6,10 +6,11 @@ import (
 	"slices"
 	"time"
 
-	"github.com/idemq/idemq/internal/asynqkeys"
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/time/rate"
+
+	"github.com/idemq/idemq/internal/asynqkeys"
 )
 
 // finishIntentsSQL settles intents whose key the ledger has completed or failed (a

@@ -9,10 +9,11 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
 	"github.com/idemq/idemq/internal/asynqkeys"
-	"github.com/jackc/pgx/v5"
 )
 
 // wakeChannel is the LISTEN/NOTIFY channel relays wait on.

@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // DefaultRequestTimeout bounds each request: past it, a stalled Postgres or Redis gets the
@@ -31,10 +33,6 @@ const rollbackTimeout = 2 * time.Second
 // tells it apart from a client that went away.
 var errRequestTimeout = errors.New("api: request timeout")
 
-// sqlstateQueryCanceled is SQLSTATE 57014: a statement cancelled at its statement_timeout
-// (or on request).
-const sqlstateQueryCanceled = "57014"
-
 // timedOut reports whether the request's own deadline has passed.
 func timedOut(ctx context.Context) bool {
 	return errors.Is(context.Cause(ctx), errRequestTimeout)
@@ -49,7 +47,7 @@ func clientGone(ctx context.Context) bool {
 // isQueryCanceled reports whether Postgres cancelled the statement (statement_timeout).
 func isQueryCanceled(err error) bool {
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == sqlstateQueryCanceled
+	return errors.As(err, &pe) && pe.Code == pgcode.QueryCanceled
 }
 
 // setStatementTimeoutSQL sets statement_timeout for the rest of the transaction only, so

@@ -4,8 +4,9 @@ import (
 	"context"
 	"time"
 
-	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemq/idemq/idempotency/outbox"
 )
 
 // OutboxCollector exports the outbox's backlog at each scrape: relay lag (the oldest

@@ -10,10 +10,11 @@ import (
 	"fmt"
 
 	"github.com/hibiken/asynq"
-	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/claimctx"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/claimctx"
 )
 
 // Leased returns a handler that decodes each delivery and runs fn on it with no
