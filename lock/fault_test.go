@@ -1,13 +1,11 @@
 package lock_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -215,7 +213,7 @@ func TestFaultRedisOutageShorterThanTTL(t *testing.T) {
 	srv := testenv.StartRedis(t, testenv.PersistAOFAlways)
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, MaxRetries: -1, DialTimeout: time.Second})
 	t.Cleanup(func() { rdb.Close() })
-	var logs syncBuffer
+	var logs testenv.LogBuffer
 	locker := lock.New(rdb, &lock.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	const ttl = 6 * time.Second
 	const interval = 300 * time.Millisecond
@@ -254,21 +252,4 @@ func TestFaultRedisOutageShorterThanTTL(t *testing.T) {
 	if err := lk.Release(ctx); err != nil {
 		t.Errorf("Release: %v", err)
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

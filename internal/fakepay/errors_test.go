@@ -1,38 +1,18 @@
 package fakepay_test
 
 import (
-	"bytes"
 	"encoding/json"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/testenv"
 )
-
-// syncBuffer is a log sink the server's goroutines and the test can share.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // postRaw sends a charge request with the given Idempotency-Key header values (none when
 // keys is nil) and returns the status and the "error" field of the answer.
@@ -99,7 +79,7 @@ func TestInvalidIdempotencyKeyIsRefused(t *testing.T) {
 func TestInternalErrorsAreNotShown(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Postgres(t)
-	var logs syncBuffer
+	var logs testenv.LogBuffer
 	srv := httptest.NewServer(fakepay.New(pool, fakepay.Config{HonorKeys: true,
 		Logger: slog.New(slog.NewTextHandler(&logs, nil))}))
 	defer srv.Close()

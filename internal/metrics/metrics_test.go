@@ -1,7 +1,6 @@
 package metrics
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -9,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,24 +16,6 @@ import (
 
 	"github.com/idemq/idemq/internal/testenv"
 )
-
-// syncBuffer is a log destination safe for the server's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 func get(t *testing.T, url string) (int, string) {
 	t.Helper()
@@ -87,7 +67,7 @@ func TestReadyzHidesDetail(t *testing.T) {
 			503, "redis: unavailable\n", []string{deadAddr}, []string{deadAddr, "dial", "refused"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var logs syncBuffer
+			var logs testenv.LogBuffer
 			srv := httptest.NewServer(New().Handler(tc.checks, slog.New(slog.NewTextHandler(&logs, nil))))
 			defer srv.Close()
 			code, body := get(t, srv.URL+"/readyz")
