@@ -595,7 +595,7 @@ func histogram(m map[string]int) string {
 func kinds(m map[string]int) string {
 	var ks []string
 	for k := range m {
-		if k != "heal" {
+		if k != "heal" && k != "lost_back" {
 			ks = append(ks, k)
 		}
 	}
