@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -156,7 +155,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second})
 		}()
 	}
-	go purgeLoop(ctx, ledger, locker, cfg.Retention, log)
+	// One replica an hour purges: whichever takes the purge lock, left to expire.
+	go ledger.RunRetention(ctx, idempotency.RetentionConfig{OlderThan: cfg.Retention, Every: purgeInterval, Logger: log,
+		Turn: func(ctx context.Context) bool {
+			_, err := locker.Obtain(ctx, "idemq:purge", purgeInterval, nil)
+			return err == nil
+		}})
 
 	// Every replica runs the outbox relay and reconciler: they take disjoint batches.
 	client := outbox.NewClient(pool, rdb, &outbox.Config{
@@ -180,30 +184,6 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	srv.Shutdown()
 	log.Info("worker stopped")
 	return runErr
-}
-
-// purgeLoop purges terminal ledger rows older than retention and marks stuck rows, once
-// per purgeInterval across all replicas: the replica that takes the purge lock does it and
-// leaves the lock to expire, so the others skip that interval.
-func purgeLoop(ctx context.Context, ledger *idempotency.Ledger, locker *lock.Locker, retention time.Duration, log *slog.Logger) {
-	t := time.NewTicker(time.Minute)
-	defer t.Stop()
-	for {
-		if _, err := locker.Obtain(ctx, "idemq:purge", purgeInterval, nil); err == nil {
-			n, err := ledger.Purge(ctx, retention, 1000)
-			stuck, err2 := ledger.MarkStuck(ctx)
-			if err = errors.Join(err, err2); err != nil && ctx.Err() == nil {
-				log.Warn("retention purge", "err", err)
-			} else {
-				log.Info("retention purge", "purged", n, "needs_attention", stuck, "older_than", retention)
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
 }
 
 // minRetention is asynq's task retention of the example tasks plus their longest retry
