@@ -452,11 +452,13 @@ func isRetryable(err error) bool {
 	return false
 }
 
-const heartbeatSQL = `
+func heartbeatSQL(f fenceChecks) string {
+	return `
 UPDATE processed_jobs
 SET locked_until = greatest(locked_until, now() + $4::bigint * interval '1 microsecond'), updated_at = now()
-WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
+WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress'
 RETURNING locked_until`
+}
 
 // Heartbeat extends c's lease by Config.Lease from now (database clock), never past the
 // request's Deadline and never shortening it, on the heartbeat pool. It returns the new
@@ -466,7 +468,7 @@ RETURNING locked_until`
 func (l *Ledger) Heartbeat(ctx context.Context, c *Claim) (time.Time, error) {
 	lease := l.leaseFor(c.deadline)
 	var until time.Time
-	err := l.hbPool.QueryRow(ctx, l.fenced(heartbeatSQL), c.Key, c.Fence, c.owner, lease.Microseconds()).Scan(&until)
+	err := l.hbPool.QueryRow(ctx, l.sql.heartbeat, c.Key, c.Fence, c.owner, lease.Microseconds()).Scan(&until)
 	if errors.Is(err, pgx.ErrNoRows) {
 		l.leaseLost(c, "heartbeat")
 		return time.Time{}, fmt.Errorf("%w: heartbeat of key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
@@ -489,31 +491,37 @@ func (l *Ledger) leaseLost(c *Claim, what string) {
 const (
 	xidColumns = `pg_current_xact_id()::text, pg_postmaster_start_time()::text, set_config('synchronous_commit', 'on', true)`
 
-	completeSQL = `
-WITH c AS (
-	UPDATE processed_jobs
-	SET status = 'completed', result = $4, last_error = coalesce($5, last_error), completed_at = now(), updated_at = now()
-	WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
-	RETURNING idempotency_key
-), i AS (` + settleIntentSQL + `'done' WHERE idempotency_key IN (SELECT idempotency_key FROM c) AND state IN ('pending', 'published'))
-SELECT ` + xidColumns + ` FROM c`
-
-	failRetrySQL = `
-UPDATE processed_jobs SET locked_until = now(), last_error = $4, updated_at = now()
-WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
-RETURNING ` + xidColumns
-
-	failPermanentSQL = `
-WITH c AS (
-	UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
-	WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'in_progress'
-	RETURNING idempotency_key
-), i AS (` + settleIntentSQL + `'dead' WHERE idempotency_key IN (SELECT idempotency_key FROM c) AND state IN ('pending', 'published'))
-SELECT ` + xidColumns + ` FROM c`
-
 	// settleIntentSQL is completed by a state and a WHERE clause.
 	settleIntentSQL = `UPDATE job_intents SET finished_at = now(), updated_at = now(), state = `
 )
+
+func completeSQL(f fenceChecks) string {
+	return `
+WITH c AS (
+	UPDATE processed_jobs
+	SET status = 'completed', result = $4, last_error = coalesce($5, last_error), completed_at = now(), updated_at = now()
+	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress'
+	RETURNING idempotency_key
+), i AS (` + settleIntentSQL + `'done' WHERE idempotency_key IN (SELECT idempotency_key FROM c) AND state IN ('pending', 'published'))
+SELECT ` + xidColumns + ` FROM c`
+}
+
+func failRetrySQL(f fenceChecks) string {
+	return `
+UPDATE processed_jobs SET locked_until = now(), last_error = $4, updated_at = now()
+WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress'
+RETURNING ` + xidColumns
+}
+
+func failPermanentSQL(f fenceChecks) string {
+	return `
+WITH c AS (
+	UPDATE processed_jobs SET status = 'failed', last_error = $4, completed_at = now(), updated_at = now()
+	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress'
+	RETURNING idempotency_key
+), i AS (` + settleIntentSQL + `'dead' WHERE idempotency_key IN (SELECT idempotency_key FROM c) AND state IN ('pending', 'published'))
+SELECT ` + xidColumns + ` FROM c`
+}
 
 // Complete records result for c's key, durably (synchronous_commit on), if c still holds
 // it; it returns an error wrapping ErrLeaseLost when it does not, and then nothing was
@@ -526,12 +534,12 @@ func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 	defer cancel()
 	stored, lastErr := l.checkResult(c, result)
-	err := l.finish(ctx, c, "idemq_complete", completeSQL, stored, lastErr)
+	err := l.finish(ctx, c, "idemq_complete", l.sql.complete, stored, lastErr)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code[:2] == "22" && lastErr == nil {
 		// The database refused the value after all (a data exception): store a marker.
 		stored, lastErr = l.markResult(c, "result refused by the database: "+pgErr.Message)
-		err = l.finish(ctx, c, "idemq_complete", completeSQL, stored, lastErr)
+		err = l.finish(ctx, c, "idemq_complete", l.sql.complete, stored, lastErr)
 	}
 	if err == nil {
 		l.observe(EventCompleted, c.TaskType)
@@ -552,9 +560,9 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 		cause = errors.New("unknown error")
 	}
 	msg := cleanText(cause.Error())
-	name, q, ev := "idemq_fail_retry", failRetrySQL, EventRetry
+	name, q, ev := "idemq_fail_retry", l.sql.failRetry, EventRetry
 	if IsPermanent(cause) {
-		name, q, ev = "idemq_fail_permanent", failPermanentSQL, EventFailed
+		name, q, ev = "idemq_fail_permanent", l.sql.failPermanent, EventFailed
 	}
 	if err := l.finish(ctx, c, name, q, msg); err != nil {
 		return err
@@ -590,13 +598,6 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
 	defer conn.Release()
-	if l.cfg.UnsafeNoFencing {
-		q, name = l.fenced(q), name+"_nofence"
-	}
-	sd, err := conn.Conn().Prepare(ctx, name, q) // once per connection
-	if err != nil {
-		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
-	}
 	params := [][]byte{[]byte(c.Key), strconv.AppendInt(nil, c.Fence, 10), []byte(c.Owner)}
 	for _, a := range args {
 		if s, ok := a.(string); ok {
@@ -608,7 +609,7 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 
 	pipe := conn.Conn().PgConn().StartPipeline(ctx)
 	defer pipe.Close()
-	pipe.SendQueryStatement(sd, params, nil, nil) // text formats
+	pipe.SendQueryParams(q, params, nil, nil, nil) // unnamed, text formats
 	pipe.SendFlushRequest()
 	updated := false
 	err = pipe.Flush()
@@ -659,7 +660,8 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 // (failPermanentSQL). Each row is updated only if its claim still holds it; every row
 // that was comes back with its ordinal and the transaction id (see finish). Completions
 // and permanent failures settle their outbox intents in the same statement.
-const finishManySQL = `
+func finishManySQL(f fenceChecks) string {
+	return `
 WITH r AS (
 	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
 		AS r(key, fence, owner, action, result, error, ord)
@@ -672,7 +674,7 @@ WITH r AS (
 	    locked_until = CASE WHEN r.action = 'retry' THEN now() ELSE p.locked_until END,
 	    updated_at = now()
 	FROM r
-	WHERE p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'in_progress'
+	WHERE p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'in_progress'
 	RETURNING r.ord, p.idempotency_key, p.status
 ), i AS (
 	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
@@ -682,6 +684,7 @@ WITH r AS (
 	  AND j.state IN ('pending', 'published')
 )
 SELECT c.ord, ` + xidColumns + ` FROM c`
+}
 
 // finishTxManySQL ends the rows of a shared DoTx transaction, which claimManySQL wrote
 // completed ($1..$5: key, fence, owner, action, error): 'complete' keeps the row (its
@@ -690,29 +693,30 @@ SELECT c.ord, ` + xidColumns + ` FROM c`
 // deleted; a taken-over one is back in progress, its lease ended). Completions and
 // failures settle their outbox intents. Every row still held comes back with its ordinal
 // and the transaction id.
-const finishTxManySQL = `
+func finishTxManySQL(f fenceChecks) string {
+	return `
 WITH r AS (
 	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[]) WITH ORDINALITY
 		AS r(key, fence, owner, action, error, ord)
 ), k AS (
 	SELECT r.ord, r.key, r.action FROM r JOIN processed_jobs p
-	  ON p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	  ON p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
 	WHERE r.action = 'complete'
 ), f AS (
 	UPDATE processed_jobs p SET status = 'failed', last_error = r.error, updated_at = now()
 	FROM r
-	WHERE r.action = 'fail' AND p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	WHERE r.action = 'fail' AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
 	RETURNING r.ord, r.key, r.action
 ), g AS (
 	UPDATE processed_jobs p SET status = 'in_progress', completed_at = NULL, locked_until = now(), updated_at = now()
 	FROM r
 	WHERE r.action = 'forget' AND NOT (p.attempts = 1 AND p.generation = 0)
-	  AND p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	  AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
 	RETURNING r.ord
 ), d AS (
 	DELETE FROM processed_jobs p USING r
 	WHERE r.action = 'forget' AND p.attempts = 1 AND p.generation = 0
-	  AND p.idempotency_key = r.key AND p.fence = r.fence AND p.owner = r.owner AND p.status = 'completed'
+	  AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
 	RETURNING r.ord
 ), i AS (
 	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
@@ -726,6 +730,7 @@ WITH r AS (
 	                    = (SELECT count(*) FROM r WHERE action IN ('complete', 'fail')) THEN 1 ELSE 0 END) AS ok
 )
 SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT ord FROM f UNION ALL SELECT ord FROM g UNION ALL SELECT ord FROM d) e`
+}
 
 // finishArgs is a claim's row in a finishManySQL batch.
 type finishArgs struct {

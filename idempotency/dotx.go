@@ -18,12 +18,14 @@ import (
 // fails (SQLSTATE 22012) when the fenced update matched no row, which aborts the
 // transaction, so the COMMIT pipelined after it cannot commit the effect without its
 // completion. Only result and last_error change, which are not indexed: a HOT update.
-const storeResultTxSQL = `
+func storeResultTxSQL(f fenceChecks) string {
+	return `
 WITH u AS (
 	UPDATE processed_jobs SET result = $4, last_error = coalesce($5, last_error)
-	WHERE idempotency_key = $1 AND fence = $2 AND owner = $3 AND status = 'completed'
+	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'completed'
 	RETURNING 1)
 SELECT 1 / count(*) FROM u`
+}
 
 // idleTimeout is the idle_in_transaction_session_timeout of a claim's transaction (it
 // matters for DoTx): Config.SessionTimeout, cut to the time left before the deadline.
@@ -199,7 +201,7 @@ func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.
 func (l *Ledger) commitTx(ctx context.Context, conn *pgx.Conn, c *Claim, stored, lastErr any) error {
 	b := &pgx.Batch{}
 	if stored != nil || lastErr != nil {
-		b.Queue(l.fenced(storeResultTxSQL), c.Key, c.Fence, c.owner, stored, lastErr)
+		b.Queue(l.sql.storeResultTx, c.Key, c.Fence, c.owner, stored, lastErr)
 	}
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)

@@ -19,10 +19,15 @@ import (
 // multi-row statement that carries a batch of them.
 type committer struct {
 	kind string // BatchClaim or BatchComplete
-	name string // prepared statement name
 	sql  string // the multi-row statement: arrays of the rows' values, one row per ordinal
 	// args returns the statement's arguments for batch.
 	args func(batch []*gcOp) []any
+
+	// paramOIDs are sql's parameter types, described once by the server. The statement
+	// itself is sent unnamed every time: no named prepared statement outlives a
+	// transaction (a transaction-mode pooler would lose it).
+	describeMu sync.Mutex
+	paramOIDs  []uint32
 
 	// Guarded by groupCommit.mu.
 	queue    []*gcOp
@@ -231,23 +236,24 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 	pc := conn.Conn()
 	m := pc.TypeMap()
 	type stmt struct {
-		sd     *pgconn.StatementDescription
+		sql    string
+		oids   []uint32
 		params [][]byte
 	}
 	stmts := make([]stmt, len(parts))
 	for i, c := range parts {
-		sd, err := pc.Prepare(ctx, c.name, c.sql) // once per connection
+		oids, err := c.paramTypes(ctx, pc.PgConn())
 		if err != nil {
 			return fmt.Errorf("idempotency: commit: %w", err)
 		}
 		args := c.args(batches[i])
 		params := make([][]byte, len(args))
 		for j, a := range args {
-			if params[j], err = m.Encode(sd.ParamOIDs[j], pgtype.BinaryFormatCode, a, nil); err != nil {
+			if params[j], err = m.Encode(oids[j], pgtype.BinaryFormatCode, a, nil); err != nil {
 				return fmt.Errorf("idempotency: commit: argument %d: %w", j+1, err)
 			}
 		}
-		stmts[i] = stmt{sd, params}
+		stmts[i] = stmt{c.sql, oids, params}
 	}
 
 	pipe := pc.PgConn().StartPipeline(ctx)
@@ -258,7 +264,7 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 		for j := range formats {
 			formats[j] = pgtype.BinaryFormatCode
 		}
-		pipe.SendQueryStatement(s.sd, s.params, formats, nil) // text results
+		pipe.SendQueryParams(s.sql, s.params, s.oids, formats, nil) // text results
 	}
 	// With completions in the round, every answer is read before the commit is asked
 	// for, so that their transaction id is known should the commit's answer be lost;
@@ -371,4 +377,19 @@ func readBatch(pipe *pgconn.Pipeline, m *pgtype.Map, batch []*gcOp) error {
 	}
 	rows.Close()
 	return rows.Err()
+}
+
+// paramTypes returns the committer's parameter types, described by the server (as an
+// unnamed statement) the first time.
+func (c *committer) paramTypes(ctx context.Context, conn *pgconn.PgConn) ([]uint32, error) {
+	c.describeMu.Lock()
+	defer c.describeMu.Unlock()
+	if c.paramOIDs == nil {
+		sd, err := conn.Prepare(ctx, "", c.sql, nil)
+		if err != nil {
+			return nil, err
+		}
+		c.paramOIDs = sd.ParamOIDs
+	}
+	return c.paramOIDs, nil
 }

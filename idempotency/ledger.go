@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"log/slog"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -114,7 +113,8 @@ type Ledger struct {
 	cfg       Config
 	log       *slog.Logger
 
-	lockTimeoutSQL string // set_config value for lock_timeout, e.g. "2000ms"
+	lockTimeoutSQL string     // set_config value for lock_timeout, e.g. "2000ms"
+	sql            *fencedSQL // fencedWrites, or unfencedWrites under Config.UnsafeNoFencing
 
 	group            groupCommit // group commit of leased claims and completions
 	claims, finishes committer
@@ -176,11 +176,12 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		}
 	}
 	l.txBudget, l.txSlow = txBatchBudget, txSlowHandler
-	l.claims.kind, l.claims.name, l.claims.sql, l.claims.args = BatchClaim, "idemq_claim_many", claimManySQL, l.claimManyArgs
-	l.finishes.kind, l.finishes.name, l.finishes.sql, l.finishes.args = BatchComplete, "idemq_finish_many", l.fenced(finishManySQL), finishManyArgs
+	l.sql = fencedWrites
 	if c.UnsafeNoFencing {
-		l.finishes.name += "_nofence"
+		l.sql = unfencedWrites
 	}
+	l.claims.kind, l.claims.sql, l.claims.args = BatchClaim, claimManySQL, l.claimManyArgs
+	l.finishes.kind, l.finishes.sql, l.finishes.args = BatchComplete, l.sql.finishMany, finishManyArgs
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	return l
 }
@@ -191,16 +192,6 @@ func (l *Ledger) Close() {
 	if l.ownHBPool {
 		l.hbPool.Close()
 	}
-}
-
-// fenced returns q, a fenced write, as it runs on this ledger: unchanged, or without its
-// fence and owner checks under Config.UnsafeNoFencing (the parameters stay, unchecked).
-func (l *Ledger) fenced(q string) string {
-	if !l.cfg.UnsafeNoFencing {
-		return q
-	}
-	q = strings.ReplaceAll(q, "AND p.fence = r.fence AND p.owner = r.owner", "AND r.fence > 0 AND r.owner IS NOT NULL")
-	return strings.ReplaceAll(q, "AND fence = $2 AND owner = $3", "AND $2::bigint > 0 AND $3::uuid IS NOT NULL")
 }
 
 func (l *Ledger) observeBatch(kind string, size int) {

@@ -534,7 +534,7 @@ func (b *txBatch) runMember(m *txMember) {
 				saved = true
 				stmts = append(b.takePre(), savepointMemberSQL)
 			}
-			stmts, args = append(stmts, b.l.fenced(storeResultTxSQL)), []any{c.Key, c.Fence, c.owner, stored, lastErr}
+			stmts, args = append(stmts, b.l.sql.storeResultTx), []any{c.Key, c.Fence, c.owner, stored, lastErr}
 		}
 		err := b.check(stmts, args)
 		var pgErr *pgconn.PgError
@@ -645,7 +645,7 @@ func (b *txBatch) commit() {
 		batch.Queue(s)
 	}
 	batch.Queue(keyPlansSQL)
-	batch.Queue(l.fenced(finishTxManySQL), keys, fences, owners, actions, errs)
+	batch.Queue(l.sql.finishTxMany, keys, fences, owners, actions, errs)
 	batch.Queue("COMMIT")
 	br := b.conn.SendBatch(ctx, batch)
 	var err error
