@@ -598,6 +598,15 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	}
 	defer conn.Release()
+	var sd *pgconn.StatementDescription
+	if l.prepare {
+		if l.cfg.UnsafeNoFencing {
+			name += "_nofence"
+		}
+		if sd, err = conn.Conn().Prepare(ctx, name, q); err != nil { // once per connection
+			return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
+		}
+	}
 	params := [][]byte{[]byte(c.Key), strconv.AppendInt(nil, c.Fence, 10), []byte(c.Owner)}
 	for _, a := range args {
 		if s, ok := a.(string); ok {
@@ -609,7 +618,11 @@ func (l *Ledger) finishOnce(ctx context.Context, c *Claim, name, q string, args 
 
 	pipe := conn.Conn().PgConn().StartPipeline(ctx)
 	defer pipe.Close()
-	pipe.SendQueryParams(q, params, nil, nil, nil) // unnamed, text formats
+	if sd != nil {
+		pipe.SendQueryStatement(sd, params, nil, nil) // text formats
+	} else {
+		pipe.SendQueryParams(q, params, nil, nil, nil) // unnamed, text formats
+	}
 	pipe.SendFlushRequest()
 	updated := false
 	err = pipe.Flush()

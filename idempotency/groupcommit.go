@@ -23,9 +23,10 @@ type committer struct {
 	// args returns the statement's arguments for batch.
 	args func(batch []*gcOp) []any
 
-	// paramOIDs are sql's parameter types, described once by the server. The statement
-	// itself is sent unnamed every time: no named prepared statement outlives a
-	// transaction (a transaction-mode pooler would lose it).
+	name string // its prepared statement's name, when the pool prepares (Ledger.prepare)
+
+	// paramOIDs are sql's parameter types, described once by the server, for sending it
+	// unnamed when the pool does not prepare.
 	describeMu sync.Mutex
 	paramOIDs  []uint32
 
@@ -237,12 +238,22 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 	m := pc.TypeMap()
 	type stmt struct {
 		sql    string
+		sd     *pgconn.StatementDescription // nil: sent unnamed
 		oids   []uint32
 		params [][]byte
 	}
 	stmts := make([]stmt, len(parts))
 	for i, c := range parts {
-		oids, err := c.paramTypes(ctx, pc.PgConn())
+		var sd *pgconn.StatementDescription
+		var oids []uint32
+		if l.prepare {
+			sd, err = pc.Prepare(ctx, c.name, c.sql) // once per connection
+			if sd != nil {
+				oids = sd.ParamOIDs
+			}
+		} else {
+			oids, err = c.paramTypes(ctx, pc.PgConn())
+		}
 		if err != nil {
 			return fmt.Errorf("idempotency: commit: %w", err)
 		}
@@ -253,7 +264,7 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 				return fmt.Errorf("idempotency: commit: argument %d: %w", j+1, err)
 			}
 		}
-		stmts[i] = stmt{c.sql, oids, params}
+		stmts[i] = stmt{c.sql, sd, oids, params}
 	}
 
 	pipe := pc.PgConn().StartPipeline(ctx)
@@ -264,7 +275,11 @@ func send(ctx context.Context, l *Ledger, parts []*committer, batches [][]*gcOp)
 		for j := range formats {
 			formats[j] = pgtype.BinaryFormatCode
 		}
-		pipe.SendQueryParams(s.sql, s.params, s.oids, formats, nil) // text results
+		if s.sd != nil {
+			pipe.SendQueryStatement(s.sd, s.params, formats, nil) // text results
+		} else {
+			pipe.SendQueryParams(s.sql, s.params, s.oids, formats, nil)
+		}
 	}
 	// With completions in the round, every answer is read before the commit is asked
 	// for, so that their transaction id is known should the commit's answer be lost;

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/internal/claimctx"
@@ -115,6 +116,11 @@ type Ledger struct {
 
 	lockTimeoutSQL string     // set_config value for lock_timeout, e.g. "2000ms"
 	sql            *fencedSQL // fencedWrites, or unfencedWrites under Config.UnsafeNoFencing
+	// prepare: the batch statements and the finishes are named prepared statements,
+	// cached per connection, as pgx caches its own under its default exec mode. A pool
+	// whose default_query_exec_mode caches no statements (exec, simple_protocol,
+	// cache_describe: what a transaction-mode pooler needs) gets them unnamed.
+	prepare bool
 
 	group            groupCommit // group commit of leased claims and completions
 	claims, finishes committer
@@ -177,9 +183,12 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	}
 	l.txBudget, l.txSlow = txBatchBudget, txSlowHandler
 	l.sql = fencedWrites
+	l.claims.name, l.finishes.name = "idemq_claim_many", "idemq_finish_many"
 	if c.UnsafeNoFencing {
 		l.sql = unfencedWrites
+		l.finishes.name += "_nofence"
 	}
+	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 	l.claims.kind, l.claims.sql, l.claims.args = BatchClaim, claimManySQL, l.claimManyArgs
 	l.finishes.kind, l.finishes.sql, l.finishes.args = BatchComplete, l.sql.finishMany, finishManyArgs
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
