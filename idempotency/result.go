@@ -3,10 +3,33 @@ package idempotency
 import (
 	"encoding/json"
 	"fmt"
+	"time"
 	"unicode/utf8"
 
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
 )
+
+// Result is what a completed key returned.
+type Result struct {
+	Key string
+	// Result is the stored JSON (nil when the work returned none): the handler's own bytes
+	// on the run that completed the key, jsonb's normalised text (same value, other
+	// spacing) when Cached. When the work's result could not be stored, it is an error
+	// marker: {"idemq_error":"..."}.
+	Result json.RawMessage
+	// Cached is true when the result was stored by an earlier run, not this call's.
+	Cached bool
+	// Fence is the fence of the claim that completed the key (this call's claim when not
+	// Cached; the one that ran when Cached).
+	Fence int64
+	// Attempts counts the claims of the key.
+	Attempts int
+	// Generation is the generation that completed.
+	Generation int
+	// CompletedAt is when the stored result's completion committed, by the database
+	// clock; set only when Cached.
+	CompletedAt time.Time
+}
 
 // maxLastErrorBytes caps last_error.
 const maxLastErrorBytes = pgtext.MaxBytes

@@ -1,0 +1,77 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// commitLost decides what a failed COMMIT of c's fenced write did, from the transaction
+// id taken before the COMMIT was sent.
+func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
+	xid := c.xid
+	var pgErr *pgconn.PgError
+	if errors.As(cerr, &pgErr) {
+		// The server answered: the transaction did not commit.
+		return fmt.Errorf("idempotency: commit %s: %w", c.Key, cerr)
+	}
+	committed, err := l.resolveXact(ctx, c)
+	if err != nil {
+		return fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)
+	}
+	l.observe(EventCommitResolved, c.TaskType)
+	l.log.Warn("idempotency: commit outcome resolved by transaction id", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "xid", xid, "committed", committed)
+	if !committed {
+		return fmt.Errorf("idempotency: commit %s aborted: %w", c.Key, cerr)
+	}
+	return nil
+}
+
+// xactStatusSQL learns whether c's transaction committed. While the server that assigned
+// the id runs, pg_xact_status answers exactly (and says "in progress" while a COMMIT is
+// still under way). After a restart the id may have been handed out again (its records
+// were never flushed), but no transaction from before the restart can still commit: the
+// row then shows for certain whether the fenced write landed.
+const xactStatusSQL = `
+SELECT CASE WHEN pg_postmaster_start_time()::text = $2 THEN pg_xact_status($1::text::xid8) END,
+       pg_postmaster_start_time()::text = $2,
+       EXISTS (SELECT 1 FROM processed_jobs
+               WHERE idempotency_key = $3 AND fence = $4 AND owner = $5 AND status <> 'in_progress')`
+
+// resolveXact asks, on fresh connections, whether c's transaction committed, until the
+// answer is certain or ctx ends. A retryable Fail leaves the row in progress, so after a
+// restart it reads as not committed (harmless: the lease then ends by itself).
+func (l *Ledger) resolveXact(ctx context.Context, c *Claim) (bool, error) {
+	wait := 20 * time.Millisecond
+	var lastErr error
+	for {
+		var status pgtype.Text
+		var sameServer, landed bool
+		err := l.pool.QueryRow(ctx, xactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed)
+		switch {
+		case err == nil && !sameServer:
+			return landed, nil
+		case err == nil && status.String == "committed":
+			return true, nil
+		case err == nil && status.String == "aborted":
+			return false, nil
+		case err == nil && !status.Valid:
+			return false, fmt.Errorf("transaction %s is unknown to the server (too old)", c.xid)
+		case err != nil:
+			lastErr = err
+		}
+		select {
+		case <-ctx.Done():
+			if lastErr == nil {
+				lastErr = errors.New("still in progress")
+			}
+			return false, fmt.Errorf("%w (last: %v)", context.Cause(ctx), lastErr)
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+	}
+}
