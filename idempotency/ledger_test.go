@@ -228,7 +228,10 @@ func TestLeaseExpiryTakeover(t *testing.T) {
 func TestDoHeartbeatKeepsLease(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
-	l, _ := newLedger(t, &idempotency.Config{Lease: 300 * time.Millisecond})
+	// The work lasts more than two leases, so only heartbeats keep it; a lease of a
+	// second leaves 900 ms for each heartbeat to land (with 300 ms, a run under the race
+	// detector among the package's parallel tests self-fenced now and then).
+	l, _ := newLedger(t, &idempotency.Config{Lease: time.Second})
 	stop := make(chan struct{})
 	var busy, other atomic.Int64
 	var wg sync.WaitGroup
@@ -255,7 +258,7 @@ func TestDoHeartbeatKeepsLease(t *testing.T) {
 		select {
 		case <-ctx.Done():
 			return nil, context.Cause(ctx)
-		case <-time.After(2 * time.Second):
+		case <-time.After(2500 * time.Millisecond):
 		}
 		key, fence, ok := idempotency.FromContext(ctx)
 		return json.RawMessage(fmt.Sprintf(`{"key":%q,"fence":%d,"ok":%t}`, key, fence, ok)), nil

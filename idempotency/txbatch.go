@@ -675,8 +675,11 @@ func (b *txBatch) commit() {
 	}
 	for _, m := range b.claimed {
 		switch {
-		case m.later && err == nil:
-			b.replyWith(m, txAnswer{alone: true}) // its claim is gone: it can run alone now
+		case m.later:
+			// Its claim is gone (forgotten by the commit, or never committed if the lost
+			// answer was a failure): it runs alone now. It must be answered whatever the
+			// commit's fate: it waits for nothing else.
+			b.replyWith(m, txAnswer{alone: true})
 		case m.finish.action == "forget":
 		case err != nil: // the answer was lost: each member resolves it by transaction id
 			b.replyWith(m, txAnswer{res: m.res, err: m.finish.err, lost: err, recorded: m.finish.err != nil})

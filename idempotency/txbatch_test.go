@@ -786,3 +786,75 @@ func TestDoTxBatchedSlowHandlersRunAlone(t *testing.T) {
 	}
 	t.Logf("%d slow handlers in %d transactions, %s", n, transactions, took.Round(time.Millisecond))
 }
+
+// TestDoTxBatchedLostCommitAnswerLaterMember: a member left for after the batch (its
+// handler's turn came past the batch's budget, so it gave its claim back) is answered
+// even when the batch's COMMIT answer is lost, and then runs alone. It used to wait for
+// ever.
+func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
+	t.Parallel()
+	for _, commits := range []bool{false, true} {
+		t.Run(fmt.Sprintf("commits=%t", commits), func(t *testing.T) {
+			t.Parallel()
+			ctx := testenv.Context(t, time.Minute)
+			pool := testenv.Postgres(t)
+			l := New(pool, &Config{Committers: 1, WriteTimeout: 400 * time.Millisecond, ClaimLockTimeout: 100 * time.Millisecond})
+			l.txBudget, l.txSlow = 50*time.Millisecond, time.Hour // z-last's turn comes past the budget
+			defer l.Close()
+			body := `PERFORM pg_sleep(1.5);`
+			if commits {
+				body = `BEGIN PERFORM pg_sleep(1.5); EXCEPTION WHEN query_canceled THEN NULL; END;`
+			}
+			batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+			batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
+			batchExec(t, pool, `CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+				FOR EACH ROW WHEN (NEW.key = 'm-slow') EXECUTE FUNCTION slow_commit()`)
+			release, waitHolder := holdExecutor(t, l, "0-holder")
+			keys := []string{"a-first", "m-slow", "z-last"}
+			errs := make([]error, len(keys))
+			done := make(chan struct{})
+			var wg sync.WaitGroup
+			for i, key := range keys {
+				wg.Go(func() {
+					_, errs[i] = l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+						_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+						if key == "m-slow" {
+							time.Sleep(100 * time.Millisecond) // past the budget
+						}
+						return json.RawMessage(`true`), err
+					})
+				})
+			}
+			waitQueued(t, l, len(keys))
+			release()
+			go func() { wg.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(30 * time.Second):
+				t.Fatal("a member of the batch was never answered")
+			}
+			waitHolder()
+			if errs[2] != nil {
+				t.Errorf("z-last: %v, want success, alone after the batch", errs[2])
+			}
+			for i := range 2 {
+				if commits && errs[i] != nil {
+					t.Errorf("%s: %v, want success learned from the transaction id", keys[i], errs[i])
+				}
+				if !commits && (errs[i] == nil || !strings.Contains(errs[i].Error(), "aborted")) {
+					t.Errorf("%s: %v, want an aborted commit", keys[i], errs[i])
+				}
+			}
+			want := 1 // z-last alone
+			if commits {
+				want = 3
+			}
+			if n := batchCount(t, pool, `SELECT count(*) FROM effects`); n != want {
+				t.Fatalf("effects = %d, want %d", n, want)
+			}
+			if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key <> '0-holder' AND status = 'completed'`); n != want {
+				t.Fatalf("completed rows = %d, want %d", n, want)
+			}
+		})
+	}
+}
