@@ -524,14 +524,7 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 		}})
 	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
-	body := `PERFORM pg_sleep(1.5);`
-	if commits {
-		body = `BEGIN PERFORM pg_sleep(1.5); EXCEPTION WHEN query_canceled THEN NULL; END;`
-	}
-	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
-	batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
-	batchExec(t, pool, `CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
-		FOR EACH ROW WHEN (NEW.key = 'm-slow') EXECUTE FUNCTION slow_commit()`)
+	slowCommitOf(t, pool, "m-slow", commits)
 	release, waitHolder := holdExecutor(t, l, "0-holder")
 	keys := []string{"a-first", "m-slow", "z-last"}
 	errs := make([]error, len(keys))
@@ -573,6 +566,22 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 	if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key <> '0-holder'`); n != want {
 		t.Fatalf("ledger rows = %d, want %d", n, want)
 	}
+}
+
+// slowCommitOf creates the table effects and makes the COMMIT of a transaction that
+// inserted key into it take 1.5 s (a deferred trigger): longer than a WriteTimeout of
+// 400 ms, so its answer is lost. When commits, the trigger survives the cancellation and
+// the transaction commits all the same; else it aborts.
+func slowCommitOf(t *testing.T, pool *pgxpool.Pool, key string, commits bool) {
+	t.Helper()
+	body := `PERFORM pg_sleep(1.5);`
+	if commits {
+		body = `BEGIN PERFORM pg_sleep(1.5); EXCEPTION WHEN query_canceled THEN NULL; END;`
+	}
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
+	batchExec(t, pool, `CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+		FOR EACH ROW WHEN (NEW.key = '`+key+`') EXECUTE FUNCTION slow_commit()`)
 }
 
 // TestDoTxBatchedRestart stops a private Postgres with an immediate shutdown while a
@@ -801,14 +810,7 @@ func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
 			l := New(pool, &Config{Committers: 1, WriteTimeout: 400 * time.Millisecond, ClaimLockTimeout: 100 * time.Millisecond})
 			l.txBudget, l.txSlow = 50*time.Millisecond, time.Hour // z-last's turn comes past the budget
 			defer l.Close()
-			body := `PERFORM pg_sleep(1.5);`
-			if commits {
-				body = `BEGIN PERFORM pg_sleep(1.5); EXCEPTION WHEN query_canceled THEN NULL; END;`
-			}
-			batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
-			batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
-			batchExec(t, pool, `CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
-				FOR EACH ROW WHEN (NEW.key = 'm-slow') EXECUTE FUNCTION slow_commit()`)
+			slowCommitOf(t, pool, "m-slow", commits)
 			release, waitHolder := holdExecutor(t, l, "0-holder")
 			keys := []string{"a-first", "m-slow", "z-last"}
 			errs := make([]error, len(keys))
