@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -22,40 +21,10 @@ import (
 // cleanly.
 func TestAPICommand(t *testing.T) {
 	t.Parallel()
-	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
+	rurl := testenv.RedisURL(t)
 	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
-	cmd := exec.Command(binary, "api")
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "DATABASE_URL=" + dsn, "REDIS_URL=" + rurl,
-		"IDEMQ_HTTP_ADDR=" + addr, "IDEMQ_DASHBOARD_USER=ops", "IDEMQ_DASHBOARD_PASSWORD=pw", "IDEMQ_LOG_LEVEL=warn"}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-	})
-	base := "http://" + addr
-	get := func(path string) (int, string) {
-		resp, err := http.Get(base + path)
-		if err != nil {
-			return 0, err.Error()
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
-	}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		if code, _ := get("/readyz"); code == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("idemq api never became ready:\n%s", stderr.String())
-		}
-	}
+	a := startAPIProc(t, addr, addr, rurl, "IDEMQ_DASHBOARD_USER=ops", "IDEMQ_DASHBOARD_PASSWORD=pw")
+	base, get, stderr, cmd, exited := a.base, a.get, a.stderr, a.cmd, a.exited
 
 	resp, err := http.Post(base+"/v1/charges", "application/json",
 		strings.NewReader(`{"order_id":"o-1","customer_id":"c-1","amount_cents":1999,"currency":"EUR"}`))
@@ -112,39 +81,10 @@ func TestAPICommand(t *testing.T) {
 // answer 403, they do, and the API and the health endpoints are served.
 func TestAPIDashboardWithoutPassword(t *testing.T) {
 	t.Parallel()
-	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
 	port := testenv.FreePort(t)
-	cmd := exec.Command(binary, "api")
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "DATABASE_URL=" + dsn, "REDIS_URL=" + rurl,
-		fmt.Sprintf("IDEMQ_HTTP_ADDR=:%d", port), "IDEMQ_DASHBOARD_PASSWORD=change-me", "IDEMQ_LOG_LEVEL=warn"}
-	var stderr syncBuilder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-	})
-	get := func(path string) (int, string) {
-		resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d%s", port, path))
-		if err != nil {
-			return 0, err.Error()
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
-	}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		if code, _ := get("/readyz"); code == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("idemq api never became ready:\n%s", stderr.String())
-		}
-	}
+	a := startAPIProc(t, fmt.Sprintf(":%d", port), fmt.Sprintf("127.0.0.1:%d", port), testenv.RedisURL(t),
+		"IDEMQ_DASHBOARD_PASSWORD=change-me")
+	get, stderr := a.get, a.stderr
 	for _, path := range []string{"/monitoring/", "/ledger/", "/ledger/charge:o-1"} {
 		if code, body := get(path); code != 403 || !strings.Contains(body, "IDEMQ_DASHBOARD_PASSWORD") {
 			t.Errorf("%s: %d %s, want 403 naming IDEMQ_DASHBOARD_PASSWORD", path, code, body)
@@ -163,20 +103,50 @@ func TestAPIDashboardWithoutPassword(t *testing.T) {
 	}
 }
 
-// syncBuilder is a strings.Builder safe for a process's writes and a test's reads.
-type syncBuilder struct {
-	mu sync.Mutex
-	b  strings.Builder
+// apiProc is an `idemq api` process of a test.
+type apiProc struct {
+	cmd    *exec.Cmd
+	exited chan error // the process's exit; the cleanup reads it
+	stderr *testenv.LogBuffer
+	base   string // http://dial
 }
 
-func (s *syncBuilder) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
+// startAPIProc runs `idemq api` listening on listen, on a fresh schema and on the Redis at
+// redisURL, with env added, and waits until /readyz at dial answers 200. The process is
+// killed when the test ends.
+func startAPIProc(t *testing.T, listen, dial, redisURL string, env ...string) *apiProc {
+	t.Helper()
+	a := &apiProc{cmd: exec.Command(binary, "api"), exited: make(chan error, 1), stderr: &testenv.LogBuffer{}, base: "http://" + dial}
+	a.cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "DATABASE_URL=" + testenv.PostgresURL(t), "REDIS_URL=" + redisURL,
+		"IDEMQ_HTTP_ADDR=" + listen, "IDEMQ_LOG_LEVEL=warn"}, env...)
+	a.cmd.Stderr = a.stderr
+	if err := a.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { a.exited <- a.cmd.Wait() }()
+	t.Cleanup(func() {
+		a.cmd.Process.Kill()
+		<-a.exited
+	})
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if code, _ := a.get("/readyz"); code == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("idemq api never became ready:\n%s", a.stderr.String())
+		}
+	}
+	return a
 }
 
-func (s *syncBuilder) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+// get fetches path: the status and the body (the error's text, status 0, when the
+// request fails).
+func (a *apiProc) get(path string) (int, string) {
+	resp, err := http.Get(a.base + path)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
 }
