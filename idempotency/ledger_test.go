@@ -17,16 +17,12 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/internal/testledger"
 )
 
 // newLedger returns a ledger on a fresh schema of its own, and the pool.
-func newLedger(t testing.TB, cfg *idempotency.Config) (*idempotency.Ledger, *pgxpool.Pool) {
-	t.Helper()
-	pool := testenv.Postgres(t)
-	l := idempotency.New(pool, cfg)
-	t.Cleanup(l.Close)
-	return l, pool
-}
+// newLedger is testledger.New.
+var newLedger = testledger.New
 
 func req(key string) idempotency.Request {
 	return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(`{"k":"`+key+`"}`))}

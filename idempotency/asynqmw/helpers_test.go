@@ -6,19 +6,12 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/internal/testledger"
 )
 
-func newLedger(t testing.TB, cfg *idempotency.Config) (*idempotency.Ledger, *pgxpool.Pool) {
-	t.Helper()
-	pool := testenv.Postgres(t)
-	l := idempotency.New(pool, cfg)
-	t.Cleanup(l.Close)
-	return l, pool
-}
+// newLedger is testledger.New.
+var newLedger = testledger.New
 
 func get(t testing.TB, l *idempotency.Ledger, key string) *idempotency.Record {
 	t.Helper()

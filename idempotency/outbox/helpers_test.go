@@ -7,17 +7,11 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/internal/testledger"
 )
 
-func newLedger(t testing.TB, cfg *idempotency.Config) (*idempotency.Ledger, *pgxpool.Pool) {
-	t.Helper()
-	pool := testenv.Postgres(t)
-	l := idempotency.New(pool, cfg)
-	t.Cleanup(l.Close)
-	return l, pool
-}
+// newLedger is testledger.New.
+var newLedger = testledger.New
 
 func mustExec(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
 	t.Helper()
