@@ -13,7 +13,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/testenv"
@@ -21,8 +20,14 @@ import (
 )
 
 // newLedger returns a ledger on a fresh schema of its own, and the pool.
-// newLedger is testledger.New.
-var newLedger = testledger.New
+// Shared helpers, under the names these tests use.
+var (
+	newLedger = testledger.New
+	get       = testledger.Get
+	jsonEqual = testledger.JSONEqual
+	mustExec  = testenv.Exec
+	count     = testenv.Count
+)
 
 func req(key string) idempotency.Request {
 	return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(`{"k":"`+key+`"}`))}
@@ -47,31 +52,6 @@ func (e *events) get(ev idempotency.Event) int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.n[ev]
-}
-
-func mustExec(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
-	t.Helper()
-	if _, err := pool.Exec(context.Background(), sql, args...); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-}
-
-func count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return n
-}
-
-func get(t testing.TB, l *idempotency.Ledger, key string) *idempotency.Record {
-	t.Helper()
-	r, err := l.Get(context.Background(), key)
-	if err != nil {
-		t.Fatalf("Get(%q): %v", key, err)
-	}
-	return r
 }
 
 // waitBusy sleeps a little before a retry on busy.
@@ -760,14 +740,6 @@ func TestInvalidResultsCompleteWithMarker(t *testing.T) {
 }
 
 // jsonEqual compares JSON values (jsonb normalises the spacing of stored results).
-func jsonEqual(a, b json.RawMessage) bool {
-	var x, y any
-	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
-		return false
-	}
-	return fmt.Sprint(x) == fmt.Sprint(y)
-}
-
 func TestValidateResult(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {

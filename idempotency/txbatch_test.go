@@ -17,24 +17,14 @@ import (
 	"github.com/idemq/idemq/internal/testenv"
 )
 
+// Shared helpers, under the names these tests use.
+var (
+	batchExec  = testenv.Exec
+	batchCount = testenv.Count
+)
+
 func batchReq(key string) Request {
 	return Request{Key: key, TaskType: "test:task", Fingerprint: Fingerprint("test:task", []byte(key))}
-}
-
-func batchExec(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
-	t.Helper()
-	if _, err := pool.Exec(context.Background(), sql, args...); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-}
-
-func batchCount(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return n
 }
 
 // queued reports how many members wait in l's queue.

@@ -2,6 +2,9 @@
 package testledger
 
 import (
+	"context"
+	"encoding/json"
+	"fmt"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -18,4 +21,24 @@ func New(t testing.TB, cfg *idempotency.Config) (*idempotency.Ledger, *pgxpool.P
 	l := idempotency.New(pool, cfg)
 	t.Cleanup(l.Close)
 	return l, pool
+}
+
+// Get returns key's ledger row, failing the test when there is none.
+func Get(t testing.TB, l *idempotency.Ledger, key string) *idempotency.Record {
+	t.Helper()
+	r, err := l.Get(context.Background(), key)
+	if err != nil {
+		t.Fatalf("Get(%q): %v", key, err)
+	}
+	return r
+}
+
+// JSONEqual reports whether a and b print as the same JSON value, whatever their spacing
+// and key order.
+func JSONEqual(a, b json.RawMessage) bool {
+	var x, y any
+	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
+		return false
+	}
+	return fmt.Sprint(x) == fmt.Sprint(y)
 }
