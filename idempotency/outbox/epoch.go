@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/internal/asynqkeys"
 )
 
 // Epoch markers make a loss of Redis data visible to every process, whenever it started.
@@ -37,11 +39,22 @@ const settleEpochSQL = `UPDATE redis_epochs SET epoch = $2, redis_run_id = $3, u
 // newEpoch returns a random marker (crypto/rand, 128 bits).
 func newEpoch() string { return rand.Text() }
 
-// markEpochs returns each queue's epoch marker, setting a new one where Redis has none,
-// in one round trip.
+// markEpochs readies queues for publishing, in one round trip: each is registered in
+// asynq's set of queues (asynq's client does that only on its first enqueue to a queue,
+// so after Redis restarted empty a long-lived client would never register it again, and
+// asynq's Inspector — the dashboard, the queue metrics — would answer "queue not found"),
+// and its epoch marker is returned, set anew where Redis has none.
 func (c *Client) markEpochs(ctx context.Context, queues []string) (map[string]string, error) {
+	if len(queues) == 0 {
+		return map[string]string{}, nil
+	}
 	gets := make([]*redis.StringCmd, len(queues))
 	_, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		members := make([]any, len(queues))
+		for i, q := range queues {
+			members[i] = q
+		}
+		p.SAdd(ctx, asynqkeys.AllQueues, members...)
 		for i, q := range queues {
 			p.SetNX(ctx, epochKey(q), newEpoch(), 0)
 			gets[i] = p.Get(ctx, epochKey(q))
@@ -56,6 +69,17 @@ func (c *Client) markEpochs(ctx context.Context, queues []string) (map[string]st
 		marks[q] = gets[i].Val()
 	}
 	return marks, nil
+}
+
+// queuesOf returns the distinct queues of batch, in order of appearance.
+func queuesOf(batch []intentRow) []string {
+	var queues []string
+	for _, r := range batch {
+		if !slices.Contains(queues, r.spec.Queue) {
+			queues = append(queues, r.spec.Queue)
+		}
+	}
+	return queues
 }
 
 // ensureEpochs makes sure Postgres has an epoch row for each queue of marks (once per

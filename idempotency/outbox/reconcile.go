@@ -120,22 +120,15 @@ func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues
 		if err != nil {
 			return fmt.Errorf("outbox: list stale intents: %w", err)
 		}
-		var publishedAt time.Time
-		stale, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (intentRow, error) {
-			var r intentRow
-			var timeout, retention int64
-			err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
-				&timeout, &retention, &r.gen, &r.createdAt, &publishedAt)
-			r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
-			return r, err
-		})
+		stale, err := pgx.CollectRows(rows, scanIntentRow)
 		if err != nil {
 			return fmt.Errorf("outbox: list stale intents: %w", err)
 		}
 		if len(stale) == 0 {
 			return nil
 		}
-		afterAt, afterKey = publishedAt, stale[len(stale)-1].spec.Key
+		last := stale[len(stale)-1]
+		afterAt, afterKey = last.publishedAt, last.spec.Key
 		if err := c.addEpochs(ctx, stale, marks); err != nil {
 			return err
 		}
@@ -148,17 +141,10 @@ func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues
 	}
 }
 
-// addEpochs adds the markers of the batch's queues that marks lacks.
+// addEpochs adds the markers of the batch's queues that marks lacks (registering those
+// queues with asynq, before anything is republished into them).
 func (c *Client) addEpochs(ctx context.Context, batch []intentRow, marks map[string]string) error {
-	var fresh []string
-	for _, r := range batch {
-		if _, ok := marks[r.spec.Queue]; !ok && !slices.Contains(fresh, r.spec.Queue) {
-			fresh = append(fresh, r.spec.Queue)
-		}
-	}
-	if len(fresh) == 0 {
-		return nil
-	}
+	fresh := slices.DeleteFunc(queuesOf(batch), func(q string) bool { _, ok := marks[q]; return ok })
 	got, err := c.markEpochs(ctx, fresh)
 	if err != nil {
 		return err
@@ -184,9 +170,6 @@ func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limite
 	}
 	if len(missing) == 0 {
 		return nil
-	}
-	if err := c.registerQueues(ctx, missing); err != nil {
-		return fmt.Errorf("outbox: register queues: %w", err)
 	}
 	for _, r := range missing {
 		st.Missing++

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
-	"github.com/idemq/idemq/internal/asynqkeys"
 )
 
 // wakeChannel is the LISTEN/NOTIFY channel relays wait on.
@@ -30,7 +28,7 @@ WHERE idempotency_key IN (
 	ORDER BY created_at
 	LIMIT $1
 	FOR UPDATE SKIP LOCKED)
-RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at`
+RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, coalesce(published_at, created_at)`
 
 // markPublishedSQL records the publishes of keys $1, each under the generation at the same
 // index of $2 (a publish moves past TaskIDs that other tasks hold).
@@ -44,11 +42,12 @@ const markPublishFailedSQL = `
 UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', last_error = $3, updated_at = now()
 WHERE idempotency_key = ANY($1::text[]) AND state = 'pending'`
 
-// intentRow is an intent taken for publishing.
+// intentRow is an intent taken for publishing (or republishing).
 type intentRow struct {
-	spec      Spec
-	gen       int
-	createdAt time.Time
+	spec        Spec
+	gen         int
+	createdAt   time.Time
+	publishedAt time.Time // its last publish; createdAt while pending
 }
 
 func (c *Client) takePending(ctx context.Context, keys []string) ([]intentRow, error) {
@@ -68,7 +67,7 @@ func scanIntentRow(row pgx.CollectableRow) (intentRow, error) {
 	var r intentRow
 	var timeout, retention int64
 	err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
-		&timeout, &retention, &r.gen, &r.createdAt)
+		&timeout, &retention, &r.gen, &r.createdAt, &r.publishedAt)
 	r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
 	return r, err
 }
@@ -134,39 +133,14 @@ func (c *Client) holdsTask(ctx context.Context, r intentRow, id string) (taskMat
 }
 
 // prepareQueues readies the batch's queues for publishing: registered with asynq, an
-// epoch marker in Redis and an epoch row in Postgres. It returns the markers, to check
-// after publishing.
+// epoch marker in Redis (markEpochs) and an epoch row in Postgres. It returns the
+// markers, to check after publishing.
 func (c *Client) prepareQueues(ctx context.Context, batch []intentRow) (map[string]string, error) {
-	if err := c.registerQueues(ctx, batch); err != nil {
-		return nil, err
-	}
-	var queues []string
-	for _, r := range batch {
-		if !slices.Contains(queues, r.spec.Queue) {
-			queues = append(queues, r.spec.Queue)
-		}
-	}
-	marks, err := c.markEpochs(ctx, queues)
+	marks, err := c.markEpochs(ctx, queuesOf(batch))
 	if err != nil {
 		return nil, err
 	}
 	return marks, c.ensureEpochs(ctx, marks)
-}
-
-// registerQueues adds the batch's queues to asynq's set of queues. asynq's client does
-// that only on its first enqueue to a queue, so after Redis restarted empty a long-lived
-// client would never register the queue again, and asynq's Inspector (the dashboard, the
-// queue metrics) would answer "queue not found" although tasks are processed.
-func (c *Client) registerQueues(ctx context.Context, batch []intentRow) error {
-	seen := map[string]bool{}
-	var queues []any
-	for _, r := range batch {
-		if !seen[r.spec.Queue] {
-			seen[r.spec.Queue] = true
-			queues = append(queues, r.spec.Queue)
-		}
-	}
-	return c.rdb.SAdd(ctx, asynqkeys.AllQueues, queues...).Err()
 }
 
 // publishPending publishes one batch of pending intents (only keys, when not nil) and
@@ -213,8 +187,8 @@ func (c *Client) publishPending(ctx context.Context, keys []string) (int, error)
 	// Record the outcome even when ctx ended: the publishes happened. Count each intent
 	// once its outcome is recorded.
 	defer func() {
-		for _, r := range batch {
-			if slices.Contains(done, r.spec.Key) {
+		for i, r := range batch { // done is the batch's first len(done) intents
+			if i < len(done) {
 				c.observe(EventPublished, r.spec.Type)
 			} else {
 				c.observe(EventRelayError, r.spec.Type)
