@@ -50,23 +50,29 @@ func isQueryCanceled(err error) bool {
 	return errors.As(err, &pe) && pe.Code == pgcode.QueryCanceled
 }
 
-// setStatementTimeoutSQL sets statement_timeout for the rest of the transaction only, so
-// it survives a transaction-mode pooler and never leaks to the next user of the session.
-const setStatementTimeoutSQL = `SELECT set_config('statement_timeout', $1, true)`
+// setTimeoutsSQL sets statement_timeout ($1) and lock_timeout ($2) for the rest of the
+// transaction only, so they survive a transaction-mode pooler and never leak to the next
+// user of the session; an empty value leaves that setting as it is.
+const setTimeoutsSQL = `SELECT set_config('statement_timeout', coalesce(nullif($1, ''), current_setting('statement_timeout')), true),
+	set_config('lock_timeout', coalesce(nullif($2, ''), current_setting('lock_timeout')), true)`
 
-// setStatementTimeout bounds each of tx's statements just below the time ctx has left,
-// so a stalled statement is cancelled by Postgres itself (the connection survives) before
-// pgx gives up on the connection at the deadline. A ctx without a deadline sets nothing.
-func setStatementTimeout(ctx context.Context, tx pgx.Tx) error {
-	deadline, ok := ctx.Deadline()
-	if !ok {
+// setTimeouts, in one round trip, bounds each of tx's statements just below the time ctx
+// has left, so a stalled statement is cancelled by Postgres itself (the connection
+// survives) before pgx gives up on the connection at the deadline, and sets lockTimeout
+// when it is not "". A ctx without a deadline sets no statement_timeout.
+func setTimeouts(ctx context.Context, tx pgx.Tx, lockTimeout string) error {
+	statement := ""
+	if deadline, ok := ctx.Deadline(); ok {
+		left := time.Until(deadline) * 9 / 10
+		if left < time.Millisecond {
+			return context.DeadlineExceeded // 0 would mean no timeout at all
+		}
+		statement = fmt.Sprintf("%dms", left.Milliseconds())
+	}
+	if statement == "" && lockTimeout == "" {
 		return nil
 	}
-	left := time.Until(deadline) * 9 / 10
-	if left < time.Millisecond {
-		return context.DeadlineExceeded // 0 would mean no timeout at all
-	}
-	_, err := tx.Exec(ctx, setStatementTimeoutSQL, fmt.Sprintf("%dms", left.Milliseconds()))
+	_, err := tx.Exec(ctx, setTimeoutsSQL, statement, lockTimeout)
 	return err
 }
 

@@ -263,16 +263,16 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 		defer cancel()
 		tx.Rollback(ctx)
 	}()
-	if err := setStatementTimeout(ctx, tx); err != nil {
-		s.internal(w, r, "set statement_timeout", err)
+	lockTimeout := ""
+	if hasKey {
+		lockTimeout = acceptLockTimeout // a repeat waits this long for the first, then 409
+	}
+	if err := setTimeouts(ctx, tx, lockTimeout); err != nil {
+		s.internal(w, r, "set timeouts", err)
 		return
 	}
 
 	if hasKey {
-		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '"+acceptLockTimeout+"'"); err != nil {
-			s.internal(w, r, "set lock_timeout", err)
-			return
-		}
 		var inserted bool
 		err := tx.QueryRow(ctx, insertHeaderSQL, route, hk, fp, spec.Key, spec.Type).Scan(&inserted)
 		switch {
