@@ -3,29 +3,12 @@ package idempotency
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/idemq/idemq/internal/pgcode"
 )
-
-// storeResultTxSQL stores a DoTx result on the row the claim wrote completed. The division
-// fails (SQLSTATE 22012) when the fenced update matched no row, which aborts the
-// transaction, so the COMMIT pipelined after it cannot commit the effect without its
-// completion. Only result and last_error change, which are not indexed: a HOT update.
-func storeResultTxSQL(f fenceChecks) string {
-	return `
-WITH u AS (
-	UPDATE processed_jobs SET result = $4, last_error = coalesce($5, last_error)
-	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'completed'
-	RETURNING 1)
-SELECT 1 / count(*) FROM u`
-}
 
 // idleTimeout is the idle_in_transaction_session_timeout of a claim's transaction (it
 // matters for DoTx): Config.SessionTimeout, cut to the time left before the deadline.
@@ -72,8 +55,8 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 //
 // When fn returns an error, its effect and its claim roll back and DoTx returns fn's
 // error. If IsPermanent(err), the key is recorded as failed (in the shared transaction's
-// last statement; alone, by a new claim and Fail, as in leased mode), so no delivery runs
-// it again. When fn panics, the
+// last statement; in a transaction of its own, by a new claim and Fail, as in leased
+// mode), so no delivery runs it again. When fn panics, the
 // transaction rolls back and DoTx panics again with the same value. A result that cannot
 // be stored completes the key with an error marker, as in Complete. If the connection
 // drops during the commit, the outcome is learned from the transaction id
@@ -82,170 +65,92 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	if err := req.validate(); err != nil {
 		return Result{}, err
 	}
-	if !l.cfg.DisableGroupCommit {
-		return l.doTxBatched(ctx, req, fn)
+	if l.cfg.DisableGroupCommit || l.txTimes.slow(l.txSlow) {
+		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
+		return l.doTxAlone(ctx, req, fn, 0)
 	}
-	return l.doTxAlone(ctx, req, fn)
+	return l.doTxShared(ctx, req, fn)
 }
 
-// doTxAlone is DoTx in a transaction of its own.
-func (l *Ledger) doTxAlone(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
-	for round := 0; ; round++ {
-		res, again, err := l.doTxOnce(ctx, req, fn, round)
-		if !again {
-			if IsPermanent(err) {
-				l.recordPermanent(ctx, req, err)
+// doTxShared is DoTx in a transaction shared with concurrent deliveries: the delivery
+// queues, and the executor that takes it hands the claimed transaction to this goroutine
+// for fn's turn (txMember).
+func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
+	m := newTxMember(ctx, req, nil)
+	if l.txq.Push(0, m) {
+		go l.runTxBatches()
+	}
+	done := ctx.Done()
+	for {
+		select {
+		case <-done:
+			if l.txq.Leave(0, m) {
+				return Result{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, ctx.Err())
 			}
-			return res, err
+			done = nil // taken: the executor answers, at the latest when its turn comes
+		case t := <-m.run:
+			out, err, panicked, pval := runTxFn(withClaim(ctx, t.c.Key, t.c.Fence), t.tx, fn)
+			m.ran <- txRan{out: out, err: err, panicked: panicked}
+			if panicked {
+				<-m.answer // rolled back
+				panic(pval)
+			}
+		case a := <-m.answer:
+			if a.alone {
+				return l.doTxAlone(ctx, req, fn, 1)
+			}
+			return l.settle(ctx, m, a)
 		}
 	}
 }
 
-func (l *Ledger) doTxOnce(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error), round int) (res Result, again bool, err error) {
-	c, args, err := l.newClaim(req, true)
-	if err != nil {
-		return Result{}, false, err
-	}
-	conn, err := l.pool.Acquire(ctx)
-	if err != nil {
-		return Result{}, false, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
-	}
-	defer conn.Release()
-	// BEGIN and the claim go in one round trip; the handler gets a pgx.Tx on the
-	// transaction without another (handlerTx).
-	pc := conn.Conn()
-	tx := &handlerTx{conn: pc}
-	done := false
-	rollback := func() {
-		if done {
-			return
+// doTxAlone is DoTx in a transaction of its own: a batch of one, run on the caller's
+// goroutine. A claim that lost a race is tried again, from round on, up to
+// maxClaimRounds.
+func (l *Ledger) doTxAlone(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error), round int) (Result, error) {
+	for ; ; round++ {
+		m := newTxMember(ctx, req, fn)
+		m.round = round
+		conn, err := l.pool.Acquire(ctx)
+		if err != nil {
+			return Result{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
 		}
-		done = true
-		if pc.PgConn().TxStatus() == 'I' {
-			return
+		l.runTxBatch(conn.Conn(), []*txMember{m})
+		conn.Release() // the pool closes a connection left in a transaction
+		a := <-m.answer
+		if m.panicked {
+			panic(m.pval)
 		}
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
-		defer cancel()
-		if _, err := pc.Exec(rctx, "ROLLBACK"); err != nil {
-			pc.PgConn().Close(rctx) // closing the connection rolls back too
+		if !a.alone {
+			return l.settle(ctx, m, a)
 		}
 	}
-	defer rollback()
-
-	var r claimRow
-	b := &pgx.Batch{}
-	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
-	b.Queue(claimSQL, args...)
-	br := pc.SendBatch(ctx, b)
-	_, err = br.Exec()
-	if err == nil {
-		err = r.scan(br.QueryRow())
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return Result{}, false, l.claimError(req, err)
-	}
-	if !r.claimed && r.attempted {
-		if err := r.scan(tx.QueryRow(ctx, readRowSQL, req.Key)); errors.Is(err, pgx.ErrNoRows) {
-			return Result{}, round+1 < maxClaimRounds, &BusyError{Key: req.Key}
-		} else if err != nil {
-			return Result{}, false, l.claimError(req, err)
-		}
-	}
-	cr, stuck, again, err := l.decide(req, c, &r, round)
-	if cr.Claim == nil {
-		rollback()
-		if stuck != 0 {
-			conn.Release() // before taking another connection (Release is idempotent)
-			l.markStuckOne(ctx, req, stuck)
-		}
-		if cr.Completed != nil {
-			return *cr.Completed, false, nil
-		}
-		return Result{}, again, err
-	}
-
-	out, ferr, panicked, pval := runTxFn(withClaim(ctx, c.Key, c.Fence), tx, fn)
-	if panicked {
-		rollback()
-		panic(pval)
-	}
-	if st := pc.PgConn().TxStatus(); ferr == nil && st != 'T' {
-		ferr = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
-	}
-	if ferr != nil {
-		return Result{}, false, ferr
-	}
-
-	stored, lastErr := l.checkResult(c, out)
-	err = l.commitTx(ctx, pc, c, stored, lastErr)
-	done = true
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code[:2] == pgcode.DataExceptionClass && pgErr.Code != pgcode.DivisionByZero {
-		// The database refused the result after all (a data exception), which aborted the
-		// transaction and fn's effect with it: nothing happened; record that for good.
-		return Result{}, false, Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
-	}
-	if err != nil {
-		return Result{}, false, err
-	}
-	l.observe(EventCompleted, c.TaskType)
-	return Result{Key: c.Key, Result: storedForm(out, l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}, false, nil
 }
 
-// commitTx stores the result, if there is one, and commits, in one round trip. A lost
-// connection is resolved with the transaction id taken at the claim. Whatever happens,
-// the transaction is over (or its connection is closed) when it returns.
-func (l *Ledger) commitTx(ctx context.Context, conn *pgx.Conn, c *Claim, stored, lastErr any) error {
-	b := &pgx.Batch{}
-	if stored != nil || lastErr != nil {
-		b.Queue(l.sql.storeResultTx, c.Key, c.Fence, c.owner, stored, lastErr)
+// settle finishes what a DoTx answer leaves to its caller: a stuck key to mark, a commit
+// whose answer was lost to resolve, a permanent failure to record.
+func (l *Ledger) settle(ctx context.Context, m *txMember, a txAnswer) (Result, error) {
+	if a.stuck != 0 {
+		l.markStuckOne(ctx, m.req, a.stuck)
 	}
-	b.Queue("COMMIT")
-	br := conn.SendBatch(ctx, b)
-	var err error
-	var tag pgconn.CommandTag
-	for range b.Len() {
-		if tag, err = br.Exec(); err != nil {
-			break
+	if a.lost != nil {
+		rctx := ctx
+		if ctx.Err() != nil {
+			var cancel context.CancelFunc
+			rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+			defer cancel()
+		}
+		if err := l.commitLost(rctx, m.claim, a.lost); err != nil {
+			return Result{}, err
+		}
+		if a.err == nil {
+			l.observe(EventCompleted, m.req.TaskType)
 		}
 	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
+	if IsPermanent(a.err) && !a.recorded {
+		l.recordPermanent(ctx, m.req, a.err)
 	}
-	if err == nil && tag.String() != "COMMIT" {
-		err = fmt.Errorf("idempotency: complete %s: commit answered %q", c.Key, tag.String())
-	}
-	if conn.PgConn().TxStatus() != 'I' && !conn.IsClosed() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
-		if _, err := conn.Exec(rctx, "ROLLBACK"); err != nil {
-			conn.PgConn().Close(rctx)
-		}
-		cancel()
-	}
-	if err == nil {
-		return nil
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		if pgErr.Code == pgcode.DivisionByZero {
-			l.leaseLost(c, "completion")
-			return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
-		}
-		return fmt.Errorf("idempotency: complete %s: %w", c.Key, err)
-	}
-	if !conn.IsClosed() {
-		return err // answered, not lost (a commit answered ROLLBACK)
-	}
-	if ctx.Err() != nil {
-		// Cancelled before an answer: resolve on a context of our own.
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
-		defer cancel()
-	}
-	return l.commitLost(ctx, c, err)
+	return a.res, a.err
 }
 
 // recordPermanent records a permanent DoTx failure, whose transaction rolled back, with a

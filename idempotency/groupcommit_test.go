@@ -10,10 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -112,31 +112,21 @@ func TestGroupCommitManyDo(t *testing.T) {
 	}
 }
 
-// claimOp builds a claim row for a committer batch and where its answer lands.
-func claimOp(t *testing.T, l *Ledger, key string) (*gcOp, *claimRow) {
+// claimOp builds a claim row for a committer batch; its answer lands in op.row.
+func claimOp(t *testing.T, l *Ledger, key string) *leasedOp {
 	t.Helper()
-	_, args, err := l.newClaim(testReq(key), false)
+	_, p, err := l.newClaim(testReq(key))
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &claimRow{}
-	return &gcOp{key: key, row: &claimArgs{taskType: "test:task", owner: args[2].(pgtype.UUID), leaseUS: args[4].(int64)},
-		reset: func() { *r = claimRow{} },
-		read: func(rows pgx.Rows) error {
-			return rows.Scan(r.targets(nil)...)
-		}}, r
+	return &leasedOp{key: key, claim: &p}
 }
 
-// finishOp builds a completion row for a committer batch; *updated tells whether it
+// finishOp builds a completion row for a committer batch; op.answered tells whether it
 // matched its row.
-func finishOp(c *Claim, result string) (*gcOp, *bool) {
-	updated := new(bool)
-	return &gcOp{key: c.Key, row: &finishArgs{fence: c.Fence, owner: c.owner, action: "complete", result: pgtype.Text{String: result, Valid: true}},
-		reset: func() { *updated = false },
-		read: func(rows pgx.Rows) error {
-			*updated = true
-			return nil
-		}}, updated
+func finishOp(c *Claim, result string) *leasedOp {
+	return &leasedOp{key: c.Key, finish: &store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner,
+		Action: store.ActionComplete, Result: pgtype.Text{String: result, Valid: true}}}
 }
 
 // TestGroupCommitIsolatesRefusedRow: a row the server refuses aborts its batch's
@@ -149,23 +139,21 @@ func TestGroupCommitIsolatesRefusedRow(t *testing.T) {
 	ctx := testenv.Context(t, time.Minute)
 
 	// Claims: one key breaks the table's CHECK (the request's own validation is skipped).
-	var batch []*gcOp
-	var rows []*claimRow
+	var batch []*leasedOp
 	for _, k := range []string{"a", "b", "bad key", "d", "e"} {
-		op, r := claimOp(t, l, k)
-		batch, rows = append(batch, op), append(rows, r)
+		batch = append(batch, claimOp(t, l, k))
 	}
-	l.claims.commit(l, batch)
+	errs := l.leased.Round([][]*leasedOp{nil, batch})[laneClaim]
 	for i, op := range batch {
 		var pgErr *pgconn.PgError
 		switch {
 		case op.key == "bad key":
-			if !errors.As(op.err, &pgErr) || pgErr.Code != "23514" {
-				t.Errorf("bad key: err %v, want a check violation", op.err)
+			if !errors.As(errs[i], &pgErr) || pgErr.Code != "23514" {
+				t.Errorf("bad key: err %v, want a check violation", errs[i])
 			}
-		case op.err != nil:
-			t.Errorf("%s: %v", op.key, op.err)
-		case !rows[i].claimed:
+		case errs[i] != nil:
+			t.Errorf("%s: %v", op.key, errs[i])
+		case !op.row.Claimed:
 			t.Errorf("%s: not claimed", op.key)
 		}
 	}
@@ -185,28 +173,26 @@ func TestGroupCommitIsolatesRefusedRow(t *testing.T) {
 	}
 	stale := *claims[2]
 	stale.Fence--
-	var ops []*gcOp
-	var updated []*bool
+	var ops []*leasedOp
 	for i, c := range []*Claim{claims[0], claims[1], &stale, claims[3]} {
 		result := `{"ok":true}`
 		if i == 1 {
 			result = `{"s":"\u0000"}`
 		}
-		op, u := finishOp(c, result)
-		ops, updated = append(ops, op), append(updated, u)
+		ops = append(ops, finishOp(c, result))
 	}
-	l.finishes.commit(l, ops)
+	errs = l.leased.Round([][]*leasedOp{ops, nil})[laneFinish]
 	var pgErr *pgconn.PgError
 	for _, i := range []int{0, 3} {
-		if ops[i].err != nil || !*updated[i] {
-			t.Errorf("good completion %s: err %v, updated %v", ops[i].key, ops[i].err, *updated[i])
+		if errs[i] != nil || !ops[i].answered {
+			t.Errorf("good completion %s: err %v, updated %v", ops[i].key, errs[i], ops[i].answered)
 		}
 	}
-	if !errors.As(ops[1].err, &pgErr) || pgErr.Code[:2] != "22" {
-		t.Errorf("refused result: err %v, want a data exception", ops[1].err)
+	if !errors.As(errs[1], &pgErr) || pgErr.Code[:2] != "22" {
+		t.Errorf("refused result: err %v, want a data exception", errs[1])
 	}
-	if ops[2].err != nil || *updated[2] {
-		t.Errorf("stale fence: err %v, updated %v; want no error and no row", ops[2].err, *updated[2])
+	if errs[2] != nil || ops[2].answered {
+		t.Errorf("stale fence: err %v, updated %v; want no error and no row", errs[2], ops[2].answered)
 	}
 	status := func(key string) string {
 		var s string
@@ -362,37 +348,34 @@ func TestGroupCommitRoundWithARefusedRow(t *testing.T) {
 	t.Cleanup(l.Close)
 	ctx := testenv.Context(t, time.Minute)
 
-	var finishes []*gcOp
-	var updated []*bool
+	var finishes []*leasedOp
 	for _, k := range []string{"f1", "f2"} {
 		cr, err := l.Claim(ctx, testReq(k))
 		if err != nil {
 			t.Fatal(err)
 		}
-		op, u := finishOp(cr.Claim, `{"done":true}`)
-		finishes, updated = append(finishes, op), append(updated, u)
+		finishes = append(finishes, finishOp(cr.Claim, `{"done":true}`))
 	}
-	var claims []*gcOp
-	var rows []*claimRow
+	var claims []*leasedOp
 	for _, k := range []string{"c1", "bad key", "c2"} {
-		op, r := claimOp(t, l, k)
-		claims, rows = append(claims, op), append(rows, r)
+		claims = append(claims, claimOp(t, l, k))
 	}
-	l.group.commitRound(l, l.parts(), [][]*gcOp{finishes, claims})
+	errs := l.leased.Round([][]*leasedOp{finishes, claims})
 	for i, op := range finishes {
-		if op.err != nil || !*updated[i] {
-			t.Errorf("completion %s: err %v, updated %v", op.key, op.err, *updated[i])
+		if errs[laneFinish][i] != nil || !op.answered {
+			t.Errorf("completion %s: err %v, updated %v", op.key, errs[laneFinish][i], op.answered)
 		}
 	}
 	for i, op := range claims {
+		err := errs[laneClaim][i]
 		var pgErr *pgconn.PgError
 		switch {
 		case op.key == "bad key":
-			if !errors.As(op.err, &pgErr) || pgErr.Code != "23514" {
-				t.Errorf("bad key: err %v, want a check violation", op.err)
+			if !errors.As(err, &pgErr) || pgErr.Code != "23514" {
+				t.Errorf("bad key: err %v, want a check violation", err)
 			}
-		case op.err != nil || !rows[i].claimed:
-			t.Errorf("claim %s: err %v, claimed %v", op.key, op.err, rows[i].claimed)
+		case err != nil || !op.row.Claimed:
+			t.Errorf("claim %s: err %v, claimed %v", op.key, err, op.row.Claimed)
 		}
 	}
 	var completed, inProgress int

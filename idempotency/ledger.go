@@ -10,15 +10,17 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/claimctx"
+	"github.com/idemq/idemq/internal/commit"
 )
 
 // Statuses of a ledger row (the status column).
 const (
-	StatusInProgress     = "in_progress"
-	StatusCompleted      = "completed"
-	StatusFailed         = "failed"
-	StatusNeedsAttention = "needs_attention"
+	StatusInProgress     = store.StatusInProgress
+	StatusCompleted      = store.StatusCompleted
+	StatusFailed         = store.StatusFailed
+	StatusNeedsAttention = store.StatusNeedsAttention
 )
 
 // Event names what happened to a key, for counters (see Config.Observe).
@@ -114,19 +116,19 @@ type Ledger struct {
 	cfg       Config
 	log       *slog.Logger
 
-	lockTimeoutSQL string     // set_config value for lock_timeout, e.g. "2000ms"
-	sql            *fencedSQL // fencedWrites, or unfencedWrites under Config.UnsafeNoFencing
-	// prepare: the batch statements and the finishes are named prepared statements,
-	// cached per connection, as pgx caches its own under its default exec mode. A pool
-	// whose default_query_exec_mode caches no statements (exec, simple_protocol,
+	lockTimeoutSQL string        // set_config value for lock_timeout, e.g. "2000ms"
+	writes         *store.Writes // store.Fenced, or store.Unfenced under Config.UnsafeNoFencing
+	// prepare: the batch statements are named prepared statements, cached per
+	// connection, as pgx caches its own under its default exec mode. A pool whose
+	// default_query_exec_mode caches no statements (exec, simple_protocol,
 	// cache_describe: what a transaction-mode pooler needs) gets them unnamed.
 	prepare bool
 
-	group            groupCommit // group commit of leased claims and completions
-	claims, finishes committer
-	txb              txBatcher     // DoTx deliveries sharing transactions
-	txBudget         time.Duration // txBatchBudget; tests lengthen it
-	txSlow           time.Duration // txSlowHandler; tests lengthen it
+	leased   *commit.Committer[*leasedOp] // leased claims and finishes (Do)
+	txq      *commit.Queue[*txMember]     // DoTx deliveries waiting for a shared transaction
+	txTimes  handlerTimes                 // how long DoTx handlers take
+	txBudget time.Duration                // txBatchBudget; tests lengthen it
+	txSlow   time.Duration                // txSlowHandler; tests lengthen it
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table
@@ -182,15 +184,13 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		}
 	}
 	l.txBudget, l.txSlow = txBatchBudget, txSlowHandler
-	l.sql = fencedWrites
-	l.claims.name, l.finishes.name = "idemq_claim_many", "idemq_finish_many"
+	l.writes = store.Fenced
 	if c.UnsafeNoFencing {
-		l.sql = unfencedWrites
-		l.finishes.name += "_nofence"
+		l.writes = store.Unfenced
 	}
 	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
-	l.claims.kind, l.claims.sql, l.claims.args = BatchClaim, claimManySQL, l.claimManyArgs
-	l.finishes.kind, l.finishes.sql, l.finishes.args = BatchComplete, l.sql.finishMany, finishManyArgs
+	l.leased = l.newLeasedCommitter()
+	l.txq = commit.NewQueue(1, c.Committers, func(m *txMember) string { return m.req.Key })
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	return l
 }

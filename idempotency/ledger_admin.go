@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Record is a ledger row, for operators (Get, List). Times are the database clock's; a
@@ -30,9 +32,6 @@ type Record struct {
 	StartedAt   time.Time
 	CompletedAt time.Time
 }
-
-const recordColumns = `idempotency_key, task_type, status, fence, owner, generation, payload_sha256,
-	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at`
 
 func scanRecord(row pgx.Row) (Record, error) {
 	var (
@@ -61,11 +60,9 @@ func scanRecord(row pgx.Row) (Record, error) {
 	return r, nil
 }
 
-const getSQL = `SELECT ` + recordColumns + ` FROM processed_jobs WHERE idempotency_key = $1`
-
 // Get returns key's row, or an error wrapping ErrNotFound. Safe for concurrent use.
 func (l *Ledger) Get(ctx context.Context, key string) (*Record, error) {
-	r, err := scanRecord(l.pool.QueryRow(ctx, getSQL, key))
+	r, err := scanRecord(l.pool.QueryRow(ctx, store.GetSQL, key))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w: %q", ErrNotFound, key)
 	}
@@ -74,9 +71,6 @@ func (l *Ledger) Get(ctx context.Context, key string) (*Record, error) {
 	}
 	return &r, nil
 }
-
-const listSQL = `SELECT ` + recordColumns + ` FROM processed_jobs
-WHERE $1 = '' OR status = $1 ORDER BY updated_at DESC, idempotency_key LIMIT $2`
 
 // List returns up to limit rows (all when limit <= 0) with the given status, or of every
 // status when status is "", most recently updated first. It scans the table; it is meant
@@ -91,7 +85,7 @@ func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, 
 	if limit > 0 {
 		lim = limit
 	}
-	rows, err := l.pool.Query(ctx, listSQL, status, lim)
+	rows, err := l.pool.Query(ctx, store.ListSQL, status, lim)
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: list: %w", err)
 	}
@@ -102,13 +96,6 @@ func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, 
 	return recs, nil
 }
 
-// releaseSQL ends a lease and fences its holder out: a new fence and an owner nobody
-// holds, so the holder's heartbeat and completion fail with ErrLeaseLost.
-const releaseSQL = `
-UPDATE processed_jobs
-SET fence = nextval('processed_jobs_fence_seq'), owner = gen_random_uuid(), locked_until = now(), updated_at = now()
-WHERE idempotency_key = $1 AND status = 'in_progress'`
-
 // Release forces key's in-progress lease to end now: the next delivery takes the key
 // over at once, and the current holder can no longer heartbeat or complete
 // (ErrLeaseLost). For a leased effect that may already have happened, the next run calls
@@ -116,7 +103,7 @@ WHERE idempotency_key = $1 AND status = 'in_progress'`
 // It returns an error wrapping ErrNotFound, or ErrNotInProgress for a row in another
 // status. Safe for concurrent use.
 func (l *Ledger) Release(ctx context.Context, key string) error {
-	tag, err := l.pool.Exec(ctx, releaseSQL, key)
+	tag, err := l.pool.Exec(ctx, store.ReleaseSQL, key)
 	if err != nil {
 		return fmt.Errorf("idempotency: release %s: %w", key, err)
 	}
@@ -126,16 +113,6 @@ func (l *Ledger) Release(ctx context.Context, key string) error {
 	return l.statusError(ctx, key, ErrNotInProgress)
 }
 
-// rerunSQL reopens a terminal row as a new generation whose lease has already ended, so
-// the next delivery claims it with a new fence.
-const rerunSQL = `
-UPDATE processed_jobs
-SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
-    owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
-    result = NULL, completed_at = NULL
-WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
-RETURNING generation`
-
 // Rerun reopens key, which must be completed, failed or needs_attention, as a new
 // generation: the next delivery of the key runs the work again (the stored result is
 // dropped; attempts and last_error are kept). It is the only way a terminal key runs
@@ -143,7 +120,7 @@ RETURNING generation`
 // error wrapping ErrNotFound or ErrNotTerminal. Safe for concurrent use.
 func (l *Ledger) Rerun(ctx context.Context, key string) (int, error) {
 	var gen int32
-	err := l.pool.QueryRow(ctx, rerunSQL, key).Scan(&gen)
+	err := l.pool.QueryRow(ctx, store.RerunSQL, key).Scan(&gen)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, l.statusError(ctx, key, ErrNotTerminal)
 	}
@@ -163,25 +140,6 @@ func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error
 	return fmt.Errorf("%w: %q is %s", wrong, key, r.Status)
 }
 
-// purgeSQL deletes one batch of terminal rows older than the window. A row completed
-// before the cutoff also started before it, which lets the started_at index find them.
-// The outer conditions are checked again on the row version it deletes, so a row re-run
-// meanwhile stays.
-const purgeSQL = `
-WITH d AS (
-	DELETE FROM processed_jobs
-	WHERE idempotency_key IN (
-		SELECT idempotency_key FROM processed_jobs
-		WHERE started_at < now() - $1::bigint * interval '1 microsecond'
-		  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
-		LIMIT $2 FOR UPDATE SKIP LOCKED)
-	  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
-	RETURNING idempotency_key
-), i AS (
-	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
-)
-SELECT count(*) FROM d`
-
 // Purge deletes completed and failed rows that completed more than olderThan ago, with
 // their outbox intents, in transactions of at most batch rows (default 1000 when
 // batch <= 0), until none is left or ctx ends. In-progress and needs_attention rows are never purged. It returns how many
@@ -197,7 +155,7 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	var total int64
 	for {
 		var n int64
-		if err := l.pool.QueryRow(ctx, purgeSQL, olderThan.Microseconds(), batch).Scan(&n); err != nil {
+		if err := l.pool.QueryRow(ctx, store.PurgeSQL, olderThan.Microseconds(), batch).Scan(&n); err != nil {
 			return total, fmt.Errorf("idempotency: purge: %w", err)
 		}
 		total += n
@@ -207,17 +165,12 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	}
 }
 
-const markStuckSQL = `
-UPDATE processed_jobs SET status = 'needs_attention', updated_at = now()
-WHERE status = 'in_progress' AND locked_until < now()
-  AND started_at < now() - $1::bigint * interval '1 microsecond'`
-
 // MarkStuck turns every in-progress row whose lease has ended and whose generation
 // started more than Config.MaxAge ago into needs_attention, and returns how many it
 // changed. Claim does the same for the key it meets; MarkStuck finds the ones no delivery
 // comes back for. Safe for concurrent use.
 func (l *Ledger) MarkStuck(ctx context.Context) (int64, error) {
-	tag, err := l.pool.Exec(ctx, markStuckSQL, l.cfg.MaxAge.Microseconds())
+	tag, err := l.pool.Exec(ctx, store.MarkStuckSQL, l.cfg.MaxAge.Microseconds())
 	if err != nil {
 		return 0, fmt.Errorf("idempotency: mark stuck: %w", err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -92,7 +93,7 @@ func TestDecideRaces(t *testing.T) {
 	t.Parallel()
 	l := &Ledger{cfg: Config{MaxAge: time.Hour}, log: slog.New(slog.DiscardHandler)}
 	req := Request{Key: "k", TaskType: "t"}
-	var r claimRow // no row visible, yet the insert did not take it
+	var r store.ClaimRow // no row visible, yet the insert did not take it
 	if _, _, again, err := l.decide(req, &Claim{}, &r, 0); !again || err != nil {
 		t.Fatalf("first race: again=%t err=%v, want another round", again, err)
 	}
@@ -141,30 +142,4 @@ func TestOperatorErrorsOnClosedPool(t *testing.T) {
 		}
 	}
 	l.markStuckOne(ctx, Request{Key: "k", TaskType: "t"}, 1) // logs, does not panic
-}
-
-// Every fenced write checks the fence and owner, and its unsafe twin (the negative
-// control's) checks neither: the two differ only in their fence checks.
-func TestFencedWritesAndTheirUnsafeTwins(t *testing.T) {
-	t.Parallel()
-	safe, unsafe := *fencedWrites, *unfencedWrites
-	pairs := map[string][2]string{
-		"heartbeat": {safe.heartbeat, unsafe.heartbeat}, "complete": {safe.complete, unsafe.complete},
-		"failRetry": {safe.failRetry, unsafe.failRetry}, "failPermanent": {safe.failPermanent, unsafe.failPermanent},
-		"finishMany": {safe.finishMany, unsafe.finishMany}, "finishTxMany": {safe.finishTxMany, unsafe.finishTxMany},
-		"storeResultTx": {safe.storeResultTx, unsafe.storeResultTx},
-	}
-	for name, p := range pairs {
-		f, u := p[0], p[1]
-		if !strings.Contains(f, checkFence.args) && !strings.Contains(f, checkFence.rows) {
-			t.Errorf("%s does not check the fence:\n%s", name, f)
-		}
-		if strings.Contains(u, checkFence.args) || strings.Contains(u, checkFence.rows) {
-			t.Errorf("the unsafe %s still checks the fence:\n%s", name, u)
-		}
-		back := strings.NewReplacer(checkNothing.args, checkFence.args, checkNothing.rows, checkFence.rows).Replace(u)
-		if back != f {
-			t.Errorf("%s and its unsafe twin differ beyond their fence checks", name)
-		}
-	}
 }

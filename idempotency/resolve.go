@@ -8,6 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // commitLost decides what a failed COMMIT of c's fenced write did, from the transaction
@@ -31,17 +33,6 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 	return nil
 }
 
-// xactStatusSQL learns whether c's transaction committed. While the server that assigned
-// the id runs, pg_xact_status answers exactly (and says "in progress" while a COMMIT is
-// still under way). After a restart the id may have been handed out again (its records
-// were never flushed), but no transaction from before the restart can still commit: the
-// row then shows for certain whether the fenced write landed.
-const xactStatusSQL = `
-SELECT CASE WHEN pg_postmaster_start_time()::text = $2 THEN pg_xact_status($1::text::xid8) END,
-       pg_postmaster_start_time()::text = $2,
-       EXISTS (SELECT 1 FROM processed_jobs
-               WHERE idempotency_key = $3 AND fence = $4 AND owner = $5 AND status <> 'in_progress')`
-
 // resolveXact asks, on fresh connections, whether c's transaction committed, until the
 // answer is certain or ctx ends. A retryable Fail leaves the row in progress, so after a
 // restart it reads as not committed (harmless: the lease then ends by itself).
@@ -51,7 +42,7 @@ func (l *Ledger) resolveXact(ctx context.Context, c *Claim) (bool, error) {
 	for {
 		var status pgtype.Text
 		var sameServer, landed bool
-		err := l.pool.QueryRow(ctx, xactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed)
+		err := l.pool.QueryRow(ctx, store.XactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed)
 		switch {
 		case err == nil && !sameServer:
 			return landed, nil

@@ -6,6 +6,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5/pgtype"
+
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
 )
 
@@ -97,24 +99,25 @@ func hexRune(h []byte) rune {
 	return r
 }
 
-// checkResult returns what to store for result and the last_error to record (nil: none).
-func (l *Ledger) checkResult(c *Claim, result json.RawMessage) (any, any) {
+// checkResult returns what to store for result and the last_error to record (not
+// valid: none).
+func (l *Ledger) checkResult(c *Claim, result json.RawMessage) (stored, lastErr pgtype.Text) {
 	if len(result) == 0 {
-		return nil, nil
+		return pgtype.Text{}, pgtype.Text{}
 	}
 	if err := ValidateResult(result, l.cfg.MaxResultBytes); err != nil {
 		return l.markResult(c, err.Error())
 	}
-	return string(result), nil
+	return pgtype.Text{String: string(result), Valid: true}, pgtype.Text{}
 }
 
 // markResult builds the error marker stored instead of a result that cannot be stored.
-func (l *Ledger) markResult(c *Claim, msg string) (any, any) {
+func (l *Ledger) markResult(c *Claim, msg string) (stored, lastErr pgtype.Text) {
 	msg = cleanText(msg)
 	l.observe(EventBadResult, c.TaskType)
 	l.log.Error("idempotency: result replaced by an error marker; the key completes", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", msg)
 	b, _ := json.Marshal(map[string]string{"idemq_error": msg})
-	return string(b), msg
+	return pgtype.Text{String: string(b), Valid: true}, pgtype.Text{String: msg, Valid: true}
 }
 
 // cleanText makes s storable as last_error (see pgtext.Clean).

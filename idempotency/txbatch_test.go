@@ -28,11 +28,7 @@ func batchReq(key string) Request {
 }
 
 // queued reports how many members wait in l's queue.
-func queued(l *Ledger) int {
-	l.txb.mu.Lock()
-	defer l.txb.mu.Unlock()
-	return len(l.txb.queue)
-}
+func queued(l *Ledger) int { return l.txq.Len() }
 
 // waitQueued waits until n members wait in l's queue.
 func waitQueued(t *testing.T, l *Ledger, n int) {

@@ -1,0 +1,64 @@
+package store
+
+// The operators' statements (idempotency's Get, List, Release, Rerun, Purge, MarkStuck)
+// and the lost-commit resolution.
+
+const RecordColumns = `idempotency_key, task_type, status, fence, owner, generation, payload_sha256,
+	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at`
+
+const GetSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs WHERE idempotency_key = $1`
+
+const ListSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs
+WHERE $1 = '' OR status = $1 ORDER BY updated_at DESC, idempotency_key LIMIT $2`
+
+// ReleaseSQL ends a lease and fences its holder out: a new fence and an owner nobody
+// holds, so the holder's heartbeat and completion fail with ErrLeaseLost.
+const ReleaseSQL = `
+UPDATE processed_jobs
+SET fence = nextval('processed_jobs_fence_seq'), owner = gen_random_uuid(), locked_until = now(), updated_at = now()
+WHERE idempotency_key = $1 AND status = 'in_progress'`
+
+// RerunSQL reopens a terminal row as a new generation whose lease has already ended, so
+// the next delivery claims it with a new fence.
+const RerunSQL = `
+UPDATE processed_jobs
+SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
+    owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
+    result = NULL, completed_at = NULL
+WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
+RETURNING generation`
+
+// PurgeSQL deletes one batch of terminal rows older than the window. A row completed
+// before the cutoff also started before it, which lets the started_at index find them.
+// The outer conditions are checked again on the row version it deletes, so a row re-run
+// meanwhile stays.
+const PurgeSQL = `
+WITH d AS (
+	DELETE FROM processed_jobs
+	WHERE idempotency_key IN (
+		SELECT idempotency_key FROM processed_jobs
+		WHERE started_at < now() - $1::bigint * interval '1 microsecond'
+		  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+		LIMIT $2 FOR UPDATE SKIP LOCKED)
+	  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+	RETURNING idempotency_key
+), i AS (
+	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+)
+SELECT count(*) FROM d`
+
+const MarkStuckSQL = `
+UPDATE processed_jobs SET status = 'needs_attention', updated_at = now()
+WHERE status = 'in_progress' AND locked_until < now()
+  AND started_at < now() - $1::bigint * interval '1 microsecond'`
+
+// XactStatusSQL learns whether c's transaction committed. While the server that assigned
+// the id runs, pg_xact_status answers exactly (and says "in progress" while a COMMIT is
+// still under way). After a restart the id may have been handed out again (its records
+// were never flushed), but no transaction from before the restart can still commit: the
+// row then shows for certain whether the fenced write landed.
+const XactStatusSQL = `
+SELECT CASE WHEN pg_postmaster_start_time()::text = $2 THEN pg_xact_status($1::text::xid8) END,
+       pg_postmaster_start_time()::text = $2,
+       EXISTS (SELECT 1 FROM processed_jobs
+               WHERE idempotency_key = $3 AND fence = $4 AND owner = $5 AND status <> 'in_progress')`

@@ -1,0 +1,111 @@
+// Package store is the only Go of the ledger that speaks SQL: the statements on
+// processed_jobs and job_intents, their typed parameters and rows, and the pipeline that
+// sends a round of them and learns its transaction id before the commit is asked for.
+// Each operation has one statement, whatever the number of rows: a single row is a
+// batch of one.
+//
+// Store rules: no session state (settings are set_config(…, true), for the transaction);
+// statements are named prepared statements only when the pool's exec mode caches
+// statements (Prepared), otherwise they are sent unnamed, their parameter types described
+// once.
+package store
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Statuses of a ledger row (the status column).
+const (
+	StatusInProgress     = "in_progress"
+	StatusCompleted      = "completed"
+	StatusFailed         = "failed"
+	StatusNeedsAttention = "needs_attention"
+)
+
+// Action is what a finish does with a claimed row.
+type Action string
+
+// Actions of FinishMany (complete, retry, fail) and FinishTxMany (complete, fail, forget).
+const (
+	ActionComplete Action = "complete" // completed, with its result
+	ActionRetry    Action = "retry"    // the lease ends at once; the row stays in progress
+	ActionFail     Action = "fail"     // failed for good
+	ActionForget   Action = "forget"   // a shared transaction's claim of a failed handler is undone
+)
+
+// Statement is a statement sent by Round: named and prepared once per connection when
+// the pool prepares, otherwise unnamed with its parameter types described once.
+type Statement struct {
+	Name, SQL string
+
+	mu        sync.Mutex
+	paramOIDs []uint32
+}
+
+// paramTypes returns the statement's parameter types, described by the server (as an
+// unnamed statement) the first time.
+func (s *Statement) paramTypes(ctx context.Context, conn *pgconn.PgConn) ([]uint32, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.paramOIDs == nil {
+		sd, err := conn.Prepare(ctx, "", s.SQL, nil)
+		if err != nil {
+			return nil, err
+		}
+		s.paramOIDs = sd.ParamOIDs
+	}
+	return s.paramOIDs, nil
+}
+
+// ClaimParams is one key to claim.
+type ClaimParams struct {
+	Key, TaskType string
+	Owner         pgtype.UUID
+	Fingerprint   []byte // nil: not compared
+	Lease         time.Duration
+}
+
+// ClaimRow is what a claim found or wrote for its key.
+type ClaimRow struct {
+	// Claimed: the upsert took the key. Attempted: it was tried (the key looked
+	// claimable) but took nothing, a race with a concurrent change.
+	Claimed, Attempted bool
+	Status             pgtype.Text // invalid: no row
+	Fence              pgtype.Int8
+	Owner              pgtype.UUID
+	Fingerprint        []byte
+	Result             []byte
+	Attempts           pgtype.Int4
+	LastError          pgtype.Text
+	LockedUntil        pgtype.Timestamptz
+	StartedAt          pgtype.Timestamptz
+	CompletedAt        pgtype.Timestamptz
+	Generation         pgtype.Int4
+	DBNow              time.Time
+}
+
+// targets are the scan destinations of a claim row's columns, in order, after lead.
+func (r *ClaimRow) targets(lead ...any) []any {
+	return append(lead, &r.Claimed, &r.Attempted, &r.Status, &r.Fence, &r.Owner, &r.Fingerprint,
+		&r.Result, &r.Attempts, &r.LastError, &r.LockedUntil, &r.StartedAt, &r.CompletedAt,
+		&r.Generation, &r.DBNow, nil, nil, nil)
+}
+
+// FinishParams is one claimed row to end: its claim (key, fence, owner), the action, and
+// the result and error to store (NULL when not valid).
+type FinishParams struct {
+	Key           string
+	Fence         int64
+	Owner         pgtype.UUID
+	Action        Action
+	Result, Error pgtype.Text
+}
+
+// Finished is what a finish answers for a row it changed: the transaction's id and the
+// server's start time, which identify the transaction should its commit's answer be lost.
+type Finished struct{ XID, ServerStart string }

@@ -1,0 +1,297 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/internal/pgcode"
+)
+
+// claimAll begins the transaction and claims every member's key in one statement. A
+// member that is not claimed is answered at once (a completed key's result is committed
+// data). When the server refuses the statement (a lock wait cut short, say), nothing is
+// claimed: a member alone gets the refusal, several each run alone instead. It reports
+// whether any member was claimed.
+func (b *txBatch) claimAll(ms []*txMember) bool {
+	l := b.l
+	var ps []store.ClaimParams
+	var live []*txMember
+	for _, m := range ms {
+		if err := m.ctx.Err(); err != nil {
+			b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: claim %s: %w", m.req.Key, err)})
+			continue
+		}
+		c, p, err := l.newClaim(m.req)
+		if err != nil {
+			b.replyWith(m, txAnswer{err: err})
+			continue
+		}
+		m.claim = c
+		ps, live = append(ps, p), append(live, m)
+	}
+	if len(live) == 0 {
+		return false
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	t, err := store.BeginClaims(ctx, b.conn, b.idle, l.lockTimeoutSQL, ps, l.cfg.MaxAge)
+	if err != nil {
+		if !store.Answered(err) {
+			b.broken = err
+			return false
+		}
+		// Refused (a lock timeout, a constraint): nothing was claimed.
+		for _, m := range live {
+			if len(live) == 1 {
+				b.replyWith(m, txAnswer{err: l.claimError(m.req, err)})
+			} else {
+				b.replyWith(m, txAnswer{alone: true}) // its own transaction tells it what happened
+			}
+		}
+		b.rollback()
+		return false
+	}
+	b.xid, b.serverStart = t.XID, t.ServerStart
+	for i, m := range live {
+		r := &t.Rows[i]
+		if !t.Answered[i] || !r.Claimed && r.Attempted {
+			*r = store.ClaimRow{} // a lost race: decide looks again, alone, or reports busy
+		}
+		cr, stuck, again, err := l.decide(m.req, m.claim, r, m.round)
+		switch {
+		case again:
+			b.replyWith(m, txAnswer{alone: true})
+		case cr.Claim != nil:
+			b.claimed = append(b.claimed, m)
+		default:
+			a := txAnswer{err: err, stuck: stuck}
+			if cr.Completed != nil {
+				a.res = *cr.Completed
+			}
+			b.replyWith(m, a)
+		}
+	}
+	return len(b.claimed) > 0
+}
+
+// runFn has m's fn run on tx: on this goroutine for a local member, else on m's own.
+func (b *txBatch) runFn(m *txMember, tx *handlerTx) txRan {
+	began := time.Now()
+	defer func() { b.l.txTimes.record(time.Since(began)) }()
+	if m.fn != nil {
+		out, err, panicked, pval := runTxFn(withClaim(m.ctx, m.claim.Key, m.claim.Fence), tx, m.fn)
+		m.panicked, m.pval = panicked, pval
+		return txRan{out: out, err: err, panicked: panicked}
+	}
+	m.run <- txTurn{tx: tx, c: m.claim}
+	return <-m.ran
+}
+
+// checkConn reports a handler that ended or broke the transaction: the connection is
+// closed or busy, or the transaction is neither open nor aborted. It marks the batch
+// broken and answers m.
+func (b *txBatch) checkConn(m *txMember, ran txRan) (status byte, ok bool) {
+	pc := b.conn.PgConn()
+	st := pc.TxStatus()
+	if b.conn.IsClosed() || pc.IsBusy() || st != 'T' && st != 'E' {
+		b.broken = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q)", m.req.Key, st)
+		b.replyWith(m, txAnswer{err: errors.Join(ran.err, b.broken)})
+		return st, false
+	}
+	return st, true
+}
+
+// runMember runs m's fn on the shared transaction. The member's savepoint is made when fn
+// first uses the transaction; it is released when fn succeeds (after the database
+// accepted its result as jsonb) and rolled back when fn fails.
+func (b *txBatch) runMember(m *txMember) {
+	c := m.claim
+	m.finish = txFinish{action: store.ActionForget}
+	if err := m.ctx.Err(); err != nil {
+		b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: DoTx %s: %w", c.Key, err)})
+		return
+	}
+	saved := false
+	tx := &handlerTx{conn: b.conn, first: func(ctx context.Context) error {
+		saved = true
+		return store.Exec(ctx, b.conn, append(b.takePre(), store.Savepoint)...)
+	}}
+	ran := b.runFn(m, tx)
+	st, ok := b.checkConn(m, ran)
+	if !ok {
+		return
+	}
+	if ran.err == nil && !ran.panicked && st != 'T' {
+		ran.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
+	}
+	if ran.err == nil && !ran.panicked {
+		stored, lastErr := b.l.checkResult(c, ran.out)
+		var err error
+		if stored.Valid || lastErr.Valid {
+			// The result is stored, fenced, while the savepoint still holds the effect: a
+			// row taken meanwhile, or a value jsonb refuses, rolls back this member alone.
+			var pre []string
+			if !saved {
+				saved = true
+				pre = append(b.takePre(), store.Savepoint)
+			}
+			ctx, cancel := b.ctx()
+			err = b.l.writes.StoreResult(ctx, b.conn, pre, store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr})
+			cancel()
+		}
+		var pgErr *pgconn.PgError
+		switch {
+		case err == nil:
+			if saved {
+				b.pre = append(b.pre, store.Release)
+			}
+			m.finish = txFinish{action: store.ActionComplete}
+			m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+			return
+		case !errors.As(err, &pgErr):
+			b.broken = err
+			b.replyWith(m, txAnswer{err: err})
+			return
+		default:
+			ran.err = b.l.resultRefused(c, pgErr)
+		}
+	}
+	// fn failed: its effect goes with its savepoint; its claim is ended by the finish.
+	if saved {
+		ctx, cancel := b.ctx()
+		_, err := b.conn.Exec(ctx, store.Undo)
+		cancel()
+		if err != nil {
+			b.broken = err
+			b.replyWith(m, txAnswer{err: errors.Join(ran.err, err)})
+			return
+		}
+	}
+	if ran.panicked {
+		b.replyWith(m, txAnswer{}) // the member panics again
+		return
+	}
+	if IsPermanent(ran.err) {
+		m.finish = txFinish{action: store.ActionFail, errMsg: pgtype.Text{String: cleanText(ran.err.Error()), Valid: true}, err: ran.err}
+		return // answered with the commit, which records the failure
+	}
+	b.replyWith(m, txAnswer{err: ran.err})
+}
+
+// resultRefused is the error of a member whose result the database refused: its claim no
+// longer holds the row (the fenced store's division by zero), or the value is one jsonb
+// refuses (a data exception), which is recorded for good.
+func (l *Ledger) resultRefused(c *Claim, pgErr *pgconn.PgError) error {
+	switch {
+	case pgErr.Code == pgcode.DivisionByZero:
+		l.leaseLost(c, "completion")
+		return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+	case pgErr.Code[:2] == pgcode.DataExceptionClass:
+		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
+	}
+	return fmt.Errorf("idempotency: complete %s: %w", c.Key, pgErr)
+}
+
+// runSolo runs the one member a transaction claimed: no savepoint (its failure rolls the
+// whole transaction back, claim and all), and its result is stored with the finish and
+// the COMMIT, in one round trip.
+func (b *txBatch) runSolo(m *txMember) {
+	c := m.claim
+	if err := m.ctx.Err(); err != nil {
+		b.rollback()
+		b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: DoTx %s: %w", c.Key, err)})
+		return
+	}
+	ran := b.runFn(m, &handlerTx{conn: b.conn})
+	st, ok := b.checkConn(m, ran)
+	if !ok {
+		return
+	}
+	if ran.err == nil && !ran.panicked && st != 'T' {
+		ran.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
+	}
+	if ran.err != nil || ran.panicked {
+		b.rollback()
+		b.replyWith(m, txAnswer{err: ran.err}) // a permanent error is recorded by its caller
+		return
+	}
+	stored, lastErr := b.l.checkResult(c, ran.out)
+	var result *store.StoredResult
+	if stored.Valid || lastErr.Valid {
+		result = &store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr}
+	}
+	m.finish = txFinish{action: store.ActionComplete}
+	m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+	ctx, cancel := b.ctx()
+	err := b.l.writes.FinishAndCommit(ctx, b.conn, nil, result, []store.FinishParams{b.params(m)})
+	cancel()
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		b.rollback()
+		b.replyWith(m, txAnswer{err: b.l.resultRefused(c, pgErr)})
+		return
+	}
+	b.answerCommitted(err)
+}
+
+// params are m's row in the finish.
+func (b *txBatch) params(m *txMember) store.FinishParams {
+	c := m.claim
+	return store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: m.finish.action, Error: m.finish.errMsg}
+}
+
+func (b *txBatch) takePre() []string {
+	p := b.pre
+	b.pre = nil
+	return p
+}
+
+// commit ends every claimed row in one statement (completed, failed, or forgotten: the
+// row a failed handler's claim inserted is deleted, a taken-over one ends its lease) and
+// commits, in one round trip; then it answers the members whose rows it completed or
+// failed.
+func (b *txBatch) commit() {
+	ps := make([]store.FinishParams, len(b.claimed))
+	for i, m := range b.claimed {
+		ps[i] = b.params(m)
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	b.answerCommitted(b.l.writes.FinishAndCommit(ctx, b.conn, b.takePre(), nil, ps))
+}
+
+// answerCommitted answers the claimed members after the COMMIT, whose error is err. An
+// error the server answered (or any on a connection still open) means nothing committed:
+// the batch is broken. A COMMIT whose answer was lost is resolved by each member with the
+// transaction id drawn with the claims.
+func (b *txBatch) answerCommitted(err error) {
+	if err != nil && (store.Answered(err) || !b.conn.IsClosed() || b.xid == "") {
+		b.broken = err
+		return
+	}
+	for _, m := range b.claimed {
+		m.claim.xid, m.claim.serverStart = b.xid, b.serverStart
+		switch {
+		case m.later:
+			// Its claim is gone (forgotten by the commit, or never committed if the lost
+			// answer was a failure): it runs alone now. It must be answered whatever the
+			// commit's fate: it waits for nothing else.
+			b.replyWith(m, txAnswer{alone: true})
+		case m.finish.action == store.ActionForget:
+		case err != nil: // the answer was lost: each member resolves it by transaction id
+			b.replyWith(m, txAnswer{res: m.res, err: m.finish.err, lost: err, recorded: m.finish.err != nil})
+		case m.finish.action == store.ActionFail:
+			b.l.observe(EventFailed, m.req.TaskType)
+			b.replyWith(m, txAnswer{err: m.finish.err, recorded: true})
+		default:
+			b.l.observe(EventCompleted, m.req.TaskType)
+			b.replyWith(m, txAnswer{res: m.res})
+		}
+	}
+}

@@ -1,0 +1,131 @@
+// Package commit is the engine that lets concurrent requests share commits: a
+// key-ordered queue that hands out batches with at most one request per key in flight,
+// and a committer that sends a batch as one transaction, splitting it when the server
+// refuses it. It knows nothing of SQL: its users say how a batch is sent.
+package commit
+
+import (
+	"cmp"
+	"slices"
+	"sync"
+)
+
+// Queue holds the requests waiting for a batch, in lanes (kinds of request that one
+// batch carries side by side, such as claims and completions), and counts the workers
+// that take batches from it. A batch takes each key at most once per lane, and no key a
+// batch in flight holds, in key order, so that concurrent batches lock rows in one order.
+// It is safe for concurrent use.
+type Queue[T comparable] struct {
+	key     func(T) string
+	workers int
+
+	mu       sync.Mutex
+	lanes    [][]T
+	inFlight []map[string]bool
+	running  int
+}
+
+// NewQueue returns a queue of lanes lanes, served by at most workers workers, whose
+// requests have the keys key gives.
+func NewQueue[T comparable](lanes, workers int, key func(T) string) *Queue[T] {
+	q := &Queue[T]{key: key, workers: max(workers, 1), lanes: make([][]T, lanes), inFlight: make([]map[string]bool, lanes)}
+	for i := range q.inFlight {
+		q.inFlight[i] = make(map[string]bool)
+	}
+	return q
+}
+
+// Push queues t in lane. It reports whether the caller must start a worker (fewer than
+// the maximum run); that worker calls Take until it returns nil.
+func (q *Queue[T]) Push(lane int, t T) (startWorker bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.lanes[lane] = append(q.lanes[lane], t)
+	if q.running < q.workers {
+		q.running++
+		return true
+	}
+	return false
+}
+
+// Leave takes t out of lane, unless a batch took it already (then it reports false and
+// t's batch answers it).
+func (q *Queue[T]) Leave(lane int, t T) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	i := slices.Index(q.lanes[lane], t)
+	if i < 0 {
+		return false
+	}
+	q.lanes[lane] = slices.Delete(q.lanes[lane], i, i+1)
+	return true
+}
+
+// Ready reports whether Take would find anything now.
+func (q *Queue[T]) Ready() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, lane := range q.lanes {
+		for _, t := range lane {
+			if !q.inFlight[i][q.key(t)] {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Len is how many requests wait, in every lane.
+func (q *Queue[T]) Len() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := 0
+	for _, lane := range q.lanes {
+		n += len(lane)
+	}
+	return n
+}
+
+// Take removes up to n waiting requests of each lane whose keys no batch in flight
+// holds, each lane's sorted by key, and marks their keys in flight until Done. When it
+// finds nothing it returns nil and the worker calling it must end: it no longer counts.
+func (q *Queue[T]) Take(n int) [][]T {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	batches := make([][]T, len(q.lanes))
+	found := false
+	for i, lane := range q.lanes {
+		rest := lane[:0]
+		for _, t := range lane {
+			k := q.key(t)
+			if len(batches[i]) < n && !q.inFlight[i][k] {
+				q.inFlight[i][k] = true
+				batches[i] = append(batches[i], t)
+			} else {
+				rest = append(rest, t)
+			}
+		}
+		clear(lane[len(rest):])
+		q.lanes[i] = rest
+		if len(batches[i]) > 0 {
+			found = true
+			slices.SortFunc(batches[i], func(a, b T) int { return cmp.Compare(q.key(a), q.key(b)) })
+		}
+	}
+	if !found {
+		q.running--
+		return nil
+	}
+	return batches
+}
+
+// Done frees the keys of batches, which Take returned.
+func (q *Queue[T]) Done(batches [][]T) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, b := range batches {
+		for _, t := range b {
+			delete(q.inFlight[i], q.key(t))
+		}
+	}
+}
