@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/idempotency/internal/txshim"
 )
 
 // txBatchBudget is how long a shared transaction runs its members' handlers: the members
@@ -71,7 +72,7 @@ func newTxMember(ctx context.Context, req Request, fn func(ctx context.Context, 
 }
 
 type txTurn struct {
-	tx *handlerTx
+	tx *txshim.Tx
 	c  *Claim
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/idempotency/internal/txshim"
 	"github.com/idemq/idemq/internal/pgcode"
 )
 
@@ -81,7 +82,7 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 }
 
 // runFn has m's fn run on tx: on this goroutine for a local member, else on m's own.
-func (b *txBatch) runFn(m *txMember, tx *handlerTx) txRan {
+func (b *txBatch) runFn(m *txMember, tx *txshim.Tx) txRan {
 	began := time.Now()
 	defer func() { b.l.txTimes.record(time.Since(began)) }()
 	if m.fn != nil {
@@ -118,10 +119,10 @@ func (b *txBatch) runMember(m *txMember) {
 		return
 	}
 	saved := false
-	tx := &handlerTx{conn: b.conn, first: func(ctx context.Context) error {
+	tx := txshim.New(b.conn, func(ctx context.Context) error {
 		saved = true
 		return store.Exec(ctx, b.conn, append(b.takePre(), store.Savepoint)...)
-	}}
+	})
 	ran := b.runFn(m, tx)
 	st, ok := b.checkConn(m, ran)
 	if !ok {
@@ -208,7 +209,7 @@ func (b *txBatch) runSolo(m *txMember) {
 		b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: DoTx %s: %w", c.Key, err)})
 		return
 	}
-	ran := b.runFn(m, &handlerTx{conn: b.conn})
+	ran := b.runFn(m, txshim.New(b.conn, nil))
 	st, ok := b.checkConn(m, ran)
 	if !ok {
 		return

@@ -1,4 +1,5 @@
-// Package pgtext makes error text safe to store in a Postgres text column.
+// Package pgtext makes text safe to store in Postgres: error text in a text column, JSON
+// in a jsonb one.
 package pgtext
 
 import (

@@ -1,4 +1,7 @@
-package idempotency
+// Package txshim is the pgx.Tx a DoTx handler gets: the transaction DoTx began in the
+// claim's round trip (a pgx.Tx from Conn.BeginTx would cost a round trip of its own), or,
+// in a shared transaction, the delivery's savepoint in it.
+package txshim
 
 import (
 	"context"
@@ -10,17 +13,14 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// errHandlerEndsTx is returned by Commit and Rollback of the transaction a DoTx handler
+// ErrHandlerEndsTx is returned by Commit and Rollback of the transaction a DoTx handler
 // gets: DoTx commits the handler's writes together with the completion, or rolls both
 // back.
-var errHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or roll back its transaction; return a result or an error")
+var ErrHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or roll back its transaction; return a result or an error")
 
-// handlerTx is the pgx.Tx a DoTx handler gets: the transaction DoTx began in the claim's
-// round trip (a pgx.Tx from Conn.BeginTx would cost a round trip of its own), or, in a
-// shared transaction, the delivery's savepoint in it. Queries go
-// straight to the connection. Begin (a savepoint) and LargeObjects use a pgx transaction
+// Tx is the pgx.Tx a DoTx handler gets. Queries go straight to the connection. Begin (a savepoint) and LargeObjects use a pgx transaction
 // handle made on first use, in the open transaction, for one round trip.
-type handlerTx struct {
+type Tx struct {
 	conn   *pgx.Conn
 	handle pgx.Tx
 	// first, if set, runs once before the handler's first use of the transaction (a
@@ -29,8 +29,14 @@ type handlerTx struct {
 	firstErr error
 }
 
+// New returns the Tx on conn's open transaction; first, if not nil, runs once before the
+// handler's first use of it (a shared transaction makes the member's savepoint there).
+func New(conn *pgx.Conn, first func(ctx context.Context) error) *Tx {
+	return &Tx{conn: conn, first: first}
+}
+
 // use runs first once.
-func (t *handlerTx) use(ctx context.Context) error {
+func (t *Tx) use(ctx context.Context) error {
 	if t.first != nil {
 		f := t.first
 		t.first = nil
@@ -39,11 +45,11 @@ func (t *handlerTx) use(ctx context.Context) error {
 	return t.firstErr
 }
 
-var _ pgx.Tx = (*handlerTx)(nil)
+var _ pgx.Tx = (*Tx)(nil)
 
 // pgxHandle returns a pgx.Tx on the open transaction. Its BeginQuery begins nothing: the
 // transaction is already open.
-func (t *handlerTx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
+func (t *Tx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
 	if err := t.use(ctx); err != nil {
 		return nil, err
 	}
@@ -58,7 +64,7 @@ func (t *handlerTx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
 }
 
 // Begin starts a pseudo nested transaction (a savepoint), as pgx does.
-func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
+func (t *Tx) Begin(ctx context.Context) (pgx.Tx, error) {
 	h, err := t.pgxHandle(ctx)
 	if err != nil {
 		return nil, err
@@ -67,19 +73,19 @@ func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
 }
 
 // Commit returns an error: DoTx commits.
-func (t *handlerTx) Commit(context.Context) error { return errHandlerEndsTx }
+func (t *Tx) Commit(context.Context) error { return ErrHandlerEndsTx }
 
 // Rollback returns an error: DoTx rolls back when the handler returns an error.
-func (t *handlerTx) Rollback(context.Context) error { return errHandlerEndsTx }
+func (t *Tx) Rollback(context.Context) error { return ErrHandlerEndsTx }
 
-func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+func (t *Tx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
 	if err := t.use(ctx); err != nil {
 		return 0, err
 	}
 	return t.conn.CopyFrom(ctx, tableName, columnNames, rowSrc)
 }
 
-func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+func (t *Tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if err := t.use(ctx); err != nil {
 		return errBatchResults{err}
 	}
@@ -90,7 +96,7 @@ func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 // Begin) costs a round trip, bounded by 10 seconds. pgx.LargeObjects can only be made by
 // pgx, and this method cannot return an error: if that round trip fails (the connection
 // is broken), it panics with the error, and DoTx rolls back and panics again.
-func (t *handlerTx) LargeObjects() pgx.LargeObjects {
+func (t *Tx) LargeObjects() pgx.LargeObjects {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	h, err := t.pgxHandle(ctx)
@@ -100,35 +106,35 @@ func (t *handlerTx) LargeObjects() pgx.LargeObjects {
 	return h.LargeObjects()
 }
 
-func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
 	if err := t.use(ctx); err != nil {
 		return nil, err
 	}
 	return t.conn.Prepare(ctx, name, sql)
 }
 
-func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+func (t *Tx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
 	if err := t.use(ctx); err != nil {
 		return pgconn.CommandTag{}, err
 	}
 	return t.conn.Exec(ctx, sql, arguments...)
 }
 
-func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+func (t *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	if err := t.use(ctx); err != nil {
 		return nil, err
 	}
 	return t.conn.Query(ctx, sql, args...)
 }
 
-func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+func (t *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if err := t.use(ctx); err != nil {
 		return errRow{err}
 	}
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
-func (t *handlerTx) Conn() *pgx.Conn { return t.conn }
+func (t *Tx) Conn() *pgx.Conn { return t.conn }
 
 // errRow is a pgx.Row whose Scan returns err.
 type errRow struct{ err error }
