@@ -200,8 +200,8 @@ func (l *Ledger) resultRefused(c *Claim, pgErr *pgconn.PgError) error {
 }
 
 // runSolo runs the one member a transaction claimed: no savepoint (its failure rolls the
-// whole transaction back, claim and all), and its result is stored with the finish and
-// the COMMIT, in one round trip.
+// whole transaction back, claim and all), and its result is stored, which completes it,
+// with the COMMIT, in one round trip.
 func (b *txBatch) runSolo(m *txMember) {
 	c := m.claim
 	if err := m.ctx.Err(); err != nil {
@@ -223,14 +223,10 @@ func (b *txBatch) runSolo(m *txMember) {
 		return
 	}
 	stored, lastErr := b.l.checkResult(c, ran.out)
-	var result *store.StoredResult
-	if stored.Valid || lastErr.Valid {
-		result = &store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr}
-	}
 	m.finish = txFinish{action: store.ActionComplete}
 	m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
 	ctx, cancel := b.ctx()
-	err := b.l.writes.FinishAndCommit(ctx, b.conn, nil, result, []store.FinishParams{b.params(m)})
+	err := b.l.writes.StoreAndCommit(ctx, b.conn, store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr})
 	cancel()
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
@@ -264,7 +260,7 @@ func (b *txBatch) commit() {
 	}
 	ctx, cancel := b.ctx()
 	defer cancel()
-	b.answerCommitted(b.l.writes.FinishAndCommit(ctx, b.conn, b.takePre(), nil, ps))
+	b.answerCommitted(b.l.writes.FinishAndCommit(ctx, b.conn, b.takePre(), ps))
 }
 
 // answerCommitted answers the claimed members after the COMMIT, whose error is err. An

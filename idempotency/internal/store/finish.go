@@ -101,16 +101,21 @@ WITH r AS (
 SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT ord FROM f UNION ALL SELECT ord FROM g UNION ALL SELECT ord FROM d) e`
 }
 
-// storeResultTxSQL stores a DoTx result on the row the claim wrote completed. The division
-// fails (SQLSTATE 22012) when the fenced update matched no row, which aborts the
-// transaction, so the COMMIT pipelined after it cannot commit the effect without its
+// storeResultTxSQL stores a DoTx result ($4, NULL for none; $5 the error marker's
+// text) on the row the claim wrote completed, and settles the key's outbox intent. The
+// division fails (SQLSTATE 22012) when the fenced update matched no row, which aborts
+// the transaction, so the COMMIT pipelined after it cannot commit the effect without its
 // completion. Only result and last_error change, which are not indexed: a HOT update.
 func storeResultTxSQL(f fenceChecks) string {
 	return `
 WITH u AS (
 	UPDATE processed_jobs SET result = $4, last_error = coalesce($5, last_error)
 	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'completed'
-	RETURNING 1)
+	RETURNING 1
+), i AS (
+	UPDATE job_intents SET finished_at = now(), updated_at = now(), state = 'done'
+	WHERE idempotency_key = $1 AND state IN ('pending', 'published') AND EXISTS (SELECT 1 FROM u)
+)
 SELECT 1 / count(*) FROM u`
 }
 

@@ -24,9 +24,11 @@ const (
 	Undo = "ROLLBACK TO SAVEPOINT idemq_member; " + Release
 )
 
-// txSettingsSQL bounds how long the transaction may sit idle ($1, as "30000ms") and
-// draws its id, for a COMMIT whose answer is lost.
-const txSettingsSQL = "SELECT set_config('idle_in_transaction_session_timeout', $1, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text"
+// txClaimSettingsSQL is claimSettingsSQL ($1 the lock timeout) that also bounds how long
+// the transaction may sit idle ($2, as "30000ms") and draws its id, for a COMMIT whose
+// answer is lost: its last two columns.
+const txClaimSettingsSQL = claimSettingsSQL + `,
+	       set_config('idle_in_transaction_session_timeout', $2, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text`
 
 // TxClaims is what BeginClaims learned: the transaction's id and the server's start time,
 // and each key's row (indexed like the params; Answered false when none came back).
@@ -37,24 +39,21 @@ type TxClaims struct {
 }
 
 // BeginClaims begins a transaction on conn and claims ps in it (written completed: the
-// row lock is the lease until the COMMIT), in one round trip. idle is the transaction's
+// row lock is the lease until the COMMIT), in one round trip of four statements: BEGIN,
+// the settings, the claim, the settings put back. idle is the transaction's
 // idle_in_transaction_session_timeout and lockTimeout the bound on the claims' row-lock
 // waits, as "2000ms". An error the server answered leaves the transaction open, aborted.
 func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, ps []ClaimParams, maxAge time.Duration) (TxClaims, error) {
 	batch := &pgx.Batch{}
 	batch.Queue(beginSQL)
-	batch.Queue(txSettingsSQL, idle)
-	batch.Queue(claimSettingsSQL, lockTimeout)
+	batch.Queue(txClaimSettingsSQL, lockTimeout, idle)
 	batch.Queue(claimManySQL, ClaimArgs(ps, maxAge, true)...)
 	batch.Queue(restoreClaimSettingsSQL)
 	br := conn.SendBatch(ctx, batch)
 	t := TxClaims{Rows: make([]ClaimRow, len(ps)), Answered: make([]bool, len(ps))}
 	_, err := br.Exec()
 	if err == nil {
-		err = br.QueryRow().Scan(nil, &t.XID, &t.ServerStart)
-	}
-	if err == nil { // the planner settings and the lock timeout
-		_, err = br.Exec()
+		err = br.QueryRow().Scan(nil, nil, nil, nil, nil, nil, nil, &t.XID, &t.ServerStart)
 	}
 	if err == nil {
 		var rs pgx.Rows
@@ -123,22 +122,34 @@ func (w *Writes) StoreResult(ctx context.Context, conn *pgx.Conn, pre []string, 
 	return conn.SendBatch(ctx, batch).Close()
 }
 
-// FinishAndCommit runs pre, stores result (when there is one), ends every row of ps in
-// one statement (FinishTxMany, which fails unless every completed or failed row is still
-// held) and commits, in one round trip. A COMMIT that answers anything but COMMIT (an
+// StoreAndCommit stores the result of a transaction's only member and commits, in one
+// round trip: StoreResultTx does all that FinishTxMany would for a completion (the fence
+// check, the outbox intent), and nothing else is left to end. A COMMIT that answers
+// anything but COMMIT (an aborted transaction answers ROLLBACK) is an error.
+func (w *Writes) StoreAndCommit(ctx context.Context, conn *pgx.Conn, r StoredResult) error {
+	batch := &pgx.Batch{}
+	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error))
+	batch.Queue("COMMIT")
+	return sendCommit(ctx, conn, batch)
+}
+
+// FinishAndCommit runs pre, ends every row of ps in one statement (FinishTxMany, which
+// fails unless every completed or failed row is still held) and commits, in one round
+// trip. A COMMIT that answers anything but COMMIT (an
 // aborted transaction answers ROLLBACK) is an error.
-func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, result *StoredResult, ps []FinishParams) error {
+func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, ps []FinishParams) error {
 	batch := &pgx.Batch{}
 	for _, s := range pre {
 		batch.Queue(s)
 	}
-	if result != nil {
-		r := result
-		batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error))
-	}
 	batch.Queue(keyPlansSQL)
 	batch.Queue(w.FinishTxMany, finishTxArgs(ps)...)
 	batch.Queue("COMMIT")
+	return sendCommit(ctx, conn, batch)
+}
+
+// sendCommit sends batch, which ends with a COMMIT, and checks that it committed.
+func sendCommit(ctx context.Context, conn *pgx.Conn, batch *pgx.Batch) error {
 	br := conn.SendBatch(ctx, batch)
 	var err error
 	var tag pgconn.CommandTag
