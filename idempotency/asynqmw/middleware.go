@@ -16,6 +16,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/internal/testhook"
 	"github.com/idemq/idemq/internal/asynqkeys"
 	"github.com/idemq/idemq/lock"
 )
@@ -128,7 +129,7 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, job T) (json.RawMessage, error)) asynq.Handler {
 	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
 		return w.ledger.Do(ctx, req, func(ctx context.Context) (json.RawMessage, error) {
-			return permanentIfSkip(fn(ctx, job))
+			return permanentIfSkip(testhook.Effect(ctx, nil, func() (json.RawMessage, error) { return fn(ctx, job) }))
 		})
 	}}
 }
@@ -139,7 +140,7 @@ func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (
 func Transactional[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
 	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
 		return w.ledger.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
-			return permanentIfSkip(fn(ctx, tx, job))
+			return permanentIfSkip(testhook.Effect(ctx, tx, func() (json.RawMessage, error) { return fn(ctx, tx, job) }))
 		})
 	}}
 }
@@ -251,6 +252,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	for {
 		res, err := h.run(runCtx, req, job)
 		if err == nil {
+			if hook := testhook.From(ctx); hook != nil {
+				hook.Answered(ctx, res)
+			}
 			h.writeResult(ctx, t, res.Result, log)
 			if res.Cached {
 				return OutcomeCached, nil

@@ -9,3 +9,7 @@ const AllQueues = "asynq:queues"
 
 // Task is the hash holding a task's message, state and result (asynq's base.TaskKey).
 func Task(queue, id string) string { return "asynq:{" + queue + "}:t:" + id }
+
+// QueuePattern matches (as a SCAN pattern) every key asynq keeps for queue: its lists,
+// sets and task hashes, all under the queue's hash tag.
+func QueuePattern(queue string) string { return "asynq:{" + queue + "}:*" }

@@ -1,0 +1,172 @@
+package idempotencytest_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/handlers"
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/idempotencytest"
+	"github.com/idemq/idemq/internal/fakepay"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+// debitCase is a wallet:debit whose effect is its wallet entry.
+func debitCase(pool *pgxpool.Pool) idempotencytest.Case {
+	return idempotencytest.Case{
+		Name: "debit",
+		Task: func(id string) (*asynq.Task, error) {
+			return tasks.NewDebitTask(tasks.Debit{AccountID: "acct-" + id, AmountCents: 250, Reference: "ref-" + id})
+		},
+		Effects: func(ctx context.Context, id string) (int, error) {
+			var n int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM wallet_entries WHERE reference = $1`, "ref-"+id).Scan(&n)
+			return n, err
+		},
+	}
+}
+
+// chargeCase is a payment:charge whose effect is the provider's charge of the order.
+func chargeCase(pool *pgxpool.Pool) idempotencytest.Case {
+	return idempotencytest.Case{
+		Name: "charge",
+		Task: func(id string) (*asynq.Task, error) {
+			return tasks.NewChargeTask(tasks.Charge{OrderID: "order-" + id, CustomerID: "cust-" + id, AmountCents: 1999, Currency: "EUR"})
+		},
+		Effects: func(ctx context.Context, id string) (int, error) {
+			var n int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM fakepay_charges WHERE order_id = $1`, "order-"+id).Scan(&n)
+			return n, err
+		},
+	}
+}
+
+func provider(t *testing.T, pool *pgxpool.Pool, honorKeys bool) *handlers.Charger {
+	srv := httptest.NewServer(fakepay.New(pool, fakepay.Config{HonorKeys: honorKeys}))
+	t.Cleanup(srv.Close)
+	return handlers.NewCharger(srv.URL, nil)
+}
+
+// Our handlers, registered as idemq worker registers them, pass every schedule.
+func TestOurHandlersTakeEffectOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
+		mux.Handle(tasks.TypeDebit, asynqmw.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, handlers.Debit))
+		mux.Handle(tasks.TypeCharge, asynqmw.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+			return charger.Charge(ctx, c.Key(), c)
+		}))
+	}}
+	idempotencytest.Run(t, cfg, debitCase(pool), chargeCase(pool))
+}
+
+// recorder is a testing.TB that records what the harness reports instead of failing.
+type recorder struct {
+	testing.TB
+	mu   sync.Mutex
+	errs []string
+}
+
+func (r *recorder) Errorf(format string, args ...any) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.errs = append(r.errs, fmt.Sprintf(format, args...))
+}
+
+func (r *recorder) report() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return strings.Join(r.errs, "\n")
+}
+
+// mustCatch runs c under schedule s with a recording TB and fails unless the harness
+// reported a broken exactly-once whose message holds every one of want.
+func mustCatch(t *testing.T, cfg idempotencytest.Config, c idempotencytest.Case, s idempotencytest.Schedule, want ...string) {
+	t.Helper()
+	rec := &recorder{TB: t}
+	idempotencytest.Check(rec, cfg, c, s)
+	got := rec.report()
+	if got == "" {
+		t.Fatalf("%s under %s: the harness reported nothing", c.Name, s)
+	}
+	for _, w := range want {
+		if !strings.Contains(got, w) {
+			t.Errorf("%s under %s: the report does not say %q:\n%s", c.Name, s, w, got)
+		}
+	}
+	t.Logf("%s under %s, as reported:\n%s", c.Name, s, got)
+}
+
+// A debit that writes through the pool instead of the transaction it was given.
+func TestCatchesADebitThatWritesThroughThePool(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
+		mux.Handle(tasks.TypeDebit, asynqmw.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, func(ctx context.Context, _ pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
+			_, fence, _ := idempotency.FromContext(ctx)
+			_, err := pool.Exec(ctx, `INSERT INTO wallet_entries (account_id, amount_cents, reference, fence) VALUES ($1, $2, $3, $4)`,
+				d.AccountID, d.AmountCents, d.Reference, fence)
+			return json.RawMessage(`{}`), err
+		}))
+	}}
+	mustCatch(t, cfg, debitCase(pool), idempotencytest.CrashAfterEffect, "writes outside the transaction", "happened 2 times")
+	mustCatch(t, cfg, debitCase(pool), idempotencytest.ErrorAfterEffect, "writes outside the transaction")
+}
+
+// A charge that sends a fresh random Idempotency-Key instead of the job's key.
+func TestCatchesAChargeWithARandomKey(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
+		mux.Handle(tasks.TypeCharge, asynqmw.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+			var b [8]byte
+			rand.Read(b[:])
+			return charger.Charge(ctx, "random-"+hex.EncodeToString(b[:]), c)
+		}))
+	}}
+	mustCatch(t, cfg, chargeCase(pool), idempotencytest.CrashAfterEffect, "happened 2 times", "honouring the job's key")
+	mustCatch(t, cfg, chargeCase(pool), idempotencytest.ErrorAfterEffect, "happened 2 times")
+}
+
+// A charge against a provider that does not honour idempotency keys: the honest limit
+// of leased work, which crash-after-effect must show.
+func TestCatchesAProviderThatIgnoresKeys(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, false)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
+		mux.Handle(tasks.TypeCharge, asynqmw.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+			return charger.Charge(ctx, c.Key(), c)
+		}))
+	}}
+	mustCatch(t, cfg, chargeCase(pool), idempotencytest.CrashAfterEffect, "happened 2 times", "a provider that honours it")
+}
+
+// A transactional handler that calls the provider inside its transaction: external I/O
+// that no rollback undoes, even when the provider honours the key.
+func TestCatchesExternalIOInATransactionalHandler(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
+		mux.Handle(tasks.TypeCharge, asynqmw.Transactional(w, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, _ pgx.Tx, c tasks.Charge) (json.RawMessage, error) {
+			return charger.Charge(ctx, c.Key(), c)
+		}))
+	}}
+	mustCatch(t, cfg, chargeCase(pool), idempotencytest.CrashAfterEffect, "visible before its transaction committed")
+}
