@@ -170,3 +170,12 @@ func TestCatchesExternalIOInATransactionalHandler(t *testing.T) {
 	}}
 	mustCatch(t, cfg, chargeCase(pool), idempotencytest.CrashAfterEffect, "visible before its transaction committed")
 }
+
+// The example's application handler, against a refunds table of its own, passes.
+func TestExampleRefund(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	testenv.Exec(t, pool, `CREATE TABLE refunds (order_id text NOT NULL, cents bigint NOT NULL)`)
+	cfg, refunds := refundHarness(pool, rdb)
+	idempotencytest.Run(t, cfg, refunds)
+}
