@@ -148,8 +148,8 @@ func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
 
 // chargeOnce creates the key's charge or returns the one it created before. A transaction-
 // scoped advisory lock on the key (and the schema: advisory locks are database-wide)
-// marks it in flight for the whole request, so a
-// concurrent same-key request gets errInFlight instead of waiting.
+// marks it in flight for the whole request, so a concurrent same-key request gets
+// errInFlight instead of waiting.
 func (s *Server) chargeOnce(ctx context.Context, key string, req ChargeRequest) (*Charge, error) {
 	var ch *Charge
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
