@@ -167,7 +167,8 @@ func (l *Ledger) decide(req Request, c *Claim, r *store.ClaimRow, round int) (re
 	// in progress
 	if !r.LockedUntil.Time.Before(r.DBNow) {
 		l.observe(EventBusy, req.TaskType)
-		return ClaimResult{}, 0, false, &BusyError{Key: req.Key, Owner: formatUUID(r.Owner.Bytes), Fence: r.Fence.Int64, Until: r.LockedUntil.Time}
+		return ClaimResult{}, 0, false, &BusyError{Key: req.Key, Owner: formatUUID(r.Owner.Bytes), Fence: r.Fence.Int64, Until: r.LockedUntil.Time,
+			Age: max(r.DBNow.Sub(r.StartedAt.Time), time.Nanosecond)}
 	}
 	if r.StartedAt.Time.Before(r.DBNow.Add(-l.cfg.MaxAge)) {
 		l.observe(EventNeedsAttention, req.TaskType)

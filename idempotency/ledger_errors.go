@@ -52,6 +52,10 @@ type BusyError struct {
 	Owner string    // the holder's owner id (a UUID)
 	Fence int64     // the holder's fence
 	Until time.Time // when the holder's lease ends, by the database clock
+	// Age is how long the key has been in progress: since its generation started (the
+	// first claim, or the operator's re-run), by the database clock. Zero when unknown (the
+	// row is held by a transaction, or the claim lost its races).
+	Age time.Duration
 }
 
 func (e *BusyError) Error() string {

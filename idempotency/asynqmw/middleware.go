@@ -41,8 +41,10 @@ type Config struct {
 	LockTTL time.Duration
 
 	// BusyBudget bounds how long a task may keep retrying as busy, counted from its
-	// first enqueue (the idempotency.HeaderFirstEnqueued header); past it, busy is a counted
-	// failure naming the owner, fence and age. Default: max(2 × the ledger's lease, 15m).
+	// first enqueue (the idempotency.HeaderFirstEnqueued header) or, for a task without
+	// the header (a plain asynq producer's), from when the ledger row's generation
+	// started; past it, busy is a counted failure naming the owner, fence and age.
+	// Default: max(2 × the ledger's lease, 15m).
 	BusyBudget time.Duration
 
 	// LockKeyScoped takes the Redis lock also for jobs whose lock scope is their own key.
@@ -265,8 +267,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		if !errors.As(err, &busy) {
 			return h.mapError(err, key)
 		}
-		age, known := taskAge(t)
-		if !known || age > h.w.cfg.BusyBudget {
+		if age, known := busyAge(t, busy); known && age > h.w.cfg.BusyBudget {
 			return OutcomeError, &BusyTooLongError{Key: key, Owner: busy.Owner, Fence: busy.Fence, Age: age}
 		}
 		if !lastAttempt(ctx) {
@@ -324,19 +325,16 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 	}
 }
 
-// BusyTooLongError reports a key that stayed busy past the busy budget (or a task without
-// the first-enqueue header): unlike ErrBusy, it is a counted failure.
+// BusyTooLongError reports a key that stayed busy past the busy budget: unlike ErrBusy,
+// it is a counted failure.
 type BusyTooLongError struct {
 	Key   string
 	Owner string
 	Fence int64
-	Age   time.Duration // 0 when the first-enqueue time is unknown
+	Age   time.Duration // since the first enqueue, or since the key's generation started
 }
 
 func (e *BusyTooLongError) Error() string {
-	if e.Age == 0 {
-		return fmt.Sprintf("asynqmw: key %s busy (owner %s, fence %d) and the task has no %s header", e.Key, e.Owner, e.Fence, idempotency.HeaderFirstEnqueued)
-	}
 	return fmt.Sprintf("asynqmw: key %s still busy after %s (owner %s, fence %d)", e.Key, e.Age.Round(time.Second), e.Owner, e.Fence)
 }
 
@@ -381,6 +379,17 @@ func Configure(cfg *asynq.Config) {
 }
 
 func jitter(d time.Duration) time.Duration { return rand.N(d) }
+
+// busyAge is how long a busy key's job has been trying: since the task's first enqueue
+// (its header), or, for a task without the header (from a plain asynq producer), since
+// the ledger row's generation started. ok is false when neither is known: a row held by a
+// transaction, whose wait the session's idle timeout bounds.
+func busyAge(t *asynq.Task, busy *idempotency.BusyError) (time.Duration, bool) {
+	if age, ok := taskAge(t); ok {
+		return age, true
+	}
+	return busy.Age, busy.Age > 0
+}
 
 func taskAge(t *asynq.Task) (time.Duration, bool) {
 	if t == nil {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
@@ -25,6 +26,7 @@ import (
 // transactional handler whose runs are counted.
 type mwFixture struct {
 	ledger  *idempotency.Ledger
+	pool    *pgxpool.Pool
 	locker  *lock.Locker
 	worker  *asynqmw.Worker
 	charge  asynq.Handler // leased
@@ -36,7 +38,7 @@ type mwFixture struct {
 func newMW(t *testing.T, lease time.Duration, wcfg *asynqmw.Config) *mwFixture {
 	t.Helper()
 	f := &mwFixture{}
-	f.ledger, _ = newLedger(t, &idempotency.Config{Lease: lease})
+	f.ledger, f.pool = newLedger(t, &idempotency.Config{Lease: lease})
 	f.locker = lock.New(testenv.Redis(t), nil)
 	f.worker = asynqmw.NewWorker(f.ledger, f.locker, wcfg)
 	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
@@ -261,12 +263,68 @@ func TestMiddlewareBusyBudget(t *testing.T) {
 		Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, old.Payload())}); err != nil {
 		t.Fatal(err)
 	}
-	for name, task := range map[string]*asynq.Task{"past budget": old, "no header": noHeader} {
+	tooLong := func(name string, task *asynq.Task) {
+		t.Helper()
 		err := f.charge.ProcessTask(ctx, task)
 		var tooLong *asynqmw.BusyTooLongError
 		if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || tooLong.Fence == 0 || tooLong.Owner == "" {
 			t.Errorf("%s: %v; want a counted BusyTooLongError naming owner and fence", name, err)
 		}
+	}
+	tooLong("past budget", old)
+	// A task without the header (a plain asynq producer's) counts from when the key's
+	// generation started: just now, so it is busy, not a failure …
+	err := f.charge.ProcessTask(ctx, noHeader)
+	var busy *idempotency.BusyError
+	if !errors.As(err, &busy) || asynqmw.IsFailure(err) || busy.Age <= 0 || busy.Age > 20*time.Second {
+		t.Errorf("no header, key busy for %v: %v; want a busy answer that is not a failure", busy, err)
+	}
+	// … until the generation is older than the budget.
+	testenv.Exec(t, f.pool, `UPDATE processed_jobs SET started_at = now() - interval '1 hour' WHERE idempotency_key = 'charge:o-7'`)
+	tooLong("no header, generation an hour old", noHeader)
+}
+
+// A header-less duplicate of a busy key (from a plain asynq producer) waits as busy, with
+// no counted failure, and completes as cached once the first delivery completed.
+func TestMiddlewareHeaderlessDuplicateOfABusyKey(t *testing.T) {
+	t.Parallel()
+	f := newMW(t, 10*time.Second, nil)
+	rdb := testenv.Redis(t)
+	f.serve(t, rdb, asynq.Config{Concurrency: 2, DelayedTaskCheckInterval: 100 * time.Millisecond})
+	ctx := testenv.Context(t, time.Minute)
+	first := chargeTask(t, "o-plain", 100)
+	cr, err := f.ledger.Claim(ctx, idempotency.Request{Key: "charge:o-plain", TaskType: tasks.TypeCharge,
+		Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, first.Payload())})
+	if err != nil || cr.Claim == nil {
+		t.Fatalf("claim: %+v %v", cr, err)
+	}
+	if _, err := asynq.NewClientFromRedisClient(rdb).Enqueue(asynq.NewTask(tasks.TypeCharge, first.Payload()),
+		asynq.Queue(tasks.Queue), asynq.TaskID("plain-dup"), asynq.Retention(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // the duplicate finds the key busy, perhaps more than once
+	if err := f.ledger.Complete(ctx, cr.Claim, json.RawMessage(`{"first":true}`)); err != nil {
+		t.Fatal(err)
+	}
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	for {
+		info, err := insp.GetTaskInfo(tasks.Queue, "plain-dup")
+		if err == nil && info.State == asynq.TaskStateCompleted {
+			if info.Retried != 0 {
+				t.Errorf("the duplicate was retried %d times as a failure (last error %q), want none", info.Retried, info.LastErr)
+			}
+			if got := string(info.Result); !strings.Contains(got, `"first"`) {
+				t.Errorf("the duplicate's result %q, want the first delivery's", got)
+			}
+			break
+		}
+		if err == nil && info.State == asynq.TaskStateArchived || ctx.Err() != nil {
+			t.Fatalf("the duplicate: %+v %v", info, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if f.runs.Load() != 0 {
+		t.Error("the handler ran for the duplicate")
 	}
 }
 

@@ -5,6 +5,8 @@ package dial
 import (
 	"context"
 	"fmt"
+	"net/url"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -32,14 +34,15 @@ func Redis(ctx context.Context, url string) (*redis.Client, error) {
 	return rdb, nil
 }
 
-// Postgres opens a pool on dsn of at most maxConns connections (0 keeps pgx's default)
-// and pings it (within 10 s). Errors never show the DSN's password.
+// Postgres opens a pool on dsn of at most maxConns connections (0 keeps pgx's default;
+// a pool_max_conns the DSN sets wins over both) and pings it (within 10 s). Errors never
+// show the DSN's password.
 func Postgres(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("DATABASE_URL: %w", config.URLError(dsn, err))
 	}
-	if maxConns > 0 {
+	if maxConns > 0 && !setsMaxConns(dsn) {
 		cfg.MaxConns = maxConns
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -53,4 +56,17 @@ func Postgres(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, e
 		return nil, fmt.Errorf("connect to Postgres (DATABASE_URL): %w", err)
 	}
 	return pool, nil
+}
+
+// setsMaxConns reports whether dsn, a URL or a key=value DSN, sets pool_max_conns.
+func setsMaxConns(dsn string) bool {
+	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		return u.Query().Has("pool_max_conns")
+	}
+	for _, f := range strings.Fields(dsn) {
+		if strings.HasPrefix(f, "pool_max_conns=") {
+			return true
+		}
+	}
+	return false
 }

@@ -4,8 +4,10 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemq/idemq/internal/dial"
+	"github.com/idemq/idemq/internal/testenv"
 )
 
 func TestParseErrorsHideThePassword(t *testing.T) {
@@ -22,5 +24,26 @@ func TestParseErrorsHideThePassword(t *testing.T) {
 		if err == nil || !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || strings.Contains(err.Error(), "S3cretPW") {
 			t.Errorf("dial.Postgres(%q) = %v, want an error naming DATABASE_URL without the password", u, err)
 		}
+	}
+}
+
+// A pool_max_conns in the DSN wins over the size the caller computed; without it the
+// caller's size holds.
+func TestExplicitPoolSizeWins(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 30*time.Second)
+	base := testenv.PostgresURL(t)
+	for _, tc := range []struct {
+		dsn  string
+		want int32
+	}{{base, 7}, {base + "&pool_max_conns=3", 3}} {
+		pool, err := dial.Postgres(ctx, tc.dsn, 7)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := pool.Config().MaxConns; got != tc.want {
+			t.Errorf("pool size %d, want %d (DSN sets it: %t)", got, tc.want, tc.want == 3)
+		}
+		pool.Close()
 	}
 }
