@@ -67,7 +67,7 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	}
 	if l.cfg.DisableGroupCommit || l.txTimes.slow(l.txSlow) {
 		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
-		return l.doTxAlone(ctx, req, fn, 0)
+		return l.doTxAlone(ctx, req, fn, 0, !l.cfg.DisableGroupCommit)
 	}
 	return l.doTxShared(ctx, req, fn)
 }
@@ -77,6 +77,7 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 // for fn's turn (txMember).
 func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
 	m := newTxMember(ctx, req, nil)
+	m.timed = true
 	if l.txq.Push(0, m) {
 		go l.runTxBatches()
 	}
@@ -97,7 +98,7 @@ func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx contex
 			}
 		case a := <-m.answer:
 			if a.alone {
-				return l.doTxAlone(ctx, req, fn, 1)
+				return l.doTxAlone(ctx, req, fn, 1, false)
 			}
 			return l.settle(ctx, m, a)
 		}
@@ -106,11 +107,11 @@ func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx contex
 
 // doTxAlone is DoTx in a transaction of its own: a batch of one, run on the caller's
 // goroutine. A claim that lost a race is tried again, from round on, up to
-// maxClaimRounds.
-func (l *Ledger) doTxAlone(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error), round int) (Result, error) {
+// maxClaimRounds. timed: fn's run time joins the moving average (txMember.timed).
+func (l *Ledger) doTxAlone(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error), round int, timed bool) (Result, error) {
 	for ; ; round++ {
 		m := newTxMember(ctx, req, fn)
-		m.round = round
+		m.round, m.timed = round, timed
 		conn, err := l.pool.Acquire(ctx)
 		if err != nil {
 			return Result{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)

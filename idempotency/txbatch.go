@@ -52,6 +52,11 @@ type txMember struct {
 	req   Request
 	fn    func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) // local members only
 	round int                                                           // claim rounds before this one
+	// timed: fn's run time joins the moving average (Ledger.txTimes). Shared members and
+	// deliveries run alone because handlers are slow are timed, so that the average can
+	// come down again; a member given back by a shared transaction (past its budget, or
+	// after a lost race) is not: its run alone says nothing of how sharing goes.
+	timed bool
 
 	run    chan txTurn   // executor → member: the claim is taken, run fn
 	ran    chan txRan    // member → executor: fn returned or panicked

@@ -83,8 +83,10 @@ func (b *txBatch) claimAll(ms []*txMember) bool {
 
 // runFn has m's fn run on tx: on this goroutine for a local member, else on m's own.
 func (b *txBatch) runFn(m *txMember, tx *txshim.Tx) txRan {
-	began := time.Now()
-	defer func() { b.l.txTimes.record(time.Since(began)) }()
+	if m.timed {
+		began := time.Now()
+		defer func() { b.l.txTimes.record(time.Since(began)) }()
+	}
 	if m.fn != nil {
 		out, err, panicked, pval := runTxFn(withClaim(m.ctx, m.claim.Key, m.claim.Fence), tx, m.fn)
 		m.panicked, m.pval = panicked, pval
