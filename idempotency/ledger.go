@@ -124,11 +124,13 @@ type Ledger struct {
 	// cache_describe: what a transaction-mode pooler needs) gets them unnamed.
 	prepare bool
 
-	leased   *commit.Committer[*leasedOp] // leased claims and finishes (Do)
-	txq      *commit.Queue[*txMember]     // DoTx deliveries waiting for a shared transaction
-	txTimes  handlerTimes                 // how long DoTx handlers take
-	txBudget time.Duration                // txBatchBudget; tests lengthen it
-	txSlow   time.Duration                // txSlowHandler; tests lengthen it
+	leased  *commit.Committer[*leasedOp] // leased claims and finishes (Do)
+	txq     *commit.Queue[*txMember]     // DoTx deliveries waiting for a shared transaction
+	txTimes handlerTimes                 // how long DoTx handlers take
+	// memberTimes: how long a member's turn in a shared transaction takes.
+	memberTimes handlerTimes
+	txBudget    time.Duration // txBatchBudget; tests lengthen it
+	txSlow      time.Duration // txSlowHandler; tests lengthen it
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table

@@ -42,6 +42,15 @@ func (h *handlerTimes) record(d time.Duration) {
 // slow reports whether handlers take longer than limit, on average.
 func (h *handlerTimes) slow(limit time.Duration) bool { return time.Duration(h.nanos.Load()) > limit }
 
+// fit is how many members fit in budget, at the average time, within 1..most.
+func (h *handlerTimes) fit(budget time.Duration, most int) int {
+	avg := time.Duration(h.nanos.Load())
+	if avg <= 0 {
+		return most
+	}
+	return max(1, min(most, int(budget/avg)+1))
+}
+
 // txMember is one DoTx delivery in a transaction: shared (it waits in Ledger.txq and its
 // own goroutine runs fn when the executor hands it the transaction) or alone (local: the
 // caller's goroutine is the executor and runs fn itself). It carries its caller's ctx,
@@ -122,7 +131,7 @@ func (l *Ledger) runTxBatches() {
 		if conn == nil && l.txq.Ready() {
 			conn, acqErr = l.acquireTxConn()
 		}
-		batches := l.txq.Take(l.cfg.MaxBatch)
+		batches := l.txq.Take(l.memberTimes.fit(l.txBudget, l.cfg.MaxBatch))
 		if batches == nil {
 			return
 		}
@@ -212,6 +221,7 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 		b.runSolo(b.claimed[0])
 	default:
 		start := time.Now()
+		ran := 0
 		for _, m := range b.claimed {
 			if b.broken != nil {
 				break
@@ -223,6 +233,13 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 				continue
 			}
 			b.runMember(m)
+			ran++
+		}
+		if ran > 0 {
+			// A member's turn costs its handler and the round trips around it (its
+			// savepoint, its result): a shared transaction takes only as many members as
+			// fit in the budget at that cost, so that it gives none back.
+			l.memberTimes.record(time.Since(start) / time.Duration(ran))
 		}
 		if b.broken == nil {
 			b.commit()
