@@ -57,15 +57,20 @@ WITH req AS (
 	       OR p.payload_sha256 = excluded.payload_sha256)
 	RETURNING p.idempotency_key, p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
 	          p.locked_until, p.started_at, p.completed_at, p.generation
+), restored AS (
+	-- The settings claimSettingsSQL made, put back once every row of up is written (the
+	-- count reads them all, whatever the plan): a DoTx handler's own queries plan and
+	-- wait as they would without the ledger.
+	SELECT ` + restoreSettings + ` FROM (SELECT count(*) FROM up) written
 )
 SELECT req.ord, true, true, up.status, up.fence, up.owner, up.payload_sha256, up.result, up.attempts, up.last_error,
        up.locked_until, up.started_at, up.completed_at, up.generation, now(), NULL::text,
        pg_postmaster_start_time()::text, NULL::text
-FROM up JOIN req ON req.key = up.idempotency_key
+FROM restored, up JOIN req ON req.key = up.idempotency_key
 UNION ALL
 SELECT gate.ord, false, gate.open, cur.status, cur.fence, cur.owner, cur.payload_sha256, cur.result, cur.attempts,
        cur.last_error, cur.locked_until, cur.started_at, cur.completed_at, cur.generation, now(), NULL, NULL, NULL
-FROM gate LEFT JOIN cur ON cur.ord = gate.ord
+FROM restored, gate LEFT JOIN cur ON cur.ord = gate.ord
 WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.idempotency_key = gate.key)`
 
 // ClaimMany is the claim statement.
@@ -121,7 +126,7 @@ func MarkStuckOne(ctx context.Context, q interface {
 // scanning the whole table, and a connection keeps a prepared statement's plan as the
 // table grows: at 50,000 rows the leased stack fell to a fifth of its speed. So these
 // statements are planned with sequential scans, hash and merge joins off (keyPlansSQL,
-// for the rest of the transaction; restorePlansSQL puts the settings back): the joins
+// for the rest of the transaction; ClaimMany puts the settings back): the joins
 // then take the primary keys whatever the tables' sizes, and the plan is made once per
 // connection, not once per batch.
 const (
@@ -130,13 +135,13 @@ const (
 	       set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true),
 	       set_config('enable_mergejoin', 'off', true)`
 	// claimSettingsSQL is keyPlansSQL plus the bound on the claims' waits for another
-	// session's row ($1, as "2000ms"), for the rest of the transaction;
-	// restoreClaimSettingsSQL puts all of them back.
+	// session's row ($1, as "2000ms"), for the rest of the transaction; ClaimMany puts
+	// both back when its rows are written (restoreSettings).
 	claimSettingsSQL = keyPlansSQL + `,
 	       set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), set_config('lock_timeout', $1, true)`
-	restoreClaimSettingsSQL = restorePlansSQL + `,
+	restoreSettings = restorePlans + `,
 	       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
-	restorePlansSQL = `SELECT set_config('enable_seqscan', split_part(current_setting('idemq.saved_plans'), ',', 1), true),
+	restorePlans = `set_config('enable_seqscan', split_part(current_setting('idemq.saved_plans'), ',', 1), true),
 	       set_config('enable_hashjoin', split_part(current_setting('idemq.saved_plans'), ',', 2), true),
 	       set_config('enable_mergejoin', split_part(current_setting('idemq.saved_plans'), ',', 3), true)`
 )

@@ -39,8 +39,8 @@ type TxClaims struct {
 }
 
 // BeginClaims begins a transaction on conn and claims ps in it (written completed: the
-// row lock is the lease until the COMMIT), in one round trip of four statements: BEGIN,
-// the settings, the claim, the settings put back. idle is the transaction's
+// row lock is the lease until the COMMIT), in one round trip of three statements: BEGIN,
+// the settings, the claim (which puts the settings back). idle is the transaction's
 // idle_in_transaction_session_timeout and lockTimeout the bound on the claims' row-lock
 // waits, as "2000ms". An error the server answered leaves the transaction open, aborted.
 func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, ps []ClaimParams, maxAge time.Duration) (TxClaims, error) {
@@ -48,7 +48,6 @@ func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, 
 	batch.Queue(beginSQL)
 	batch.Queue(txClaimSettingsSQL, lockTimeout, idle)
 	batch.Queue(claimManySQL, ClaimArgs(ps, maxAge, true)...)
-	batch.Queue(restoreClaimSettingsSQL)
 	br := conn.SendBatch(ctx, batch)
 	t := TxClaims{Rows: make([]ClaimRow, len(ps)), Answered: make([]bool, len(ps))}
 	_, err := br.Exec()
@@ -74,9 +73,6 @@ func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, 
 				err = rs.Err()
 			}
 		}
-	}
-	if err == nil { // the settings put back
-		_, err = br.Exec()
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
