@@ -23,6 +23,7 @@ import (
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
 	"github.com/idemq/idemq/internal/unguarded"
+	"github.com/idemq/idemq/internal/workerconf"
 	"github.com/idemq/idemq/lock"
 	"github.com/idemq/idemq/tasks"
 )
@@ -61,7 +62,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		return err
 	}
 	defer rdb.Close()
-	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, workerPoolSize(cfg.Concurrency, runtime.GOMAXPROCS(0)))
+	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, workerconf.PoolSize(cfg.Concurrency, runtime.GOMAXPROCS(0)))
 	if err != nil {
 		return err
 	}
@@ -120,23 +121,16 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		mux.Handle(tasks.TypeDebit, asynqmw.Transactional(w, tasks.TypeDebit, tasks.DecodeDebit, debit))
 	}
 
-	acfg := asynq.Config{
-		Concurrency:     cfg.Concurrency,
-		Queues:          queues,
-		ShutdownTimeout: cfg.ShutdownTimeout,
-		// Busy tasks come back within a second or two: move due retries often.
-		DelayedTaskCheckInterval: time.Second,
-		Logger:                   asynqLogger{log.With("component", "asynq")},
-		LogLevel:                 asynqLevel(cfg.LogLevel),
-		ErrorHandler: asynq.ErrorHandlerFunc(func(ctx context.Context, t *asynq.Task, err error) {
-			if asynqmw.IsFailure(err) {
-				log.Warn("task failed", "task_type", t.Type(), "err", err)
-			} else {
-				log.Debug("task busy; retrying soon", "task_type", t.Type(), "err", err)
-			}
-		}),
-	}
-	asynqmw.Configure(&acfg)
+	acfg := workerconf.AsynqConfig(cfg.Concurrency, queues, cfg.ShutdownTimeout)
+	acfg.Logger = asynqLogger{log.With("component", "asynq")}
+	acfg.LogLevel = asynqLevel(cfg.LogLevel)
+	acfg.ErrorHandler = asynq.ErrorHandlerFunc(func(ctx context.Context, t *asynq.Task, err error) {
+		if asynqmw.IsFailure(err) {
+			log.Warn("task failed", "task_type", t.Type(), "err", err)
+		} else {
+			log.Debug("task busy; retrying soon", "task_type", t.Type(), "err", err)
+		}
+	})
 	srv := asynq.NewServerFromRedisClient(rdb, acfg)
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
 
@@ -238,11 +232,4 @@ func asynqLevel(level string) asynq.LogLevel {
 		return asynq.ErrorLevel
 	}
 	return asynq.InfoLevel
-}
-
-// workerPoolSize is the worker's Postgres pool: deliveries share the ledger's commits
-// (one committer per kind), so the pool follows the cores, not the concurrency; the
-// outbox relay, the reconciler and the purge take a few connections of their own.
-func workerPoolSize(concurrency, cores int) int32 {
-	return int32(min(concurrency+4, 4*cores+8))
 }

@@ -58,6 +58,23 @@ type Options struct {
 	// always runs, as the base of the ratios.
 	Configs []string
 
+	// Binary is the idemq binary drain mode runs its bare asynq child from (RunDrain).
+	// Default: this executable.
+	Binary string
+	// DrainBinaries are the worker binaries drain mode compares, each at 1 and 3
+	// replicas. Default: Binary.
+	DrainBinaries []string
+	// DrainN is the keys of a drain over distinct scopes; hot and Zipf workloads take a
+	// share of it. Default 10000.
+	DrainN int
+	// DrainConcurrency are the concurrencies drain mode runs every workload at. Default
+	// 10 (the worker's default) and 50.
+	DrainConcurrency []int
+	// DrainWorkloads are drain mode's workloads (DrainWorkloadNames). Default all.
+	DrainWorkloads []string
+	// DrainTimeout bounds one drain. Default 5m.
+	DrainTimeout time.Duration
+
 	// MemoryTasks is the no-op tasks each configuration's child serves in memory mode
 	// (RunMemory). Default 100000.
 	MemoryTasks int
@@ -100,6 +117,24 @@ func (o *Options) defaults() {
 	}
 	if o.IOWait <= 0 {
 		o.IOWait = 10 * time.Millisecond
+	}
+	if o.Binary == "" {
+		o.Binary, _ = os.Executable()
+	}
+	if len(o.DrainBinaries) == 0 {
+		o.DrainBinaries = []string{o.Binary}
+	}
+	if o.DrainN <= 0 {
+		o.DrainN = 10000
+	}
+	if len(o.DrainConcurrency) == 0 {
+		o.DrainConcurrency = []int{10, 50}
+	}
+	if len(o.DrainWorkloads) == 0 {
+		o.DrainWorkloads = DrainWorkloadNames
+	}
+	if o.DrainTimeout <= 0 {
+		o.DrainTimeout = 5 * time.Minute
 	}
 	if o.MemoryTasks <= 0 {
 		o.MemoryTasks = 100000
@@ -332,6 +367,9 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	if len(args) > 0 && args[0] == childFlag {
 		return runChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == bareChildFlag {
+		return runBareChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
+	}
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
@@ -356,6 +394,12 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of this process (the servers, the middleware, pgx and go-redis) to FILE")
 	from := fs.String("from", "", "do not measure: print the table and write the chart (and JSON) of the report in this JSON file")
 	showFlags := fs.Bool("flags", false, "list the flags and exit")
+	drain := fs.Bool("drain", false, "measure the binaries instead: `idemq worker` (1 and 3 replicas, defaults but IDEMQ_CONCURRENCY) against bare asynq in a process of its own, draining the same tasks from a plain asynq client, paired per repetition")
+	fs.IntVar(&opt.DrainN, "drain-n", 10000, "-drain: keys of a drain over distinct scopes (hot and Zipf workloads take a share)")
+	drainConc := fs.String("drain-concurrency", "10,50", "-drain: concurrencies to run each workload at")
+	drainWorkloadsFlag := fs.String("drain-workloads", strings.Join(DrainWorkloadNames, ","), "-drain: workloads")
+	fs.DurationVar(&opt.DrainTimeout, "drain-timeout", 5*time.Minute, "-drain: time limit of one drain")
+	drainBinaries := fs.String("drain-binaries", "", "-drain: comma-separated idemq binaries whose `worker` to compare, side by side in one run (default: this one)")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\n\nFlags:")
 		fs.PrintDefaults()
@@ -406,6 +450,39 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			return fmt.Errorf("bench: -servers: %q is not a positive whole number", s)
 		}
 		opt.ScaleServers = append(opt.ScaleServers, k)
+	}
+	if *drain {
+		opt.DrainWorkloads = strings.Split(*drainWorkloadsFlag, ",")
+		for _, b := range strings.Split(*drainBinaries, ",") {
+			if b = strings.TrimSpace(b); b != "" {
+				opt.DrainBinaries = append(opt.DrainBinaries, b)
+			}
+		}
+		for _, c := range strings.Split(*drainConc, ",") {
+			k, err := strconv.Atoi(strings.TrimSpace(c))
+			if err != nil || k < 1 {
+				return fmt.Errorf("bench: -drain-concurrency: %q is not a positive whole number", c)
+			}
+			opt.DrainConcurrency = append(opt.DrainConcurrency, k)
+		}
+		if *writeDocs && *jsonPath == "" {
+			*jsonPath = filepath.Join("docs", "bench-drain.json")
+		}
+		samples, err := RunDrain(ctx, opt, stderr)
+		if err != nil {
+			return err
+		}
+		if err := WriteDrainTable(stdout, samples); err != nil {
+			return err
+		}
+		if *jsonPath != "" {
+			return writeFile(*jsonPath, func(w io.Writer) error {
+				enc := json.NewEncoder(w)
+				enc.SetIndent("", "  ")
+				return enc.Encode(map[string]any{"revision": revision(), "options": opt, "samples": samples})
+			})
+		}
+		return nil
 	}
 	if *writeDocs {
 		base := "bench"

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/http/httptest"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -22,6 +23,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/localserver"
+	"github.com/idemq/idemq/internal/workerconf"
 	"github.com/idemq/idemq/lock"
 	"github.com/idemq/idemq/migrations"
 	"github.com/idemq/idemq/tasks"
@@ -135,11 +137,11 @@ type stack struct {
 	commits, rows atomic.Int64
 }
 
-// poolSize is each server's Postgres pool: the worker's concurrency+4, within a budget
-// of Options.PoolBudget connections shared by the servers (the shared Postgres allows
-// 100 clients in all).
+// poolSize is each server's Postgres pool: the worker's (workerconf.PoolSize), within a
+// budget of Options.PoolBudget connections shared by the servers (the shared Postgres
+// allows 100 clients in all).
 func (e *env) poolSize(servers int) int32 {
-	return int32(max(4, min(e.opt.Concurrency+4, e.opt.PoolBudget/servers)))
+	return max(4, min(workerconf.PoolSize(e.opt.Concurrency, runtime.GOMAXPROCS(0)), int32(e.opt.PoolBudget/servers)))
 }
 
 func (e *env) newStack(ctx context.Context, servers int) (*stack, error) {
@@ -426,18 +428,11 @@ wait:
 	return s, nil
 }
 
-// serverConfig is the asynq configuration of every server a measurement starts.
+// serverConfig is the asynq configuration of every server a measurement starts: the
+// worker binary's (workerconf.AsynqConfig).
 func serverConfig(concurrency int) asynq.Config {
-	cfg := asynq.Config{
-		Concurrency:              concurrency,
-		Queues:                   map[string]int{tasks.Queue: 1},
-		TaskCheckInterval:        50 * time.Millisecond,
-		DelayedTaskCheckInterval: 100 * time.Millisecond,
-		ShutdownTimeout:          10 * time.Second,
-		LogLevel:                 asynq.ErrorLevel,
-		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 100 * time.Millisecond },
-	}
-	asynqmw.Configure(&cfg)
+	cfg := workerconf.AsynqConfig(concurrency, map[string]int{tasks.Queue: 1}, 10*time.Second)
+	cfg.LogLevel = asynq.ErrorLevel
 	return cfg
 }
 

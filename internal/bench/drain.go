@@ -1,0 +1,476 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/hibiken/asynq"
+
+	"github.com/idemq/idemq/tasks"
+)
+
+// Drain mode measures the binaries users run: `idemq worker` processes (1 and 3
+// replicas, their defaults but IDEMQ_CONCURRENCY) against bare asynq in a process of its
+// own (bench -bare-child: default asynq.Config but Concurrency, a default pgx pool, each
+// debit's INSERT in its own transaction, each charge the same HTTP call to the provider),
+// on the same tasks from a plain asynq client (no TaskID, no idemq header), paired per
+// repetition.
+
+// Drain mode's configurations are bare asynq and, for each worker binary, 1 and 3
+// replicas of it ("worker×1", or "worker×1 NAME" when several binaries are compared).
+const (
+	DrainBare     = "bare"
+	bareChildFlag = "-bare-child"
+)
+
+// drainConfig is one configuration of drain mode.
+type drainConfig struct {
+	name     string
+	binary   string // "" for bare asynq
+	replicas int
+}
+
+func drainConfigs(opt Options) []drainConfig {
+	cs := []drainConfig{{name: DrainBare}}
+	for _, r := range []int{1, 3} {
+		for _, b := range opt.DrainBinaries {
+			name := fmt.Sprintf("worker×%d", r)
+			if len(opt.DrainBinaries) > 1 {
+				name += " " + filepath.Base(b)
+			}
+			cs = append(cs, drainConfig{name: name, binary: b, replicas: r})
+		}
+	}
+	return cs
+}
+
+// drainWorkload is a task type over a distribution of lock scopes.
+type drainWorkload struct {
+	name  string
+	typ   string
+	dup   int     // deliveries per key
+	share float64 // of DrainN: hot scopes drain slowly
+	scope func(rng *rand.Rand, i int) int
+}
+
+var drainWorkloads = map[string]drainWorkload{
+	"debit-distinct":  {name: "debit-distinct", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }},
+	"debit-hot":       {name: "debit-hot", typ: tasks.TypeDebit, dup: 1, share: 0.05, scope: func(_ *rand.Rand, i int) int { return i % 13 }},
+	"debit-zipf":      {name: "debit-zipf", typ: tasks.TypeDebit, dup: 1, share: 0.05, scope: zipf(1000)},
+	"debit-dup":       {name: "debit-dup", typ: tasks.TypeDebit, dup: 3, share: 1.0 / 3, scope: func(_ *rand.Rand, i int) int { return i }},
+	"charge-distinct": {name: "charge-distinct", typ: tasks.TypeCharge, dup: 1, share: 0.5, scope: func(_ *rand.Rand, i int) int { return i }},
+	"charge-hot":      {name: "charge-hot", typ: tasks.TypeCharge, dup: 1, share: 0.05, scope: func(_ *rand.Rand, i int) int { return i % 17 }},
+}
+
+// DrainWorkloadNames lists drain mode's workloads, in the order a run measures them.
+var DrainWorkloadNames = []string{"debit-distinct", "debit-hot", "debit-zipf", "debit-dup", "charge-distinct", "charge-hot"}
+
+// zipf draws scopes from a Zipf(s = 1.1) distribution over n scopes.
+func zipf(n uint64) func(*rand.Rand, int) int {
+	return func(rng *rand.Rand, _ int) int {
+		return int(zipfTable(n).draw(rng.Float64())) // inverse transform, the CDF cached per n
+	}
+}
+
+type zipfCDF []float64
+
+var zipfCache sync.Map
+
+func zipfTable(n uint64) zipfCDF {
+	if v, ok := zipfCache.Load(n); ok {
+		return v.(zipfCDF)
+	}
+	cdf := make(zipfCDF, n)
+	sum := 0.0
+	for k := range n {
+		sum += 1 / math.Pow(float64(k+1), 1.1)
+		cdf[k] = sum
+	}
+	for k := range cdf {
+		cdf[k] /= sum
+	}
+	zipfCache.Store(n, cdf)
+	return cdf
+}
+
+func (c zipfCDF) draw(u float64) uint64 { return uint64(sort.SearchFloat64s(c, u)) }
+
+// payload returns task i's payload of w under prefix.
+func (w drainWorkload) payload(prefix string, rng *rand.Rand, i int) []byte {
+	s := strconv.Itoa(w.scope(rng, i))
+	var v any
+	if w.typ == tasks.TypeDebit {
+		v = tasks.Debit{AccountID: "acct-" + s, AmountCents: 1, Reference: prefix + "-" + strconv.Itoa(i)}
+	} else {
+		v = tasks.Charge{OrderID: prefix + "-" + strconv.Itoa(i), CustomerID: "cust-" + s, AmountCents: 100, Currency: "EUR"}
+	}
+	b, _ := json.Marshal(v)
+	return b
+}
+
+// DrainSample is one drain of one configuration.
+type DrainSample struct {
+	Workload    string  `json:"workload"`
+	Concurrency int     `json:"concurrency"`
+	Config      string  `json:"config"`
+	Rep         int     `json:"rep"`
+	Keys        int     `json:"keys"`
+	Deliveries  int     `json:"deliveries"`
+	Seconds     float64 `json:"seconds"`
+	PerSecond   float64 `json:"deliveries_per_second"`
+	Effects     int     `json:"effects"`
+	// CPU per delivery, microseconds: the worker processes, redis-server, Postgres.
+	CPUWorkers float64 `json:"cpu_us_workers"`
+	CPURedis   float64 `json:"cpu_us_redis"`
+	CPUPG      float64 `json:"cpu_us_pg"`
+	// Worker only, from its /metrics: busy answers (lock and ledger) per delivery and
+	// ledger requests per shared commit.
+	BusyPerDelivery float64 `json:"busy_per_delivery"`
+	PerCommit       float64 `json:"requests_per_commit"`
+	Archived        int     `json:"archived"`
+}
+
+// RunDrain runs drain mode: for each workload and concurrency, reps repetitions of every
+// configuration (the order rotated each repetition), each draining the same tasks.
+func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSample, error) {
+	opt.defaults()
+	e, err := setup(ctx, opt)
+	if err != nil {
+		return nil, err
+	}
+	defer e.close()
+	var out []DrainSample
+	configs := drainConfigs(opt)
+	for _, wn := range opt.DrainWorkloads {
+		w, ok := drainWorkloads[wn]
+		if !ok {
+			return out, fmt.Errorf("bench: unknown drain workload %q (one of %s)", wn, strings.Join(DrainWorkloadNames, ", "))
+		}
+		keys := max(int(float64(opt.DrainN)*w.share), 100)
+		for _, conc := range opt.DrainConcurrency {
+			for rep := range opt.Reps {
+				order := slices.Clone(configs)
+				for range rep % len(order) {
+					order = append(order[1:], order[0])
+				}
+				for _, cfg := range order {
+					s, err := e.drain(ctx, opt, w, keys, conc, cfg, rep)
+					if err != nil {
+						return out, err
+					}
+					fmt.Fprintf(progress, "drain %-15s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, effects %d, CPU µs %0.f+%0.f+%0.f, busy/delivery %.2f, per commit %.1f\n",
+						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.BusyPerDelivery, s.PerCommit)
+					out = append(out, s)
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// drain measures one configuration on one workload.
+func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, conc int, cfg drainConfig, rep int) (DrainSample, error) {
+	config := cfg.name
+	s := DrainSample{Workload: w.name, Concurrency: conc, Config: config, Rep: rep + 1, Keys: keys, Deliveries: keys * w.dup}
+	if err := e.reset(ctx); err != nil {
+		return s, err
+	}
+	prefix := fmt.Sprintf("d%d%s", rep, randomHex(3))
+	if err := e.enqueuePlain(ctx, w, prefix, keys, uint64(rep)); err != nil {
+		return s, err
+	}
+	env := append(os.Environ(), "REDIS_URL="+e.redisDB.URL, "DATABASE_URL="+e.dsn, "IDEMQ_FAKEPAY_URL="+e.fakepay.URL)
+	var procs []*exec.Cmd
+	var metricsURLs []string
+	start := func(binary string, args []string, extra ...string) error {
+		cmd := exec.CommandContext(ctx, binary, args...)
+		cmd.Env = append(slices.Clone(env), extra...)
+		cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+		if err := cmd.Start(); err != nil {
+			return fmt.Errorf("bench: start %s: %w", binary, err)
+		}
+		procs = append(procs, cmd)
+		return nil
+	}
+	defer func() {
+		for _, p := range procs {
+			p.Process.Signal(syscall.SIGTERM)
+		}
+		for _, p := range procs {
+			p.Wait()
+		}
+	}()
+	cpu0 := e.probe.snap(ctx)
+	switch cfg.binary {
+	case "":
+		if err := start(opt.Binary, []string{"bench", bareChildFlag, "-concurrency", strconv.Itoa(conc), "-fakepay", e.fakepay.URL}); err != nil {
+			return s, err
+		}
+	default:
+		for range cfg.replicas {
+			addr, err := freeAddr()
+			if err != nil {
+				return s, err
+			}
+			metricsURLs = append(metricsURLs, "http://"+addr+"/metrics")
+			if err := start(cfg.binary, []string{"worker"}, "IDEMQ_CONCURRENCY="+strconv.Itoa(conc), "IDEMQ_METRICS_ADDR="+addr, "IDEMQ_LOG_LEVEL=error"); err != nil {
+				return s, err
+			}
+		}
+	}
+	childCPU0 := childCPU(procs)
+	insp := asynq.NewInspectorFromRedisClient(e.rdb)
+	var began, ended time.Time
+	deadline := time.Now().Add(opt.DrainTimeout)
+	for {
+		q, err := insp.GetQueueInfo(tasks.Queue)
+		if err == nil {
+			left := q.Pending + q.Active + q.Scheduled + q.Retry
+			if began.IsZero() && left < s.Deliveries {
+				began = time.Now()
+			}
+			if left == 0 {
+				ended, s.Archived = time.Now(), q.Archived
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			return s, fmt.Errorf("bench: drain %s %s c=%d did not finish within %s", w.name, config, conc, opt.DrainTimeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cpu1 := e.probe.snap(ctx)
+	childCPU1 := childCPU(procs)
+	s.Seconds = ended.Sub(began).Seconds()
+	s.PerSecond = float64(s.Deliveries) / s.Seconds
+	d := cpu0.to(cpu1)
+	per := 1e6 / float64(s.Deliveries)
+	s.CPUWorkers, s.CPURedis, s.CPUPG = (childCPU1-childCPU0)*per, d.redis*per, d.pg*per
+	var busy, commits, requests float64
+	for _, u := range metricsURLs {
+		m := scrape(ctx, u)
+		busy += m[`idemq_lock_events_total{event="busy"`] + m[`idemq_ledger_events_total{event="busy"`]
+		commits += m["idemq_ledger_commit_requests_count"]
+		requests += m["idemq_ledger_commit_requests_sum"]
+	}
+	s.BusyPerDelivery = busy / float64(s.Deliveries)
+	if commits > 0 {
+		s.PerCommit = requests / commits
+	}
+	table, col := "wallet_entries", "reference"
+	if w.typ == tasks.TypeCharge {
+		table, col = "fakepay_charges", "order_id"
+	}
+	if err := e.admin.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE `+col+` LIKE $1`, prefix+"-%").Scan(&s.Effects); err != nil {
+		return s, fmt.Errorf("bench: count effects: %w", err)
+	}
+	want := keys
+	if cfg.binary == "" && w.typ == tasks.TypeDebit {
+		want = s.Deliveries // bare asynq runs every delivery
+	}
+	if s.Effects != want || s.Archived != 0 {
+		return s, fmt.Errorf("bench: drain %s %s c=%d: %d effects (want %d), %d archived", w.name, config, conc, s.Effects, want, s.Archived)
+	}
+	return s, nil
+}
+
+// enqueuePlain publishes keys tasks of w (each w.dup times) as a plain asynq producer
+// does: asynq.NewTask and Enqueue, no TaskID, no idemq header.
+func (e *env) enqueuePlain(ctx context.Context, w drainWorkload, prefix string, keys int, seed uint64) error {
+	client := asynq.NewClientFromRedisClient(e.rdb)
+	rng := rand.New(rand.NewPCG(seed, 7))
+	payloads := make([][]byte, 0, keys*w.dup)
+	for i := range keys {
+		p := w.payload(prefix, rng, i)
+		for range w.dup {
+			payloads = append(payloads, p)
+		}
+	}
+	rand.New(rand.NewPCG(seed, 11)).Shuffle(len(payloads), func(i, j int) { payloads[i], payloads[j] = payloads[j], payloads[i] })
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= len(payloads) {
+					return
+				}
+				if _, err := client.EnqueueContext(ctx, asynq.NewTask(w.typ, payloads[i]), asynq.Queue(tasks.Queue)); err != nil {
+					errs <- fmt.Errorf("bench: enqueue: %w", err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+func childCPU(procs []*exec.Cmd) float64 {
+	var t float64
+	for _, p := range procs {
+		v, _ := procCPU(p.Process.Pid)
+		t += v
+	}
+	return t
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+// scrape reads a Prometheus text page and sums its series by name (all labels summed)
+// and by name and first label (`name{label="v"`).
+func scrape(ctx context.Context, url string) map[string]float64 {
+	m := map[string]float64{}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return m
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return m
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		sp := strings.LastIndexByte(line, ' ')
+		if sp < 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(line[sp+1:], 64)
+		if err != nil {
+			continue
+		}
+		series := line[:sp]
+		base, labels, found := strings.Cut(series, "{")
+		m[base] += v
+		if found {
+			first, _, _ := strings.Cut(strings.TrimSuffix(labels, "}"), ",")
+			m[base+"{"+first] += v
+		}
+	}
+	return m
+}
+
+// WriteDrainTable prints drain mode's table: per workload, concurrency and configuration
+// the median deliveries per second (min–max), the median of the per-repetition ratios to
+// bare asynq, CPU per delivery by process, busy answers per delivery and requests per
+// shared commit.
+func WriteDrainTable(w io.Writer, samples []DrainSample) error {
+	type group struct {
+		workload string
+		conc     int
+		config   string
+	}
+	by := map[group][]DrainSample{}
+	var order []group
+	for _, s := range samples {
+		g := group{s.Workload, s.Concurrency, s.Config}
+		if _, ok := by[g]; !ok {
+			order = append(order, g)
+		}
+		by[g] = append(by[g], s)
+	}
+	sort.SliceStable(order, func(i, j int) bool {
+		a, b := order[i], order[j]
+		if a.workload != b.workload {
+			return slices.Index(DrainWorkloadNames, a.workload) < slices.Index(DrainWorkloadNames, b.workload)
+		}
+		if a.conc != b.conc {
+			return a.conc < b.conc
+		}
+		return configBefore(a.config, b.config)
+	})
+	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) | CPU µs/delivery: workers + Redis + PG | busy per delivery | requests per commit |")
+	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|--:|--:|--:|")
+	for _, g := range order {
+		ss := by[g]
+		rates := collect(ss, func(s DrainSample) float64 { return s.PerSecond })
+		var ratios []float64
+		for _, s := range ss {
+			for _, b := range by[group{g.workload, g.conc, DrainBare}] {
+				if b.Rep == s.Rep {
+					ratios = append(ratios, s.PerSecond/b.PerSecond)
+				}
+			}
+		}
+		cw, cr, cp := median(collect(ss, func(s DrainSample) float64 { return s.CPUWorkers })),
+			median(collect(ss, func(s DrainSample) float64 { return s.CPURedis })),
+			median(collect(ss, func(s DrainSample) float64 { return s.CPUPG }))
+		ratio := "1"
+		if g.config != DrainBare {
+			ratio = fmt.Sprintf("**%.2f** (%.2f–%.2f)", median(ratios), slices.Min(ratios), slices.Max(ratios))
+		}
+		busy, commit := "-", "-"
+		if g.config != DrainBare {
+			busy = fmt.Sprintf("%.2f", median(collect(ss, func(s DrainSample) float64 { return s.BusyPerDelivery })))
+			commit = fmt.Sprintf("%.1f", median(collect(ss, func(s DrainSample) float64 { return s.PerCommit })))
+		}
+		fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f (%.0f–%.0f) | %s | %.0f + %.0f + %.0f = %.0f | %s | %s |\n",
+			g.workload, g.conc, g.config, ss[0].Deliveries, median(rates), slices.Min(rates), slices.Max(rates), ratio,
+			cw, cr, cp, cw+cr+cp, busy, commit)
+	}
+	return nil
+}
+
+// configBefore orders configurations: bare asynq first, then by name (worker×1 … before
+// worker×3 …).
+func configBefore(a, b string) bool {
+	if a == DrainBare || b == DrainBare {
+		return a == DrainBare && b != DrainBare
+	}
+	return a < b
+}
+
+func collect(ss []DrainSample, f func(DrainSample) float64) []float64 {
+	out := make([]float64, len(ss))
+	for i, s := range ss {
+		out[i] = f(s)
+	}
+	return out
+}
+
+func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(v))
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}

@@ -1,0 +1,46 @@
+package bench
+
+import (
+	"bytes"
+	"math/rand/v2"
+	"strings"
+	"testing"
+)
+
+// The Zipf workload is skewed as Zipf(1.1) over 1,000 scopes is: the hottest scope takes
+// 1/H(1000, 1.1) ≈ 18 % of the tasks, and most scopes are rare.
+func TestZipfScopesAreSkewed(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	draw := zipf(1000)
+	counts := map[int]int{}
+	for i := range 20000 {
+		counts[draw(rng, i)]++
+	}
+	if top := counts[0]; top < 3100 || top > 4100 {
+		t.Errorf("scope 0 drew %d of 20000, want about 3,600 (Zipf 1.1 over 1,000)", top)
+	}
+	if len(counts) < 400 || len(counts) > 1000 {
+		t.Errorf("%d distinct scopes drawn, want several hundred of 1,000", len(counts))
+	}
+}
+
+// The table pairs each worker sample with bare asynq's of the same repetition.
+func TestDrainTablePairsByRepetition(t *testing.T) {
+	var b bytes.Buffer
+	err := WriteDrainTable(&b, []DrainSample{
+		{Workload: "debit-distinct", Concurrency: 10, Config: DrainBare, Rep: 1, Deliveries: 100, PerSecond: 1000},
+		{Workload: "debit-distinct", Concurrency: 10, Config: DrainBare, Rep: 2, Deliveries: 100, PerSecond: 2000},
+		{Workload: "debit-distinct", Concurrency: 10, Config: "worker×1", Rep: 1, Deliveries: 100, PerSecond: 500},
+		{Workload: "debit-distinct", Concurrency: 10, Config: "worker×1", Rep: 2, Deliveries: 100, PerSecond: 500},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Per repetition 0.50 and 0.25: the paired median is 0.38 (0.375), not 500/1500.
+	if !strings.Contains(b.String(), "**0.38** (0.25–0.50)") {
+		t.Errorf("table:\n%s\nwant the worker's paired ratio 0.38 (0.25–0.50)", b.String())
+	}
+	if i, j := strings.Index(b.String(), "| bare |"), strings.Index(b.String(), "| worker×1 |"); i < 0 || j < i {
+		t.Errorf("bare asynq's row must come first:\n%s", b.String())
+	}
+}
