@@ -18,7 +18,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -305,28 +304,12 @@ func (e *env) enqueuePlain(ctx context.Context, w drainWorkload, prefix string, 
 		}
 	}
 	rand.New(rand.NewPCG(seed, 11)).Shuffle(len(payloads), func(i, j int) { payloads[i], payloads[j] = payloads[j], payloads[i] })
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	errs := make(chan error, 16)
-	for range 16 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				i := int(next.Add(1)) - 1
-				if i >= len(payloads) {
-					return
-				}
-				if _, err := client.EnqueueContext(ctx, asynq.NewTask(w.typ, payloads[i]), asynq.Queue(tasks.Queue)); err != nil {
-					errs <- fmt.Errorf("bench: enqueue: %w", err)
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	return <-errs
+	return inParallel(ctx, 0, len(payloads), func(i int) error {
+		if _, err := client.EnqueueContext(ctx, asynq.NewTask(w.typ, payloads[i]), asynq.Queue(tasks.Queue)); err != nil {
+			return fmt.Errorf("bench: enqueue: %w", err)
+		}
+		return nil
+	})
 }
 
 func childCPU(procs []*exec.Cmd) float64 {

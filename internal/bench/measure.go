@@ -226,12 +226,28 @@ func (e *env) enqueuePaced(ctx context.Context, w *workload, prefix string, n in
 // goroutines.
 func (e *env) enqueueRange(ctx context.Context, w *workload, prefix string, from, to int) error {
 	client := asynq.NewClientFromRedisClient(e.rdb)
+	now := time.Now()
+	return inParallel(ctx, from, to, func(i int) error {
+		s := w.spec(prefix, i)
+		id := s.Key
+		if w.taskID != nil {
+			id = w.taskID(s, i)
+		}
+		if _, err := client.EnqueueContext(ctx, s.Task(id, now)); err != nil {
+			return fmt.Errorf("bench: enqueue %s: %w", s.Key, err)
+		}
+		return nil
+	})
+}
+
+// inParallel runs f for every i in from..to-1 from 16 goroutines, until the first error
+// (which it returns) or ctx's end.
+func inParallel(ctx context.Context, from, to int, f func(i int) error) error {
 	var next atomic.Int64
 	next.Store(int64(from))
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	var firstErr error
-	now := time.Now()
 	for range 16 {
 		wg.Add(1)
 		go func() {
@@ -241,15 +257,10 @@ func (e *env) enqueueRange(ctx context.Context, w *workload, prefix string, from
 				if i >= to || ctx.Err() != nil {
 					return
 				}
-				s := w.spec(prefix, i)
-				id := s.Key
-				if w.taskID != nil {
-					id = w.taskID(s, i)
-				}
-				if _, err := client.EnqueueContext(ctx, s.Task(id, now)); err != nil {
+				if err := f(i); err != nil {
 					mu.Lock()
 					if firstErr == nil {
-						firstErr = fmt.Errorf("bench: enqueue %s: %w", s.Key, err)
+						firstErr = err
 					}
 					mu.Unlock()
 					return
