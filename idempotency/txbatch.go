@@ -217,6 +217,12 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 	b := &txBatch{l: l, conn: conn, idle: l.idleTimeout(latest)}
 	switch {
 	case !b.claimAll(ms):
+		// Nothing claimed (completed keys, busy ones, races): the transaction wrote
+		// nothing; end it so that the connection goes back to the pool (or on to the next
+		// batch) instead of being closed for a transaction left open.
+		if b.broken == nil {
+			b.rollback()
+		}
 	case len(b.claimed) == 1:
 		b.runSolo(b.claimed[0])
 	default:
