@@ -1,6 +1,7 @@
 package asynqkeys_test
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -23,6 +24,9 @@ func TestLayoutIsAsynqs(t *testing.T) {
 	msg, err := rdb.HGet(ctx, asynqkeys.Task("layout", "probe-1"), "msg").Bytes()
 	if err != nil || len(msg) == 0 {
 		t.Fatalf("no message at %s: %v; asynq's task key layout changed", asynqkeys.Task("layout", "probe-1"), err)
+	}
+	if keys, err := rdb.Keys(ctx, asynqkeys.QueuePattern("layout")).Result(); err != nil || !slices.Contains(keys, asynqkeys.Task("layout", "probe-1")) {
+		t.Fatalf("%s matches %v (%v), not the task's hash; asynq's queue hash tag changed", asynqkeys.QueuePattern("layout"), keys, err)
 	}
 	if ok, err := rdb.SIsMember(ctx, asynqkeys.AllQueues, "layout").Result(); err != nil || !ok {
 		t.Fatalf("queue not in %s: %v %v; asynq's queue set changed", asynqkeys.AllQueues, ok, err)
