@@ -70,22 +70,7 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 		}
 		return Result{}, ferr
 	}
-	if err := l.Complete(ctx, c, out); err != nil {
-		return Result{}, err
-	}
-	return Result{Key: c.Key, Result: storedForm(out, l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}, nil
-}
-
-// storedForm is the result as Complete stored it (the error marker for a bad result).
-func storedForm(out json.RawMessage, max int) json.RawMessage {
-	if len(out) == 0 {
-		return nil
-	}
-	if err := ValidateResult(out, max); err != nil {
-		b, _ := json.Marshal(map[string]string{"idemq_error": cleanText(err.Error())})
-		return b
-	}
-	return out
+	return l.complete(ctx, c, out)
 }
 
 func runFn(ctx context.Context, fn func(ctx context.Context) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {

@@ -45,9 +45,16 @@ func (l *Ledger) leaseLost(c *Claim, what string) {
 // cancellation, bounded by Config.WriteTimeout. If the connection drops while committing,
 // the outcome is learned from the transaction id; ErrCommitUnknown when it cannot be.
 func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage) error {
+	_, err := l.complete(ctx, c, result)
+	return err
+}
+
+// complete is Complete; it also returns the completed key's Result.
+func (l *Ledger) complete(ctx context.Context, c *Claim, result json.RawMessage) (Result, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 	defer cancel()
 	stored, lastErr := l.checkResult(c, result)
+	res := c.completed(result, stored, lastErr)
 	err := l.finish(ctx, c, store.ActionComplete, stored, lastErr)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code[:2] == pgcode.DataExceptionClass && !lastErr.Valid {
@@ -55,10 +62,11 @@ func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage)
 		stored, lastErr = l.markResult(c, "result refused by the database: "+pgErr.Message)
 		err = l.finish(ctx, c, store.ActionComplete, stored, lastErr)
 	}
-	if err == nil {
-		l.observe(EventCompleted, c.TaskType)
+	if err != nil {
+		return Result{}, err
 	}
-	return err
+	l.observe(EventCompleted, c.TaskType)
+	return res, nil
 }
 
 // Fail records cause for c's key. If IsPermanent(cause), the key becomes failed, a

@@ -64,6 +64,20 @@ func (l *Ledger) checkResult(c *Claim, result json.RawMessage) (stored, lastErr 
 	return pgtype.Text{String: string(result), Valid: true}, pgtype.Text{}
 }
 
+// completed is the Result of c's completion with out, whose checkResult verdict is
+// stored and lastErr: the handler's own bytes, or the error marker stored instead of a
+// result that cannot be stored.
+func (c *Claim) completed(out json.RawMessage, stored, lastErr pgtype.Text) Result {
+	r := Result{Key: c.Key, Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+	switch {
+	case lastErr.Valid:
+		r.Result = json.RawMessage(stored.String)
+	case len(out) > 0:
+		r.Result = out
+	}
+	return r
+}
+
 // markResult builds the error marker stored instead of a result that cannot be stored.
 func (l *Ledger) markResult(c *Claim, msg string) (stored, lastErr pgtype.Text) {
 	msg = cleanText(msg)

@@ -81,8 +81,14 @@ type txMember struct {
 	pval     any
 }
 
+// newTxMember returns the member of a delivery: local (fn set, run by its executor) or
+// shared (fn nil; the hand-over channels carry its turn).
 func newTxMember(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) *txMember {
-	return &txMember{ctx: ctx, req: req, fn: fn, run: make(chan txTurn, 1), ran: make(chan txRan, 1), answer: make(chan txAnswer, 1)}
+	m := &txMember{ctx: ctx, req: req, fn: fn, answer: make(chan txAnswer, 1)}
+	if fn == nil {
+		m.run, m.ran = make(chan txTurn, 1), make(chan txRan, 1)
+	}
+	return m
 }
 
 type txTurn struct {

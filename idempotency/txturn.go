@@ -96,18 +96,22 @@ func (b *txBatch) runFn(m *txMember, tx *txshim.Tx) txRan {
 	return <-m.ran
 }
 
-// checkConn reports a handler that ended or broke the transaction: the connection is
-// closed or busy, or the transaction is neither open nor aborted. It marks the batch
-// broken and answers m.
-func (b *txBatch) checkConn(m *txMember, ran txRan) (status byte, ok bool) {
+// afterHandler checks the transaction after m's handler ran. A handler that broke it
+// (the connection closed or busy, the transaction neither open nor aborted) breaks the
+// batch and m is answered: ok is false. A handler that succeeded but left the
+// transaction aborted gets that as its error: nothing of it is recorded.
+func (b *txBatch) afterHandler(m *txMember, ran txRan) (_ txRan, ok bool) {
 	pc := b.conn.PgConn()
 	st := pc.TxStatus()
 	if b.conn.IsClosed() || pc.IsBusy() || st != 'T' && st != 'E' {
 		b.broken = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q)", m.req.Key, st)
 		b.replyWith(m, txAnswer{err: errors.Join(ran.err, b.broken)})
-		return st, false
+		return ran, false
 	}
-	return st, true
+	if ran.err == nil && !ran.panicked && st != 'T' {
+		ran.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", m.req.Key, st)
+	}
+	return ran, true
 }
 
 // runMember runs m's fn on the shared transaction. The member's savepoint is made when fn
@@ -126,12 +130,9 @@ func (b *txBatch) runMember(m *txMember) {
 		return store.Exec(ctx, b.conn, append(b.takePre(), store.Savepoint)...)
 	})
 	ran := b.runFn(m, tx)
-	st, ok := b.checkConn(m, ran)
+	ran, ok := b.afterHandler(m, ran)
 	if !ok {
 		return
-	}
-	if ran.err == nil && !ran.panicked && st != 'T' {
-		ran.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
 	}
 	if ran.err == nil && !ran.panicked {
 		stored, lastErr := b.l.checkResult(c, ran.out)
@@ -154,8 +155,7 @@ func (b *txBatch) runMember(m *txMember) {
 			if saved {
 				b.pre = append(b.pre, store.Release)
 			}
-			m.finish = txFinish{action: store.ActionComplete}
-			m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+			m.finish, m.res = txFinish{action: store.ActionComplete}, c.completed(ran.out, stored, lastErr)
 			return
 		case !errors.As(err, &pgErr):
 			b.broken = err
@@ -212,12 +212,9 @@ func (b *txBatch) runSolo(m *txMember) {
 		return
 	}
 	ran := b.runFn(m, txshim.New(b.conn, nil))
-	st, ok := b.checkConn(m, ran)
+	ran, ok := b.afterHandler(m, ran)
 	if !ok {
 		return
-	}
-	if ran.err == nil && !ran.panicked && st != 'T' {
-		ran.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", c.Key, st)
 	}
 	if ran.err != nil || ran.panicked {
 		b.rollback()
@@ -225,8 +222,7 @@ func (b *txBatch) runSolo(m *txMember) {
 		return
 	}
 	stored, lastErr := b.l.checkResult(c, ran.out)
-	m.finish = txFinish{action: store.ActionComplete}
-	m.res = Result{Key: c.Key, Result: storedForm(ran.out, b.l.cfg.MaxResultBytes), Fence: c.Fence, Attempts: c.Attempt, Generation: c.Generation}
+	m.finish, m.res = txFinish{action: store.ActionComplete}, c.completed(ran.out, stored, lastErr)
 	ctx, cancel := b.ctx()
 	err := b.l.writes.StoreAndCommit(ctx, b.conn, store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr})
 	cancel()
