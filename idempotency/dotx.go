@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency/internal/txshim"
 )
 
 // idleTimeout is the idle_in_transaction_session_timeout of a claim's transaction (it
@@ -28,7 +30,8 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 // req.Deadline). The row lock is the lease: no heartbeat.
 //
 // Concurrent calls share transactions (unless Config.DisableGroupCommit): up to
-// Config.Committers transactions run at once, each carrying the deliveries queued when it
+// 2 × Config.Committers transactions run at once (more than Config.Committers only while
+// deliveries queue), each carrying the deliveries queued when it
 // began (at most Config.MaxBatch, one per key, in key order), so at low load a
 // transaction carries one delivery and waits for nothing. One multi-row statement claims
 // every delivery's key; then each claimed delivery's fn runs, one after another on the
@@ -78,7 +81,7 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
 	m := newTxMember(ctx, req, nil)
 	m.timed = true
-	if l.txq.Push(0, m) {
+	if l.txq.PushDeep(0, m, l.memberTimes.fit(l.txBudget, l.cfg.MaxBatch)) {
 		go l.runTxBatches()
 	}
 	done := ctx.Done()
@@ -90,9 +93,9 @@ func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx contex
 			}
 			done = nil // taken: the executor answers, at the latest when its turn comes
 		case t := <-m.run:
-			out, err, panicked, pval := runTxFn(withClaim(ctx, t.c.Key, t.c.Fence), t.tx, fn)
-			m.ran <- txRan{out: out, err: err, panicked: panicked}
-			if panicked {
+			ran, pval := runTxFn(withClaim(ctx, t.c.Key, t.c.Fence), t.tx, fn)
+			m.ran <- ran
+			if ran.panicked {
 				<-m.answer // rolled back
 				panic(pval)
 			}
@@ -169,12 +172,15 @@ func (l *Ledger) recordPermanent(ctx context.Context, req Request, cause error) 
 	}
 }
 
-func runTxFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {
+// runTxFn runs fn on tx, recovering a panic (its value is pval).
+func runTxFn(ctx context.Context, tx *txshim.Tx, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (ran txRan, pval any) {
+	began := time.Now()
 	defer func() {
+		ran.own = time.Since(began) - tx.InDB()
 		if r := recover(); r != nil {
-			panicked, pval = true, r
+			ran.panicked, pval = true, r
 		}
 	}()
-	out, err = fn(ctx, tx)
-	return out, err, false, nil
+	ran.out, ran.err = fn(ctx, tx)
+	return ran, nil
 }

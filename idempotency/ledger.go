@@ -95,8 +95,11 @@ type Config struct {
 	// MaxBatch caps how many requests one shared commit carries. Default 64.
 	MaxBatch int
 	// Committers caps how many shared transactions of each kind (leased claims, leased
-	// completions, DoTx batches) are in flight at once. Default 1: one committer per kind
-	// and process, so that everything that queues behind a commit goes in the next one.
+	// completions) are in flight at once. Default 1: one committer per kind and process,
+	// so that everything that queues behind a commit goes in the next one. DoTx runs up to
+	// twice as many shared transactions: the second starts only while more deliveries
+	// wait than the first's next batch takes, so that a transaction running its members
+	// one after another does not leave the other cores idle.
 	Committers int
 	// ObserveBatch, if set, is called with the number of requests each shared commit
 	// carried; kind is BatchClaim, BatchComplete or BatchTx. It must be fast and safe for
@@ -126,7 +129,7 @@ type Ledger struct {
 
 	leased  *commit.Committer[*leasedOp] // leased claims and finishes (Do)
 	txq     *commit.Queue[*txMember]     // DoTx deliveries waiting for a shared transaction
-	txTimes handlerTimes                 // how long DoTx handlers take
+	txTimes handlerTimes                 // how long DoTx handlers take outside the database
 	// memberTimes: how long a member's turn in a shared transaction takes.
 	memberTimes handlerTimes
 	txBudget    time.Duration // txBatchBudget; tests lengthen it
@@ -192,7 +195,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	}
 	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 	l.leased = l.newLeasedCommitter()
-	l.txq = commit.NewQueue(1, c.Committers, func(m *txMember) string { return m.req.Key })
+	l.txq = commit.NewQueueSpare(1, c.Committers, c.Committers, func(m *txMember) string { return m.req.Key })
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	return l
 }

@@ -22,11 +22,12 @@ import (
 // hold up every member after it.
 const txBatchBudget = 5 * time.Millisecond
 
-// txSlowHandler is the average handler time above which DoTx deliveries stop sharing
-// transactions and run alone, in parallel, until handlers are quick again.
+// txSlowHandler is the average handler time outside the database (txshim.Tx.InDB) above
+// which DoTx deliveries stop sharing transactions and run alone, in parallel, until
+// handlers are quick again.
 const txSlowHandler = time.Millisecond
 
-// handlerTimes is a moving average of how long DoTx handlers take, shared or alone.
+// handlerTimes is a moving average of a duration.
 type handlerTimes struct{ nanos atomic.Int64 }
 
 // record adds a handler's run time to the moving average (weight 1/8).
@@ -42,13 +43,15 @@ func (h *handlerTimes) record(d time.Duration) {
 // slow reports whether handlers take longer than limit, on average.
 func (h *handlerTimes) slow(limit time.Duration) bool { return time.Duration(h.nanos.Load()) > limit }
 
-// fit is how many members fit in budget, at the average time, within 1..most.
+// fit is how many members fit in budget, at the average time, within 2..most: never
+// one, as only a transaction of several members measures a member's turn, and a
+// transaction whose second member does not fit gives it back.
 func (h *handlerTimes) fit(budget time.Duration, most int) int {
 	avg := time.Duration(h.nanos.Load())
 	if avg <= 0 {
 		return most
 	}
-	return max(1, min(most, int(budget/avg)+1))
+	return max(min(2, most), min(most, int(budget/avg)+1))
 }
 
 // txMember is one DoTx delivery in a transaction: shared (it waits in Ledger.txq and its
@@ -100,6 +103,7 @@ type txRan struct {
 	out      json.RawMessage
 	err      error
 	panicked bool
+	own      time.Duration // fn's run less what it waited on the database
 }
 
 type txAnswer struct {
@@ -123,7 +127,7 @@ type txFinish struct {
 
 // runTxBatches is an executor: it runs the queued deliveries in shared transactions on
 // one connection, up to Config.MaxBatch (one per key, in key order) in each, until
-// nothing is queued. Up to Config.Committers executors run at once.
+// nothing is queued. Up to 2 × Config.Committers executors run at once.
 func (l *Ledger) runTxBatches() {
 	var conn *pgxpool.Conn
 	defer func() {

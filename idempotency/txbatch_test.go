@@ -782,6 +782,50 @@ func TestDoTxBatchedSlowHandlersRunAlone(t *testing.T) {
 	t.Logf("%d slow handlers in %d transactions, %s", n, transactions, took.Round(time.Millisecond))
 }
 
+// TestDoTxBatchedSlowQueriesKeepSharing: a handler whose time goes to the database (as
+// every handler's does on a saturated machine) is not slow: its deliveries keep sharing
+// transactions. Only its time outside the database counts (TestDoTxBatchedSlowHandlersRunAlone
+// is the other side). Handlers of 3 ms used to make every delivery run alone.
+func TestDoTxBatchedSlowQueriesKeepSharing(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{Committers: 1})
+	defer l.Close()
+	l.txBudget = time.Hour // every waiting member fits: only the slow switch can split them
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
+	run := func(key string) {
+		_, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO effects SELECT $1, pg_current_xact_id()::text FROM pg_sleep(0.003)`, key)
+			return nil, err
+		})
+		if err != nil {
+			t.Errorf("%s: %v", key, err)
+		}
+	}
+	// First one at a time, so that the handlers' times are known; then all at once.
+	for i := range 10 {
+		run(fmt.Sprintf("first-%02d", i))
+	}
+	const n = 40
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { run(fmt.Sprintf("query-%02d", i)) })
+	}
+	wg.Wait()
+	var effects, keys, transactions int
+	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT key), count(DISTINCT xid) FROM effects WHERE key LIKE 'query-%'`).Scan(&effects, &keys, &transactions); err != nil {
+		t.Fatal(err)
+	}
+	if effects != n || keys != n {
+		t.Fatalf("%d effects of %d keys, want %d of %d", effects, keys, n, n)
+	}
+	if transactions > n/2 {
+		t.Errorf("%d handlers ran in %d transactions: handlers waiting on the database stopped sharing", n, transactions)
+	}
+	t.Logf("%d handlers of 3 ms in the database, in %d transactions", n, transactions)
+}
+
 // TestDoTxBatchedLostCommitAnswerLaterMember: a member left for after the batch (its
 // handler's turn came past the batch's budget, so it gave its claim back) is answered
 // even when the batch's COMMIT answer is lost, and then runs alone. It used to wait for

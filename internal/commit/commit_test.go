@@ -43,6 +43,28 @@ func TestQueueTakesKeysOnceInOrder(t *testing.T) {
 	}
 }
 
+// A spare worker starts only when more requests wait than depth per running worker.
+func TestQueueSpareWorkerStartsWhenDeep(t *testing.T) {
+	q := NewQueueSpare(1, 1, 1, self)
+	if !q.PushDeep(0, "a", 2) {
+		t.Fatal("the first push must start the first worker")
+	}
+	if q.PushDeep(0, "b", 2) {
+		t.Fatal("two waiting, depth 2: the running worker's next batch takes them; no spare")
+	}
+	if !q.PushDeep(0, "c", 2) {
+		t.Fatal("three waiting, depth 2: the spare must start")
+	}
+	if q.PushDeep(0, "d", 1) || q.Push(0, "e") {
+		t.Fatal("both workers run: nothing more may start")
+	}
+	for range 2 {
+		if b := q.Take(2); b == nil || len(b[0]) != 2 {
+			t.Fatalf("each worker takes a batch of two, got %v", b)
+		}
+	}
+}
+
 // A refused round is sent again lane by lane, and a lane in halves, down to the request
 // at fault; the others commit.
 func TestCommitterIsolatesTheRefusedRequest(t *testing.T) {

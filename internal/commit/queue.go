@@ -18,6 +18,7 @@ import (
 type Queue[T comparable] struct {
 	key     func(T) string
 	workers int
+	spare   int // workers beyond these start only when the queue is deep (PushDeep)
 
 	mu       sync.Mutex
 	lanes    [][]T
@@ -28,7 +29,13 @@ type Queue[T comparable] struct {
 // NewQueue returns a queue of lanes lanes, served by at most workers workers, whose
 // requests have the keys key gives.
 func NewQueue[T comparable](lanes, workers int, key func(T) string) *Queue[T] {
-	q := &Queue[T]{key: key, workers: max(workers, 1), lanes: make([][]T, lanes), inFlight: make([]map[string]bool, lanes)}
+	return NewQueueSpare(lanes, workers, 0, key)
+}
+
+// NewQueueSpare is NewQueue with spare more workers, which start only when the queue is
+// deep (PushDeep).
+func NewQueueSpare[T comparable](lanes, workers, spare int, key func(T) string) *Queue[T] {
+	q := &Queue[T]{key: key, workers: max(workers, 1), spare: max(spare, 0), lanes: make([][]T, lanes), inFlight: make([]map[string]bool, lanes)}
 	for i := range q.inFlight {
 		q.inFlight[i] = make(map[string]bool)
 	}
@@ -42,6 +49,20 @@ func (q *Queue[T]) Push(lane int, t T) (startWorker bool) {
 	defer q.mu.Unlock()
 	q.lanes[lane] = append(q.lanes[lane], t)
 	if q.running < q.workers {
+		q.running++
+		return true
+	}
+	return false
+}
+
+// PushDeep is Push that also starts a spare worker, when more than depth requests per
+// running worker wait in lane: more than the running workers' next batches take, so that
+// another worker would not just split them.
+func (q *Queue[T]) PushDeep(lane int, t T, depth int) (startWorker bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.lanes[lane] = append(q.lanes[lane], t)
+	if q.running < q.workers || q.running < q.workers+q.spare && len(q.lanes[lane]) > depth*q.running {
 		q.running++
 		return true
 	}

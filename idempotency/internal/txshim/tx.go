@@ -20,6 +20,11 @@ var ErrHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or 
 
 // Tx is the pgx.Tx a DoTx handler gets. Queries go straight to the connection. Begin (a savepoint) and LargeObjects use a pgx transaction
 // handle made on first use, in the open transaction, for one round trip.
+//
+// Tx counts how long the handler waits on the database through it (InDB): a query from
+// its start until its rows are read or closed. What a handler spends outside (its own
+// work, a sleep, a call elsewhere) is what keeps it from sharing a transaction; the
+// database's time is what sharing saves.
 type Tx struct {
 	conn   *pgx.Conn
 	handle pgx.Tx
@@ -27,7 +32,15 @@ type Tx struct {
 	// shared transaction makes the member's savepoint there); its error is that use's.
 	first    func(ctx context.Context) error
 	firstErr error
+	inDB     time.Duration
 }
+
+// InDB is how long the handler has waited on the database through t. Queries on a
+// savepoint's handle (Begin) are not counted.
+func (t *Tx) InDB() time.Duration { return t.inDB }
+
+// since adds the time since start to InDB.
+func (t *Tx) since(start time.Time) { t.inDB += time.Since(start) }
 
 // New returns the Tx on conn's open transaction; first, if not nil, runs once before the
 // handler's first use of it (a shared transaction makes the member's savepoint there).
@@ -79,6 +92,7 @@ func (t *Tx) Commit(context.Context) error { return ErrHandlerEndsTx }
 func (t *Tx) Rollback(context.Context) error { return ErrHandlerEndsTx }
 
 func (t *Tx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return 0, err
 	}
@@ -86,10 +100,11 @@ func (t *Tx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames
 }
 
 func (t *Tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return errBatchResults{err}
 	}
-	return t.conn.SendBatch(ctx, b)
+	return timedBatch{t.conn.SendBatch(ctx, b), t}
 }
 
 // LargeObjects returns the large object API on the transaction. The first call (or
@@ -107,6 +122,7 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 }
 
 func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return nil, err
 	}
@@ -114,6 +130,7 @@ func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDe
 }
 
 func (t *Tx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return pgconn.CommandTag{}, err
 	}
@@ -121,17 +138,80 @@ func (t *Tx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.Com
 }
 
 func (t *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return nil, err
 	}
-	return t.conn.Query(ctx, sql, args...)
+	rows, err := t.conn.Query(ctx, sql, args...)
+	if err != nil {
+		return rows, err
+	}
+	return &timedRows{Rows: rows, t: t}, nil
 }
 
 func (t *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return errRow{err}
 	}
-	return t.conn.QueryRow(ctx, sql, args...)
+	return timedRow{t.conn.QueryRow(ctx, sql, args...), t}
+}
+
+// timedRows counts the time its rows take to arrive (Next) and to close in InDB.
+type timedRows struct {
+	pgx.Rows
+	t *Tx
+}
+
+func (r *timedRows) Next() bool {
+	defer r.t.since(time.Now())
+	return r.Rows.Next()
+}
+
+func (r *timedRows) Close() {
+	defer r.t.since(time.Now())
+	r.Rows.Close()
+}
+
+// timedRow counts the time its row takes to arrive (Scan) in InDB.
+type timedRow struct {
+	pgx.Row
+	t *Tx
+}
+
+func (r timedRow) Scan(dest ...any) error {
+	defer r.t.since(time.Now())
+	return r.Row.Scan(dest...)
+}
+
+// timedBatch counts the time its results take to arrive in InDB.
+type timedBatch struct {
+	pgx.BatchResults
+	t *Tx
+}
+
+func (b timedBatch) Exec() (pgconn.CommandTag, error) {
+	defer b.t.since(time.Now())
+	return b.BatchResults.Exec()
+}
+
+func (b timedBatch) Query() (pgx.Rows, error) {
+	defer b.t.since(time.Now())
+	rows, err := b.BatchResults.Query()
+	if err != nil {
+		return rows, err
+	}
+	return &timedRows{Rows: rows, t: b.t}, nil
+}
+
+func (b timedBatch) QueryRow() pgx.Row {
+	defer b.t.since(time.Now())
+	return timedRow{b.BatchResults.QueryRow(), b.t}
+}
+
+func (b timedBatch) Close() error {
+	defer b.t.since(time.Now())
+	return b.BatchResults.Close()
 }
 
 func (t *Tx) Conn() *pgx.Conn { return t.conn }
