@@ -74,6 +74,10 @@ type Options struct {
 	DrainWorkloads []string
 	// DrainTimeout bounds one drain. Default 5m.
 	DrainTimeout time.Duration
+	// DrainPrefill is how many completed rows the ledger holds before each drain of the
+	// debit-prefilled workload (30 days of keys, as the default retention keeps). Default
+	// 5,000,000.
+	DrainPrefill int
 
 	// MemoryTasks is the no-op tasks each configuration's child serves in memory mode
 	// (RunMemory). Default 100000.
@@ -135,6 +139,9 @@ func (o *Options) defaults() {
 	}
 	if o.DrainTimeout <= 0 {
 		o.DrainTimeout = 5 * time.Minute
+	}
+	if o.DrainPrefill <= 0 {
+		o.DrainPrefill = 5_000_000
 	}
 	if o.MemoryTasks <= 0 {
 		o.MemoryTasks = 100000
@@ -399,6 +406,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	drainConc := fs.String("drain-concurrency", "10,50", "-drain: concurrencies to run each workload at")
 	drainWorkloadsFlag := fs.String("drain-workloads", strings.Join(DrainWorkloadNames, ","), "-drain: workloads")
 	fs.DurationVar(&opt.DrainTimeout, "drain-timeout", 5*time.Minute, "-drain: time limit of one drain")
+	fs.IntVar(&opt.DrainPrefill, "drain-prefill", 5_000_000, "-drain: completed rows in the ledger before each drain of debit-prefilled (about 1.8 GB with its indexes per 5,000,000; written once per run, in a few minutes)")
 	drainBinaries := fs.String("drain-binaries", "", "-drain: comma-separated idemq binaries whose `worker` to compare, side by side in one run (default: this one)")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\n\nFlags:")

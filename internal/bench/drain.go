@@ -68,6 +68,9 @@ type drainWorkload struct {
 	dup   int     // deliveries per key
 	share float64 // of DrainN: hot scopes drain slowly
 	scope func(rng *rand.Rand, i int) int
+	// prefilled: the ledger holds Options.DrainPrefill completed rows of other keys
+	// before each drain, as a ledger that keeps 30 days of keys does.
+	prefilled bool
 }
 
 var drainWorkloads = map[string]drainWorkload{
@@ -75,12 +78,13 @@ var drainWorkloads = map[string]drainWorkload{
 	"debit-hot":       {name: "debit-hot", typ: tasks.TypeDebit, dup: 1, share: 0.05, scope: func(_ *rand.Rand, i int) int { return i % 13 }},
 	"debit-zipf":      {name: "debit-zipf", typ: tasks.TypeDebit, dup: 1, share: 0.05, scope: zipf(1000)},
 	"debit-dup":       {name: "debit-dup", typ: tasks.TypeDebit, dup: 3, share: 1.0 / 3, scope: func(_ *rand.Rand, i int) int { return i }},
+	"debit-prefilled": {name: "debit-prefilled", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }, prefilled: true},
 	"charge-distinct": {name: "charge-distinct", typ: tasks.TypeCharge, dup: 1, share: 0.5, scope: func(_ *rand.Rand, i int) int { return i }},
 	"charge-hot":      {name: "charge-hot", typ: tasks.TypeCharge, dup: 1, share: 0.05, scope: func(_ *rand.Rand, i int) int { return i % 17 }},
 }
 
 // DrainWorkloadNames lists drain mode's workloads, in the order a run measures them.
-var DrainWorkloadNames = []string{"debit-distinct", "debit-hot", "debit-zipf", "debit-dup", "charge-distinct", "charge-hot"}
+var DrainWorkloadNames = []string{"debit-distinct", "debit-hot", "debit-zipf", "debit-dup", "debit-prefilled", "charge-distinct", "charge-hot"}
 
 // zipf draws scopes from a Zipf(s = 1.1) distribution over n scopes.
 func zipf(n uint64) func(*rand.Rand, int) int {
@@ -128,6 +132,7 @@ func (w drainWorkload) payload(prefix string, rng *rand.Rand, i int) []byte {
 // DrainSample is one drain of one configuration.
 type DrainSample struct {
 	Workload    string  `json:"workload"`
+	Prefilled   int     `json:"prefilled_rows,omitempty"` // completed rows in the ledger before the drain
 	Concurrency int     `json:"concurrency"`
 	Config      string  `json:"config"`
 	Rep         int     `json:"rep"`
@@ -189,7 +194,12 @@ func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSamp
 func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, conc int, cfg drainConfig, rep int) (DrainSample, error) {
 	config := cfg.name
 	s := DrainSample{Workload: w.name, Concurrency: conc, Config: config, Rep: rep + 1, Keys: keys, Deliveries: keys * w.dup}
-	if err := e.reset(ctx); err != nil {
+	reset := e.reset
+	if w.prefilled {
+		s.Prefilled = opt.DrainPrefill
+		reset = func(ctx context.Context) error { return e.resetPrefilled(ctx, opt.DrainPrefill) }
+	}
+	if err := reset(ctx); err != nil {
 		return s, err
 	}
 	prefix := fmt.Sprintf("d%d%s", rep, randomHex(3))
@@ -289,6 +299,54 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 		return s, fmt.Errorf("bench: drain %s %s c=%d: %d effects (want %d), %d archived", w.name, config, conc, s.Effects, want, s.Archived)
 	}
 	return s, nil
+}
+
+// Prefilled rows are the keys of debits completed over the last 29 days, in the shape
+// the worker writes them, their keys scattered over the key space as real references are.
+const (
+	prefillSQL = `
+INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, result, attempts,
+                            created_at, updated_at, started_at, completed_at)
+SELECT 'debit:' || md5(g::text), 'wallet:debit', 'completed', nextval('processed_jobs_fence_seq'),
+       gen_random_uuid(), '{"balance_cents": -1}', 1, t, t, t, t
+FROM generate_series($1::bigint, $2::bigint) g,
+     LATERAL (SELECT now() - interval '29 days' * (1 - g::float8 / $3::bigint) - interval '1 hour' AS t) at`
+	// drainRowsSQL deletes what a drain wrote, which is all newer than the prefilled rows.
+	drainRowsSQL = `DELETE FROM processed_jobs WHERE started_at > now() - interval '30 minutes'`
+)
+
+// resetPrefilled empties Redis and every table but the ledger, deletes the rows of the
+// last drain from it, and fills it up to n rows (the first time, in chunks of a million).
+func (e *env) resetPrefilled(ctx context.Context, n int) error {
+	if err := e.rdb.FlushDB(ctx).Err(); err != nil {
+		return fmt.Errorf("bench: empty the leased Redis database: %w", err)
+	}
+	if _, err := e.admin.Exec(ctx, `TRUNCATE wallet_entries, fakepay_charges, fakepay_requests, job_intents`); err != nil {
+		return fmt.Errorf("bench: truncate: %w", err)
+	}
+	if _, err := e.admin.Exec(ctx, drainRowsSQL); err != nil {
+		return fmt.Errorf("bench: delete the last drain's rows: %w", err)
+	}
+	var have int
+	if err := e.admin.QueryRow(ctx, `SELECT count(*) FROM processed_jobs`).Scan(&have); err != nil {
+		return fmt.Errorf("bench: count the ledger: %w", err)
+	}
+	if have == n {
+		return nil
+	}
+	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs`); err != nil {
+		return fmt.Errorf("bench: truncate: %w", err)
+	}
+	const chunk = 1_000_000
+	for from := 1; from <= n; from += chunk {
+		if _, err := e.admin.Exec(ctx, prefillSQL, from, min(from+chunk-1, n), n); err != nil {
+			return fmt.Errorf("bench: prefill the ledger: %w", err)
+		}
+	}
+	if _, err := e.admin.Exec(ctx, `VACUUM ANALYZE processed_jobs`); err != nil {
+		return fmt.Errorf("bench: vacuum the ledger: %w", err)
+	}
+	return nil
 }
 
 // enqueuePlain publishes keys tasks of w (each w.dup times) as a plain asynq producer
