@@ -99,7 +99,29 @@ type Options struct {
 	// Retry decides whether and when Obtain tries again while the key is held by
 	// someone else. Default: NoRetry().
 	Retry RetryStrategy
+
+	// Want, when set, marks the key as wanted for this long each time Obtain finds it
+	// held by someone else, so that its holder can tell (Locker.Wanted) that handing it
+	// on within its own process would keep this caller waiting. Default: no mark.
+	Want time.Duration
 }
+
+// wantedSuffix makes the Redis key of a lock's wanted mark (Options.Want).
+const wantedSuffix = ":wanted"
+
+// Wanted reports whether another caller found key held since the last call (Options.Want),
+// and clears the mark.
+func (l *Locker) Wanted(ctx context.Context, key string) (bool, error) {
+	n, err := unmarkScript.Run(ctx, l.client, []string{l.RedisKey(key) + wantedSuffix}).Int64()
+	if err != nil {
+		return false, fmt.Errorf("lock: wanted %q: %w", key, err)
+	}
+	return n == 1, nil
+}
+
+// unmarkScript deletes a wanted mark, answering 1 if there was one. (The Client interface
+// has no DEL: every go-redis client runs scripts.)
+var unmarkScript = redis.NewScript(`return redis.call('del', KEYS[1])`)
 
 // Obtain takes the lock on key for ttl with SET NX PX and a fresh random token.
 //
@@ -117,8 +139,12 @@ func (l *Locker) Obtain(ctx context.Context, key string, ttl time.Duration, opts
 		return nil, fmt.Errorf("lock: obtain %q: ttl %v is shorter than 1ms", key, ttl)
 	}
 	var retry RetryStrategy = noRetry{}
-	if opts != nil && opts.Retry != nil {
-		retry = opts.Retry
+	var want time.Duration
+	if opts != nil {
+		if opts.Retry != nil {
+			retry = opts.Retry
+		}
+		want = opts.Want
 	}
 	rkey := l.RedisKey(key)
 	token := rand.Text()
@@ -143,6 +169,10 @@ func (l *Locker) Obtain(ctx context.Context, key string, ttl time.Duration, opts
 		}
 		if ok {
 			return &Lock{locker: l, key: key, rkey: rkey, token: token, ttl: ttl, sent: sent}, nil
+		}
+		if want > 0 {
+			// Best effort: without the mark the holder only keeps the lock longer.
+			l.client.SetNX(ctx, rkey+wantedSuffix, "1", want)
 		}
 		delay, again := retry.Backoff(n)
 		if !again {
@@ -186,6 +216,14 @@ func (l *Lock) validUntil() (time.Time, time.Duration) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.sent.Add(l.ttl), l.ttl
+}
+
+// Remaining is how long the lock is still ours at least, by our own monotonic clock:
+// from the send time of the last obtain or refresh that Redis confirmed, its TTL, less
+// the time since. Zero or less: it may have expired.
+func (l *Lock) Remaining() time.Duration {
+	until, _ := l.validUntil()
+	return time.Until(until)
 }
 
 // extended records a successful refresh sent at sent with ttl, unless a later one is

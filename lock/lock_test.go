@@ -323,3 +323,35 @@ func TestRedisErrors(t *testing.T) {
 	})
 	isRedisErr("obtain", err)
 }
+
+// A caller that finds the key held marks it wanted (Options.Want); the holder learns it
+// once (Wanted clears the mark), and the mark expires on its own.
+func TestWantedMark(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	locker, _ := newLocker(t)
+	held, err := locker.Obtain(ctx, "w", time.Minute, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w, err := locker.Wanted(ctx, "w"); err != nil || w {
+		t.Fatalf("Wanted before anyone asked: %v %v, want false", w, err)
+	}
+	if _, err := locker.Obtain(ctx, "w", time.Minute, &lock.Options{Want: 100 * time.Millisecond}); !errors.Is(err, lock.ErrNotObtained) {
+		t.Fatalf("obtain a held key: %v", err)
+	}
+	if w, err := locker.Wanted(ctx, "w"); err != nil || !w {
+		t.Fatalf("Wanted after a caller found it held: %v %v, want true", w, err)
+	}
+	if w, _ := locker.Wanted(ctx, "w"); w {
+		t.Fatal("Wanted twice for one ask: the mark must be cleared")
+	}
+	locker.Obtain(ctx, "w", time.Minute, &lock.Options{Want: 50 * time.Millisecond})
+	time.Sleep(150 * time.Millisecond)
+	if w, _ := locker.Wanted(ctx, "w"); w {
+		t.Fatal("the mark outlived its TTL")
+	}
+	if rem := held.Remaining(); rem < 50*time.Second || rem > time.Minute {
+		t.Fatalf("Remaining %s, want just under the minute obtained", rem)
+	}
+}

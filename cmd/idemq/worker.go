@@ -175,6 +175,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		runErr = fmt.Errorf("metrics server: %w", runErr)
 	}
 	log.Info("draining", "shutdown_timeout", cfg.ShutdownTimeout)
+	w.Stop() // deliveries waiting for a scope's lock answer busy: another replica runs them
 	srv.Shutdown()
 	log.Info("worker stopped")
 	return runErr

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"math/rand/v2"
 	"time"
 
@@ -54,6 +53,23 @@ type Config struct {
 	// for every delivery. Jobs with a wider scope (a customer, an account) always take it.
 	LockKeyScoped bool
 
+	// ScopeWaiters caps how many deliveries of one lock scope wait in this process for
+	// the one that holds it, so that a hot scope cannot take every concurrency slot; one
+	// more answers busy at once. Default: 8.
+	ScopeWaiters int
+
+	// ScopeWait bounds how long a delivery waits for its scope's lock (in line in this
+	// process, or asking Redis while another process holds it) before it answers busy.
+	// On the task's last attempt it waits as long as the delivery may run. Default: 2s.
+	ScopeWait time.Duration
+
+	// ScopeHandoffs and ScopeHold bound how many times, and for how long, the held lock
+	// of a scope is handed from one delivery of this process to the next before the
+	// process gives another process that asked for the scope its turn. Defaults: 64
+	// and 1s.
+	ScopeHandoffs int
+	ScopeHold     time.Duration
+
 	// Logger receives a line per notable outcome. Default: discard.
 	Logger *slog.Logger
 
@@ -79,8 +95,10 @@ type LockEvent string
 
 // Lock outcomes passed to Config.ObserveLock.
 const (
-	LockObtained LockEvent = "obtained" // the scope's lock was taken
-	LockBusy     LockEvent = "busy"     // another delivery holds it: retried soon
+	LockObtained LockEvent = "obtained" // the scope's lock was taken from Redis
+	LockHanded   LockEvent = "handed"   // it was handed over by the delivery before, in this process
+	LockWaited   LockEvent = "waited"   // another process held it: the delivery asked again
+	LockBusy     LockEvent = "busy"     // it stayed held past the wait: retried soon
 	LockLost     LockEvent = "lost"     // it expired or was taken while the handler ran
 	LockError    LockEvent = "error"    // Redis failed; the ledger alone guarded the work
 )
@@ -102,6 +120,7 @@ type Worker struct {
 	locker *lock.Locker
 	cfg    Config
 	log    *slog.Logger
+	gate   *gate
 }
 
 // NewWorker returns a Worker using ledger and locker (locker may be nil: no Redis lock,
@@ -117,11 +136,36 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 	if w.cfg.BusyBudget <= 0 {
 		w.cfg.BusyBudget = max(2*ledger.Lease(), 15*time.Minute)
 	}
+	if w.cfg.ScopeWaiters <= 0 {
+		w.cfg.ScopeWaiters = 8
+	}
+	if w.cfg.ScopeWait <= 0 {
+		w.cfg.ScopeWait = 2 * time.Second
+	}
+	if w.cfg.ScopeHandoffs <= 0 {
+		w.cfg.ScopeHandoffs = 64
+	}
+	if w.cfg.ScopeHold <= 0 {
+		w.cfg.ScopeHold = time.Second
+	}
 	w.log = w.cfg.Logger
 	if w.log == nil {
 		w.log = slog.New(slog.DiscardHandler)
 	}
+	w.gate = newGate(w)
 	return w
+}
+
+// Stop makes the deliveries waiting for a scope's lock, and every later one that needs a
+// lock, answer busy at once (they are retried, by another process if this one is going
+// away), and ends the handing over of held locks. Call it when the process begins to shut
+// down, before asynq.Server.Shutdown.
+func (w *Worker) Stop() { w.gate.stop() }
+
+func (w *Worker) observeLock(ev LockEvent, taskType string) {
+	if w.cfg.ObserveLock != nil {
+		w.cfg.ObserveLock(ev, taskType)
+	}
 }
 
 // Leased returns the handler of a task type whose effect is external (a provider call, an
@@ -174,12 +218,6 @@ func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
 	return err
 }
 
-func (h *handler[T]) observeLock(ev LockEvent) {
-	if h.w.cfg.ObserveLock != nil {
-		h.w.cfg.ObserveLock(ev, h.taskType)
-	}
-}
-
 func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string, _ error) {
 	if t.Type() != h.taskType {
 		return OutcomeRejected, fmt.Errorf("%s: handler got a task of type %q: %w", h.taskType, t.Type(), asynq.SkipRetry)
@@ -207,44 +245,21 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	}
 	runCtx := ctx
 	if h.w.locker != nil && (scope != key || h.w.cfg.LockKeyScoped) {
-		var opts *lock.Options
-		if lastAttempt(ctx) {
-			// A busy answer now would archive the task: wait for the lock instead, within
-			// the delivery's deadline.
-			opts = &lock.Options{Retry: lock.ExponentialBackoff(50*time.Millisecond, time.Second, math.MaxInt32)}
-		}
-		lk, err := h.w.locker.Obtain(ctx, scope, h.w.cfg.LockTTL, opts)
+		// On the last attempt a busy answer would archive the task: wait for the lock as
+		// long as the delivery may run.
+		hold, err := h.w.gate.enter(ctx, scope, h.taskType, scope == key, lastAttempt(ctx))
 		switch {
 		case errors.Is(err, lock.ErrNotObtained):
-			h.observeLock(LockBusy)
+			h.w.observeLock(LockBusy, h.taskType)
 			return OutcomeBusy, fmt.Errorf("%s: key %s: lock %s held by another delivery: %w", h.taskType, key, scope, ErrLockBusy)
-		case err != nil && ctx.Err() != nil:
+		case hold == nil:
 			return OutcomeError, err
 		case err != nil:
 			// Redis is a fast path: without it the ledger still guards the work.
-			h.observeLock(LockError)
 			log.Warn("lock unavailable; relying on the ledger", "scope", scope, "err", err)
-		default:
-			h.observeLock(LockObtained)
-			watched, stop := lk.Watch(ctx, &lock.WatchOptions{
-				// When the scope is the key (LockKeyScoped), the ledger's fence guards
-				// the work: losing the lock must not cancel it.
-				IgnoreLoss: scope == key,
-				OnLost: func(cause error) {
-					h.observeLock(LockLost)
-					log.Warn("lock lost while running", "scope", scope, "err", cause)
-				},
-			})
-			runCtx = watched
-			defer func() {
-				stop()
-				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-				defer cancel()
-				if err := lk.Release(rctx); err != nil && !errors.Is(err, lock.ErrLockLost) {
-					log.Warn("release lock", "scope", scope, "err", err)
-				}
-			}()
 		}
+		runCtx = hold.ctx
+		defer hold.leave()
 	}
 
 	req := idempotency.Request{Key: key, TaskType: h.taskType, Fingerprint: idempotency.Fingerprint(h.taskType, canonical)}

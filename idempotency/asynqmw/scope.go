@@ -1,0 +1,308 @@
+package asynqmw
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/idemq/idemq/lock"
+)
+
+// A scope's Redis lock is shared by the deliveries of this process that need it. The
+// first takes it from Redis; the others wait in line, in this process (FIFO, at most
+// Config.ScopeWaiters of them), and each is handed the held lock when the one before it
+// is done: no release, no obtain, one watchdog refreshing it throughout. A lock is handed
+// on only while its last refresh is confirmed for more than half its TTL. After
+// Config.ScopeHandoffs handoffs or Config.ScopeHold, whichever comes first, the holder
+// asks Redis whether another process found the scope held meanwhile (lock.Options.Want):
+// if so, it releases the lock, and the next waiter here asks Redis for it a moment later,
+// as the other processes do, so that they get their turn. A delivery whose scope another
+// process holds asks Redis again, more and more slowly, for up to Config.ScopeWait (the
+// rest of the delivery on its last attempt) before it answers busy and goes back through
+// asynq's retry set.
+
+// gate is the process's side of the scope locks.
+type gate struct {
+	w        *Worker
+	mu       sync.Mutex
+	scopes   map[string]*scope
+	stopping chan struct{} // closed by Worker.Stop: waiters answer busy
+	stopOnce sync.Once
+}
+
+// scope is the state of one lock scope in this process, while a delivery holds or
+// obtains its lock or waits for it.
+type scope struct {
+	name     string
+	taskType string     // of the delivery that holds it, for LockLost
+	lk       *lock.Lock // nil while no delivery holds it from Redis
+	unwatch  func() error
+	since    time.Time // when lk was taken from Redis
+	handoffs int       // since then
+	lost     error     // the watchdog found lk lost: it is not handed on
+	cancel   context.CancelCauseFunc
+	ownKey   bool           // the scope is the job's own key: a loss does not cancel (the ledger guards)
+	waiters  []chan handout // FIFO
+}
+
+// handout is what a waiter is told when its turn comes: the lock is handed over (held:
+// run), or it was released (take it from Redis; yield: released for another process,
+// which gets a moment's start).
+type handout struct{ held, yield bool }
+
+// scopeHold is a delivery's turn in a scope: its ctx (cancelled when the lock is lost,
+// unless the scope is the key) and the lock it holds, if Redis was reachable.
+type scopeHold struct {
+	g      *gate
+	s      *scope
+	ctx    context.Context
+	handed bool // the lock came from the delivery before, not from Redis
+}
+
+func newGate(w *Worker) *gate {
+	return &gate{w: w, scopes: map[string]*scope{}, stopping: make(chan struct{})}
+}
+
+// stop makes every waiter answer busy, and every delivery that comes after it.
+func (g *gate) stop() { g.stopOnce.Do(func() { close(g.stopping) }) }
+
+// enter waits for the scope's turn, within patience (the rest of ctx when patient). Its
+// errors: lock.ErrNotObtained (busy: the scope stayed held, or its line is full), ctx's
+// error, or a Redis error, with which the hold is returned as well: the delivery runs
+// guarded by the ledger alone, still one at a time in this process.
+func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient bool) (*scopeHold, error) {
+	select {
+	case <-g.stopping:
+		return nil, lock.ErrNotObtained
+	default:
+	}
+	wait := g.w.cfg.ScopeWait
+	if patient {
+		wait = time.Until(deadlineOf(ctx))
+	}
+	giveUp := time.NewTimer(max(wait, 0))
+	defer giveUp.Stop()
+
+	g.mu.Lock()
+	s := g.scopes[name]
+	if s == nil {
+		s = &scope{name: name, ownKey: ownKey}
+		g.scopes[name] = s
+		g.mu.Unlock()
+		return g.obtain(ctx, s, taskType, giveUp.C)
+	}
+	if len(s.waiters) >= g.w.cfg.ScopeWaiters {
+		g.mu.Unlock()
+		return nil, lock.ErrNotObtained
+	}
+	turn := make(chan handout, 1)
+	s.waiters = append(s.waiters, turn)
+	g.mu.Unlock()
+
+	select {
+	case h := <-turn:
+		return g.take(ctx, s, taskType, h, giveUp.C)
+	case <-ctx.Done():
+	case <-g.stopping:
+	case <-giveUp.C:
+	}
+	g.mu.Lock()
+	if i := slices.Index(s.waiters, turn); i >= 0 {
+		s.waiters = slices.Delete(s.waiters, i, i+1)
+		g.mu.Unlock()
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, lock.ErrNotObtained
+	}
+	g.mu.Unlock()
+	// The turn came as this delivery gave up: pass it on.
+	h := <-turn
+	if h.held {
+		(&scopeHold{g: g, s: s}).leave()
+		return nil, lock.ErrNotObtained
+	}
+	g.passOn(s, h.yield)
+	return nil, lock.ErrNotObtained
+}
+
+// take starts the turn h gives.
+func (g *gate) take(ctx context.Context, s *scope, taskType string, h handout, giveUp <-chan time.Time) (*scopeHold, error) {
+	if h.held {
+		g.w.observeLock(LockHanded, taskType)
+		return g.hold(ctx, s, taskType, true), nil
+	}
+	if h.yield {
+		// The lock was released so that another process may take it: give it the moment
+		// its next ask needs.
+		t := time.NewTimer(scopeYield)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+	return g.obtain(ctx, s, taskType, giveUp)
+}
+
+// scopeYield is how long a released scope is left to the other processes before the
+// next delivery of this process asks Redis for it: longer than their slowest retry.
+const scopeYield = 60 * time.Millisecond
+
+// obtain takes s's lock from Redis for the delivery whose turn it is, asking again until
+// giveUp fires. When it does not get it, the turn goes to the next waiter (which asks
+// Redis for itself), and the delivery answers busy.
+func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-chan time.Time) (*scopeHold, error) {
+	retry := lock.ExponentialBackoff(5*time.Millisecond, 50*time.Millisecond, 1<<30)
+	opts := &lock.Options{Want: 4 * g.w.cfg.ScopeHold}
+	for n := 1; ; n++ {
+		lk, err := g.w.locker.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
+		switch {
+		case err == nil:
+			g.w.observeLock(LockObtained, taskType)
+			_, unwatch := lk.Watch(context.Background(), &lock.WatchOptions{IgnoreLoss: true, OnLost: func(cause error) { g.lose(s, cause) }})
+			g.mu.Lock()
+			s.lk, s.unwatch, s.since, s.handoffs, s.lost = lk, unwatch, time.Now(), 0, nil
+			g.mu.Unlock()
+			return g.hold(ctx, s, taskType, false), nil
+		case !errors.Is(err, lock.ErrNotObtained):
+			if ctx.Err() != nil {
+				g.passOn(s, false)
+				return nil, err
+			}
+			// Redis failed: the ledger alone guards the work; this process still runs the
+			// scope's deliveries one at a time.
+			g.w.observeLock(LockError, taskType)
+			return g.hold(ctx, s, taskType, false), err
+		}
+		if n == 1 {
+			g.w.observeLock(LockWaited, taskType)
+		}
+		delay, _ := retry.Backoff(n)
+		t := time.NewTimer(delay)
+		select {
+		case <-t.C:
+			continue
+		case <-ctx.Done():
+		case <-giveUp:
+		case <-g.stopping:
+		}
+		t.Stop()
+		g.passOn(s, false)
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, lock.ErrNotObtained
+	}
+}
+
+// hold makes the turn of the delivery whose ctx is ctx.
+func (g *gate) hold(ctx context.Context, s *scope, taskType string, handed bool) *scopeHold {
+	hctx, cancel := context.WithCancelCause(ctx)
+	g.mu.Lock()
+	s.cancel, s.taskType = cancel, taskType
+	lost := s.lost
+	g.mu.Unlock()
+	if lost != nil && !s.ownKey {
+		cancel(lost)
+	}
+	return &scopeHold{g: g, s: s, ctx: hctx, handed: handed}
+}
+
+// lose runs on s's watchdog when its lock is lost: the running delivery is cancelled
+// (unless the scope is its key), and the lock is not handed on.
+func (g *gate) lose(s *scope, cause error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.w.observeLock(LockLost, s.taskType)
+	g.w.log.Warn("lock lost while running", "scope", s.name, "err", cause)
+	s.lost = cause
+	if s.cancel != nil && !s.ownKey {
+		s.cancel(cause)
+	}
+}
+
+// leave ends the delivery's turn: the lock goes to the next waiter, or back to Redis.
+func (h *scopeHold) leave() {
+	g, s := h.g, h.s
+	g.mu.Lock()
+	if s.cancel != nil {
+		s.cancel(context.Canceled)
+		s.cancel = nil
+	}
+	select {
+	case <-g.stopping:
+		g.mu.Unlock()
+		g.release(s, false)
+		return
+	default:
+	}
+	handOn := s.lk != nil && s.lost == nil && len(s.waiters) > 0 && s.lk.Remaining() > g.w.cfg.LockTTL/2
+	bound := s.handoffs >= g.w.cfg.ScopeHandoffs || time.Since(s.since) >= g.w.cfg.ScopeHold
+	g.mu.Unlock()
+	wanted := false
+	if handOn && bound {
+		// Another process may be waiting: if it asked, its turn comes now.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		w, err := g.w.locker.Wanted(ctx, s.name)
+		cancel()
+		wanted = w || err != nil
+	}
+	g.mu.Lock()
+	if handOn && !wanted && s.lost == nil && len(s.waiters) > 0 {
+		if bound {
+			s.handoffs, s.since = 0, time.Now()
+		}
+		s.handoffs++
+		next := s.waiters[0]
+		s.waiters = s.waiters[1:]
+		g.mu.Unlock()
+		next <- handout{held: true}
+		return
+	}
+	g.mu.Unlock()
+	g.release(s, wanted)
+}
+
+// release gives s's lock back to Redis and the turn to the next waiter.
+func (g *gate) release(s *scope, yield bool) {
+	g.mu.Lock()
+	lk, unwatch := s.lk, s.unwatch
+	s.lk, s.unwatch = nil, nil
+	g.mu.Unlock()
+	if unwatch != nil {
+		unwatch()
+	}
+	if lk != nil && lk.Remaining() > 0 {
+		rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := lk.Release(rctx); err != nil && !errors.Is(err, lock.ErrLockLost) {
+			g.w.log.Warn("release lock", "scope", s.name, "err", err)
+		}
+		cancel()
+	}
+	g.passOn(s, yield)
+}
+
+// passOn gives s's turn to its next waiter, to take from Redis, or forgets s.
+func (g *gate) passOn(s *scope, yield bool) {
+	g.mu.Lock()
+	if len(s.waiters) == 0 {
+		delete(g.scopes, s.name)
+		g.mu.Unlock()
+		return
+	}
+	next := s.waiters[0]
+	s.waiters = s.waiters[1:]
+	g.mu.Unlock()
+	next <- handout{yield: yield}
+}
+
+// deadlineOf is ctx's deadline, or a day from now.
+func deadlineOf(ctx context.Context) time.Time {
+	if d, ok := ctx.Deadline(); ok {
+		return d
+	}
+	return time.Now().Add(24 * time.Hour)
+}

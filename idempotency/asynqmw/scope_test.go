@@ -1,0 +1,227 @@
+package asynqmw_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/lock"
+	"github.com/idemq/idemq/tasks"
+)
+
+// scopeProcess is one worker process of a hot-scope test: its own Locker and Worker on
+// the shared Redis and ledger, its charge handler, and its lock outcomes.
+type scopeProcess struct {
+	worker *asynqmw.Worker
+	charge asynq.Handler
+	mu     sync.Mutex
+	events map[asynqmw.LockEvent]int
+}
+
+func (p *scopeProcess) count(ev asynqmw.LockEvent) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.events[ev]
+}
+
+// newScopeProcess returns a process whose charges run fn under the customer's lock.
+func newScopeProcess(ledger *idempotency.Ledger, rdb *redis.Client, cfg asynqmw.Config, fn func(ctx context.Context, c tasks.Charge) error) *scopeProcess {
+	p := &scopeProcess{events: map[asynqmw.LockEvent]int{}}
+	cfg.ObserveLock = func(ev asynqmw.LockEvent, _ string) {
+		p.mu.Lock()
+		p.events[ev]++
+		p.mu.Unlock()
+	}
+	p.worker = asynqmw.NewWorker(ledger, lock.New(rdb, nil), &cfg)
+	p.charge = asynqmw.Leased(p.worker, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		return json.RawMessage(`{}`), fn(ctx, c)
+	})
+	return p
+}
+
+func hotCharge(t *testing.T, order string) *asynq.Task {
+	t.Helper()
+	task, err := tasks.NewChargeTask(tasks.Charge{OrderID: order, CustomerID: "c-hot", AmountCents: 1, Currency: "EUR"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return task
+}
+
+// TestScopeHandoffAcrossProcesses: 100 deliveries of one customer over 3 processes, 8 at
+// a time in each. They run one at a time, every one of them, none answered busy; within a
+// process the held lock is handed from one delivery to the next, at most ScopeHandoffs
+// times per obtain, and every process gets its turn.
+func TestScopeHandoffAcrossProcesses(t *testing.T) {
+	t.Parallel()
+	ledger, _ := newLedger(t, &idempotency.Config{Lease: 10 * time.Second})
+	ctx := testenv.Context(t, time.Minute)
+	rdb := testenv.Redis(t)
+	cfg := asynqmw.Config{ScopeHandoffs: 5, ScopeWait: 20 * time.Second}
+
+	var inside, most, runs atomic.Int64
+	var orderMu sync.Mutex
+	var order []int // the process of each run, in order
+	procs := make([]*scopeProcess, 3)
+	for i := range procs {
+		procs[i] = newScopeProcess(ledger, rdb, cfg, func(ctx context.Context, c tasks.Charge) error {
+			n := inside.Add(1)
+			defer inside.Add(-1)
+			for {
+				m := most.Load()
+				if n <= m || most.CompareAndSwap(m, n) {
+					break
+				}
+			}
+			orderMu.Lock()
+			order = append(order, i)
+			orderMu.Unlock()
+			runs.Add(1)
+			time.Sleep(2 * time.Millisecond)
+			return nil
+		})
+	}
+
+	const n = 100
+	next := atomic.Int64{}
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range procs {
+		for range 8 {
+			wg.Go(func() {
+				for {
+					k := next.Add(1)
+					if k > n {
+						return
+					}
+					if err := procs[i].charge.ProcessTask(ctx, hotCharge(t, fmt.Sprintf("hot-%03d", k))); err != nil {
+						errs <- fmt.Errorf("order %d on process %d: %w", k, i, err)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if runs.Load() != n {
+		t.Fatalf("%d runs, want %d", runs.Load(), n)
+	}
+	if most.Load() != 1 {
+		t.Fatalf("%d deliveries of one customer ran at once, want 1", most.Load())
+	}
+	for i, p := range procs {
+		obtained, handed, busy := p.count(asynqmw.LockObtained), p.count(asynqmw.LockHanded), p.count(asynqmw.LockBusy)
+		t.Logf("process %d: obtained %d, handed %d, waited %d, busy %d", i, obtained, handed, p.count(asynqmw.LockWaited), busy)
+		if busy != 0 {
+			t.Errorf("process %d answered busy %d times", i, busy)
+		}
+		if obtained == 0 {
+			t.Errorf("process %d never got the lock from Redis: no turn", i)
+		}
+		// Past the bound a holder hands on only when no other process asked meanwhile.
+		if handed > cfg.ScopeHandoffs*obtained*3 {
+			t.Errorf("process %d: %d handoffs for %d obtains; the bound is %d per obtain unless nobody else asked", i, handed, obtained, cfg.ScopeHandoffs)
+		}
+	}
+	var handed int
+	for _, p := range procs {
+		handed += p.count(asynqmw.LockHanded)
+	}
+	if handed == 0 {
+		t.Error("no lock was handed over: every delivery went to Redis")
+	}
+}
+
+// TestScopeWaitIsBounded: a delivery whose scope another process holds waits for it
+// (and runs once it is released) instead of bouncing; past ScopeWait it answers busy. A
+// full line of waiters answers busy at once, and so does every waiter after Stop.
+func TestScopeWaitIsBounded(t *testing.T) {
+	t.Parallel()
+	ledger, _ := newLedger(t, &idempotency.Config{Lease: 10 * time.Second})
+	ctx := testenv.Context(t, time.Minute)
+	rdb := testenv.Redis(t)
+	other := lock.New(rdb, nil)
+	release := make(chan struct{})
+	p := newScopeProcess(ledger, rdb, asynqmw.Config{ScopeWait: 400 * time.Millisecond, ScopeWaiters: 1},
+		func(ctx context.Context, c tasks.Charge) error {
+			if c.OrderID == "w-block" {
+				<-release
+			}
+			return nil
+		})
+
+	// Held elsewhere for 150 ms: the delivery waits and runs.
+	lk, err := other.Obtain(ctx, "customer:c-hot", 10*time.Second, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(150*time.Millisecond, func() { lk.Release(context.Background()) })
+	if err := p.charge.ProcessTask(ctx, hotCharge(t, "w-1")); err != nil {
+		t.Fatalf("a scope released within ScopeWait: %v, want the delivery to run", err)
+	}
+	if p.count(asynqmw.LockWaited) != 1 {
+		t.Errorf("waited %d times, want 1", p.count(asynqmw.LockWaited))
+	}
+
+	// Held elsewhere for longer: busy after about ScopeWait.
+	lk, err = other.Obtain(ctx, "customer:c-hot", 10*time.Second, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	err = p.charge.ProcessTask(ctx, hotCharge(t, "w-2"))
+	if took := time.Since(start); !errors.Is(err, asynqmw.ErrLockBusy) || took < 400*time.Millisecond || took > 5*time.Second {
+		t.Fatalf("a scope held past ScopeWait: %v after %s, want ErrLockBusy after about 400ms", err, took)
+	}
+	lk.Release(ctx)
+
+	// A holder in this process and one waiter (ScopeWaiters 1): the next answers busy at once.
+	done := make(chan error, 2)
+	go func() { done <- p.charge.ProcessTask(ctx, hotCharge(t, "w-block")) }()
+	waitFor(t, func() bool { return p.count(asynqmw.LockObtained) == 2 })
+	go func() { done <- p.charge.ProcessTask(ctx, hotCharge(t, "w-3")) }()
+	time.Sleep(50 * time.Millisecond) // w-3 takes the one place in line
+	start = time.Now()
+	if err := p.charge.ProcessTask(ctx, hotCharge(t, "w-4")); !errors.Is(err, asynqmw.ErrLockBusy) || time.Since(start) > 200*time.Millisecond {
+		t.Fatalf("a full line: %v after %s, want ErrLockBusy at once", err, time.Since(start))
+	}
+	// Stop: the waiter answers busy at once; the holder finishes.
+	p.worker.Stop()
+	select {
+	case err := <-done:
+		if !errors.Is(err, asynqmw.ErrLockBusy) {
+			t.Fatalf("the waiter after Stop: %v, want ErrLockBusy", err)
+		}
+	case <-time.After(300 * time.Millisecond):
+		t.Fatal("the waiter did not answer at once after Stop")
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatalf("the holder: %v", err)
+	}
+}
+
+func waitFor(t *testing.T, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatal("timed out")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
