@@ -238,6 +238,9 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
 	fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
 	fail(v.Lost == 0, "%d keys lost", v.Lost)
+	// The hand-over of held scope locks is a path of its own: a run that never took it
+	// proves nothing of it.
+	fail(r.Counters["lock:handed"] > 0, "no scope lock was handed over from one delivery to the next")
 	fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
 	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
 	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
@@ -529,6 +532,8 @@ func table(rep *report) string {
 		return fmt.Sprintf("%d/%d/%d", r.Dups, r.StopDups, r.Nudges)
 	})
 	row("suppressed by lock (busy)", func(r runReport) any { return r.Counters["lock:busy"] })
+	row("locks handed over in a process", func(r runReport) any { return r.Counters["lock:handed"] })
+	row("locks waited for (held by another process)", func(r runReport) any { return r.Counters["lock:waited"] })
 	row("suppressed by ledger: cache hit", func(r runReport) any { return r.Counters["ledger:cache_hit"] })
 	row("suppressed by ledger: busy", func(r runReport) any { return r.Counters["ledger:busy"] })
 	row("takeovers after lease expiry", func(r runReport) any { return r.Counters["ledger:takeover"] })
