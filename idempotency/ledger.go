@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -42,6 +43,8 @@ const (
 	EventSelfFenced     Event = "self_fenced"     // no heartbeat reached the database in time
 	EventBadResult      Event = "bad_result"      // a result was replaced by an error marker
 	EventCommitResolved Event = "commit_resolved" // a commit outcome was learned from its transaction id
+	EventSharedRun      Event = "shared_run"      // a DoTx handler ran in a shared transaction without a savepoint
+	EventSharedRerun    Event = "shared_rerun"    // its shared transaction rolled back: the delivery runs alone
 )
 
 // Kinds of shared commit passed to Config.ObserveBatch.
@@ -133,7 +136,10 @@ type Ledger struct {
 	// memberTimes: how long a member's turn in a shared transaction takes.
 	memberTimes handlerTimes
 	txBudget    time.Duration // txBatchBudget; tests lengthen it
-	txSlow      time.Duration // txSlowHandler; tests lengthen it
+	// savepointsUntil (Unix nanoseconds): until then shared transactions give each member
+	// a savepoint, as after an optimistic one rolled back (txSavepointsFor).
+	savepointsUntil atomic.Int64
+	txSlow          time.Duration // txSlowHandler; tests lengthen it
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table

@@ -22,6 +22,11 @@ import (
 // hold up every member after it.
 const txBatchBudget = 5 * time.Millisecond
 
+// txSavepointsFor is how long shared transactions give each member a savepoint after one
+// that ran its members without rolled back (a handler failed, or the finish was
+// refused): a steady rate of business errors must not run every handler twice.
+const txSavepointsFor = 5 * time.Second
+
 // txSlowHandler is the average handler time outside the database (txshim.Tx.InDB) above
 // which DoTx deliveries stop sharing transactions and run alone, in parallel, until
 // handlers are quick again.
@@ -120,7 +125,8 @@ type txAnswer struct {
 
 // finish is what the shared finish does with a claimed member's row.
 type txFinish struct {
-	action store.Action // complete, fail (permanent) or forget (the handler failed)
+	action store.Action // complete, store (complete with result), fail (permanent) or forget (the handler failed)
+	result pgtype.Text  // store: the result
 	errMsg pgtype.Text
 	err    error // the handler's error, answered after the commit (fail)
 }
@@ -187,6 +193,10 @@ type txBatch struct {
 	pre     []string    // statements sent ahead of the next round trip (a RELEASE)
 	claimed []*txMember // members whose rows the finish ends, in order
 	broken  error       // the transaction cannot commit
+	// optimistic: the members run without savepoints, their results stored by the finish;
+	// undone: one of them failed, so the transaction rolls back and every member runs
+	// alone (its outcome then is its outcome alone).
+	optimistic, undone bool
 }
 
 // ctx bounds one round trip of the executor: a claim's lock wait and a write.
@@ -236,10 +246,11 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 	case len(b.claimed) == 1:
 		b.runSolo(b.claimed[0])
 	default:
+		b.optimistic = time.Now().UnixNano() >= l.savepointsUntil.Load()
 		start := time.Now()
 		ran := 0
 		for _, m := range b.claimed {
-			if b.broken != nil {
+			if b.broken != nil || b.undone {
 				break
 			}
 			if time.Since(start) > l.txBudget {
@@ -248,7 +259,11 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 				m.finish, m.later = txFinish{action: store.ActionForget}, true
 				continue
 			}
-			b.runMember(m)
+			if b.optimistic {
+				b.runOptimistic(m)
+			} else {
+				b.runMember(m)
+			}
 			ran++
 		}
 		if ran > 0 {
@@ -257,8 +272,12 @@ func (l *Ledger) runTxBatch(conn *pgx.Conn, ms []*txMember) bool {
 			// fit in the budget at that cost, so that it gives none back.
 			l.memberTimes.record(time.Since(start) / time.Duration(ran))
 		}
-		if b.broken == nil {
+		if b.broken == nil && !b.undone {
 			b.commit()
+		}
+		if b.undone && b.broken == nil {
+			b.rollback()
+			b.rerunAlone()
 		}
 	}
 	if b.broken != nil {

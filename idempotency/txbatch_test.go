@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -138,19 +140,32 @@ func TestDoTxBatchedManyKeys(t *testing.T) {
 // the same.
 func TestDoTxFailingMembers(t *testing.T) {
 	t.Parallel()
-	for _, shared := range []bool{true, false} {
-		t.Run(fmt.Sprintf("shared=%t", shared), func(t *testing.T) {
+	for _, mode := range []string{"own-tx", "savepoints", "optimistic"} {
+		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
-			testFailingMembers(t, shared)
+			testFailingMembers(t, mode)
 		})
 	}
 }
 
-func testFailingMembers(t *testing.T, shared bool) {
+// testFailingMembers runs the members in transactions of their own (own-tx), or in one
+// shared transaction: with a savepoint each (savepoints), where every failure is its
+// member's alone; or without (optimistic), where the first failure rolls the transaction
+// back and every member runs alone. Either way each member's outcome is its outcome alone.
+func testFailingMembers(t *testing.T, mode string) {
 	ctx := testenv.Context(t, 2*time.Minute)
 	pool := testenv.Postgres(t)
-	l := New(pool, &Config{Committers: 1, DisableGroupCommit: !shared})
+	shared := mode != "own-tx"
+	var reruns atomic.Int64
+	l := New(pool, &Config{Committers: 1, DisableGroupCommit: !shared, Observe: func(ev Event, _ string) {
+		if ev == EventSharedRerun {
+			reruns.Add(1)
+		}
+	}})
 	l.txBudget, l.txSlow = time.Hour, time.Hour // every member in the one transaction, however slow the race detector makes it
+	if mode == "savepoints" {
+		l.savepointsUntil.Store(math.MaxInt64)
+	}
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
@@ -256,9 +271,20 @@ func testFailingMembers(t *testing.T, shared bool) {
 		if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = $1 AND status = 'completed' AND fence = $2`, key, o.res.Fence); n != 1 {
 			t.Errorf("%s: no completed row with fence %d", key, o.res.Fence)
 		}
-		if shared && o.xid != outcomes["a-ok"].xid {
+		if mode == "savepoints" && o.xid != outcomes["a-ok"].xid {
 			t.Errorf("%s ran in transaction %s, a-ok in %s: want one shared transaction", key, o.xid, outcomes["a-ok"].xid)
 		}
+		if mode == "optimistic" && key != "a-ok" && o.xid == outcomes["a-ok"].xid {
+			t.Errorf("%s committed in a-ok's transaction %s: the shared transaction had failing members, so each must have run alone", key, o.xid)
+		}
+	}
+	switch {
+	case mode == "optimistic" && reruns.Load() < int64(len(members)):
+		t.Errorf("%d members ran again alone, want all %d", reruns.Load(), len(members))
+	case mode == "optimistic" && l.savepointsUntil.Load() <= time.Now().UnixNano():
+		t.Error("after an optimistic transaction rolled back, shared transactions must use savepoints for a while")
+	case mode != "optimistic" && reruns.Load() != 0:
+		t.Errorf("%d members ran again alone, want none", reruns.Load())
 	}
 	if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = 'dropped'`); n != 0 {
 		t.Errorf("a handler's rolled back savepoint left %d effects", n)
@@ -889,4 +915,96 @@ func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestDoTxOptimisticMembers: members of a shared transaction run without savepoints and
+// their results are stored by its finish: all in one transaction when they succeed. When
+// only the finish is refused (a result jsonb does not take), nothing commits and every
+// member runs alone: the others succeed, the refused one fails for good.
+func TestDoTxOptimisticMembers(t *testing.T) {
+	t.Parallel()
+	for _, refused := range []bool{false, true} {
+		t.Run(fmt.Sprintf("refused=%t", refused), func(t *testing.T) {
+			t.Parallel()
+			ctx := testenv.Context(t, time.Minute)
+			pool := testenv.Postgres(t)
+			var runs, reruns atomic.Int64
+			l := New(pool, &Config{Committers: 1, Observe: func(ev Event, _ string) {
+				switch ev {
+				case EventSharedRun:
+					runs.Add(1)
+				case EventSharedRerun:
+					reruns.Add(1)
+				}
+			}})
+			l.txBudget, l.txSlow = time.Hour, time.Hour
+			defer l.Close()
+			batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
+			results := map[string]string{"a-ok": `{"a": 1}`, "m-marker": `{not json`, "z-ok": `"z"`}
+			if refused {
+				results["g-refused"] = `1e1000000` // valid JSON that jsonb refuses
+			}
+			release, waitHolder := holdExecutor(t, l, "0-holder")
+			type outcome struct {
+				res Result
+				err error
+			}
+			var mu sync.Mutex
+			outcomes := map[string]outcome{}
+			var wg sync.WaitGroup
+			for key, out := range results {
+				wg.Go(func() {
+					res, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+						_, err := tx.Exec(ctx, `INSERT INTO effects SELECT $1, pg_current_xact_id()::text`, key)
+						return json.RawMessage(out), err
+					})
+					mu.Lock()
+					outcomes[key] = outcome{res, err}
+					mu.Unlock()
+				})
+			}
+			waitQueued(t, l, len(results))
+			release()
+			wg.Wait()
+			waitHolder()
+
+			for key := range results {
+				o := outcomes[key]
+				effects := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key)
+				if key == "g-refused" {
+					if !IsPermanent(o.err) || effects != 0 {
+						t.Errorf("%s: %v with %d effects, want a permanent failure and none", key, o.err, effects)
+					}
+					continue
+				}
+				if o.err != nil || effects != 1 {
+					t.Fatalf("%s: %v with %d effects, want success and one", key, o.err, effects)
+				}
+				var stored *string
+				var lastErr *string
+				if err := pool.QueryRow(ctx, `SELECT result::text, last_error FROM processed_jobs WHERE idempotency_key = $1 AND status = 'completed'`, key).Scan(&stored, &lastErr); err != nil {
+					t.Fatalf("%s: %v", key, err)
+				}
+				switch {
+				case key == "m-marker" && (stored == nil || !strings.Contains(*stored, "idemq_error") || lastErr == nil):
+					t.Errorf("%s: result %v, error %v; want the invalid result replaced by an error marker", key, stored, lastErr)
+				case key != "m-marker" && (stored == nil || !jsonEqualText(*stored, results[key]) || !jsonEqualText(string(o.res.Result), results[key])):
+					t.Errorf("%s: stored %v, answered %s; want %s", key, stored, o.res.Result, results[key])
+				}
+			}
+			transactions := batchCount(t, pool, `SELECT count(DISTINCT xid) FROM effects`)
+			switch {
+			case !refused && (transactions != 1 || reruns.Load() != 0 || runs.Load() != 3):
+				t.Errorf("%d transactions, %d runs without savepoints, %d reruns: want 1, 3 and 0", transactions, runs.Load(), reruns.Load())
+			case refused && (transactions != 3 || reruns.Load() != 4):
+				t.Errorf("%d transactions, %d reruns: want the 3 that succeed committed alone, all 4 run again", transactions, reruns.Load())
+			}
+		})
+	}
+}
+
+// jsonEqualText reports whether a and b are the same JSON value.
+func jsonEqualText(a, b string) bool {
+	var x, y any
+	return json.Unmarshal([]byte(a), &x) == nil && json.Unmarshal([]byte(b), &y) == nil && reflect.DeepEqual(x, y)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -191,6 +192,47 @@ func (b *txBatch) runMember(m *txMember) {
 	b.replyWith(m, txAnswer{err: ran.err})
 }
 
+// runOptimistic runs m's fn on the shared transaction without a savepoint: its result is
+// stored by the finish. A handler that fails (or panics, or leaves the transaction
+// aborted) undoes the whole transaction; every member then runs alone, a panicking one
+// panics again.
+func (b *txBatch) runOptimistic(m *txMember) {
+	c := m.claim
+	m.finish = txFinish{action: store.ActionForget}
+	if err := m.ctx.Err(); err != nil {
+		b.replyWith(m, txAnswer{err: fmt.Errorf("idempotency: DoTx %s: %w", c.Key, err)})
+		return
+	}
+	b.l.observe(EventSharedRun, m.req.TaskType)
+	ran := b.runFn(m, txshim.New(b.conn, nil))
+	ran, ok := b.afterHandler(m, ran)
+	switch {
+	case !ok:
+	case ran.panicked:
+		b.undone = true
+		b.replyWith(m, txAnswer{}) // the member panics again
+	case ran.err != nil:
+		b.undone = true
+	default:
+		stored, lastErr := b.l.checkResult(c, ran.out)
+		m.finish = txFinish{action: store.ActionStore, result: stored, errMsg: lastErr}
+		m.res = c.completed(ran.out, stored, lastErr)
+	}
+}
+
+// rerunAlone answers every member of an undone transaction that is not answered yet: it
+// runs in a transaction of its own; and shared transactions give their members
+// savepoints for a while.
+func (b *txBatch) rerunAlone() {
+	b.l.savepointsUntil.Store(time.Now().Add(txSavepointsFor).UnixNano())
+	for _, m := range b.claimed {
+		if !m.answered {
+			b.l.observe(EventSharedRerun, m.req.TaskType)
+		}
+		b.replyWith(m, txAnswer{alone: true})
+	}
+}
+
 // resultRefused is the error of a member whose result the database refused: its claim no
 // longer holds the row (the fenced store's division by zero), or the value is one jsonb
 // refuses (a data exception), which is recorded for good.
@@ -242,7 +284,7 @@ func (b *txBatch) runSolo(m *txMember) {
 // params are m's row in the finish.
 func (b *txBatch) params(m *txMember) store.FinishParams {
 	c := m.claim
-	return store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: m.finish.action, Error: m.finish.errMsg}
+	return store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: m.finish.action, Result: m.finish.result, Error: m.finish.errMsg}
 }
 
 func (b *txBatch) takePre() []string {
@@ -262,7 +304,15 @@ func (b *txBatch) commit() {
 	}
 	ctx, cancel := b.ctx()
 	defer cancel()
-	b.answerCommitted(b.l.writes.FinishAndCommit(ctx, b.conn, b.takePre(), ps))
+	err := b.l.writes.FinishAndCommit(ctx, b.conn, b.takePre(), ps)
+	if err != nil && b.optimistic && store.Answered(err) {
+		// The finish was refused (a result jsonb does not take): nothing committed, and
+		// whose result it was, the members alone will tell.
+		b.rollback()
+		b.rerunAlone()
+		return
+	}
+	b.answerCommitted(err)
 }
 
 // answerCommitted answers the claimed members after the COMMIT, whose error is err. An

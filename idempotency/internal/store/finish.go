@@ -56,8 +56,9 @@ SELECT c.ord, ` + xidColumns + ` FROM c`
 }
 
 // finishTxManySQL ends the rows of a shared DoTx transaction, which claimManySQL wrote
-// completed ($1..$5: key, fence, owner, action, error): 'complete' keeps the row (its
-// result is already stored, fenced, by storeResultTxSQL), 'fail' records a permanent
+// completed ($1..$6: key, fence, owner, action, error, result): 'complete' keeps the row (its
+// result is already stored, fenced, by storeResultTxSQL), 'store' stores its result
+// ($6, as jsonb: a value jsonb refuses fails the statement), 'fail' records a permanent
 // failure, 'forget' undoes the claim of a handler that failed (the row it inserted is
 // deleted; a taken-over one is back in progress, its lease ended). Completions and
 // failures settle their outbox intents. Every row still held comes back with its ordinal
@@ -65,12 +66,17 @@ SELECT c.ord, ` + xidColumns + ` FROM c`
 func finishTxManySQL(f fenceChecks) string {
 	return `
 WITH r AS (
-	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[]) WITH ORDINALITY
-		AS r(key, fence, owner, action, error, ord)
+	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
+		AS r(key, fence, owner, action, error, result, ord)
 ), k AS (
 	SELECT r.ord, r.key, r.action FROM r JOIN processed_jobs p
 	  ON p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
 	WHERE r.action = 'complete'
+), s AS (
+	UPDATE processed_jobs p SET result = r.result::jsonb, last_error = coalesce(r.error, p.last_error)
+	FROM r
+	WHERE r.action = 'store' AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
+	RETURNING r.ord, r.key, 'complete'::text AS action
 ), f AS (
 	UPDATE processed_jobs p SET status = 'failed', last_error = r.error, updated_at = now()
 	FROM r
@@ -90,15 +96,16 @@ WITH r AS (
 ), i AS (
 	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
 	       state = CASE WHEN x.action = 'complete' THEN 'done' ELSE 'dead' END
-	FROM (SELECT key, action FROM k UNION ALL SELECT key, action FROM f) x
+	FROM (SELECT key, action FROM k UNION ALL SELECT key, action FROM s UNION ALL SELECT key, action FROM f) x
 	WHERE j.idempotency_key = x.key AND j.state IN ('pending', 'published')
 ), held AS (
 	-- Every completed or failed row must still be ours; if not, the statement fails
 	-- (division by zero) and the COMMIT sent after it cannot commit.
-	SELECT 1 / (CASE WHEN (SELECT count(*) FROM k) + (SELECT count(*) FROM f)
-	                    = (SELECT count(*) FROM r WHERE action IN ('complete', 'fail')) THEN 1 ELSE 0 END) AS ok
+	SELECT 1 / (CASE WHEN (SELECT count(*) FROM k) + (SELECT count(*) FROM s) + (SELECT count(*) FROM f)
+	                    = (SELECT count(*) FROM r WHERE action IN ('complete', 'store', 'fail')) THEN 1 ELSE 0 END) AS ok
 )
-SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT ord FROM f UNION ALL SELECT ord FROM g UNION ALL SELECT ord FROM d) e`
+SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT ord FROM s UNION ALL SELECT ord FROM f
+                                   UNION ALL SELECT ord FROM g UNION ALL SELECT ord FROM d) e`
 }
 
 // storeResultTxSQL stores a DoTx result ($4, NULL for none; $5 the error marker's
@@ -129,10 +136,10 @@ func FinishArgs(ps []FinishParams) []any {
 	return []any{keys, fences, owners, actions, results, errs}
 }
 
-// finishTxArgs returns FinishTxMany's arguments for ps (their results are stored already).
+// finishTxArgs returns FinishTxMany's arguments for ps.
 func finishTxArgs(ps []FinishParams) []any {
 	a := FinishArgs(ps)
-	return []any{a[0], a[1], a[2], a[3], a[5]}
+	return []any{a[0], a[1], a[2], a[3], a[5], a[4]}
 }
 
 // ScanFinished reads an answered row of FinishMany (in a Round: its ordinal is read).

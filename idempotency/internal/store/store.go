@@ -36,6 +36,9 @@ const (
 	ActionRetry    Action = "retry"    // the lease ends at once; the row stays in progress
 	ActionFail     Action = "fail"     // failed for good
 	ActionForget   Action = "forget"   // a shared transaction's claim of a failed handler is undone
+	// ActionStore completes a shared transaction's row with its result, stored by the
+	// finish itself (a member run without a savepoint).
+	ActionStore Action = "store"
 )
 
 // Statement is a statement sent by Round: named and prepared once per connection when
