@@ -22,8 +22,8 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 	return strconv.FormatInt(max(1, idle.Milliseconds()), 10) + "ms"
 }
 
-// DoTx runs fn at most once per completed key, in transactional mode: for effects in this
-// database. The claim, fn's writes through tx and the completion commit in one
+// DoTx commits fn's work at most once per completed key, in transactional mode: for
+// effects in this database. The claim, fn's writes through tx and the completion commit in one
 // transaction, so a crash or an error anywhere leaves no trace and a database effect
 // happens exactly once. The transaction runs at READ COMMITTED, with synchronous_commit
 // on and idle_in_transaction_session_timeout at Config.SessionTimeout (cut to
@@ -31,24 +31,28 @@ func (l *Ledger) idleTimeout(deadline time.Time) string {
 //
 // Concurrent calls share transactions (unless Config.DisableGroupCommit): up to
 // 2 × Config.Committers transactions run at once (more than Config.Committers only while
-// deliveries queue), each carrying the deliveries queued when it
-// began (at most Config.MaxBatch, one per key, in key order), so at low load a
-// transaction carries one delivery and waits for nothing. One multi-row statement claims
-// every delivery's key; then each claimed delivery's fn runs, one after another on the
-// shared connection, in a savepoint of its own (made at fn's first statement), and its
-// result is stored, fenced, before the savepoint is released; one more statement ends
-// every claimed row and the COMMIT follows in the same round trip. A delivery whose fn
-// fails rolls back to its savepoint (its claim is undone by that last statement) and is
-// answered at once; a key that is not claimed is answered at once too (a completed key's
-// result is committed data); a delivery that completes is answered after the COMMIT,
-// never before its write is durable. If that COMMIT fails, every delivery it carried gets
-// an error and nothing of them was recorded. When the shared claim is refused (a lock
-// wait cut short), each delivery runs in a transaction of its own instead. The idle
-// timeout of a shared transaction is the longest its deliveries allow. A call whose ctx
-// ends while it waits for a transaction returns ctx's error without running. A slow fn
-// delays the deliveries after it in its transaction, and a ctx that ends while one of
-// fn's queries runs closes the shared connection, failing the others (they may be
-// retried).
+// deliveries queue), each carrying the deliveries queued when it began (at most as many
+// as fit in 5 ms at the measured cost of one, at most Config.MaxBatch, one per key, in
+// key order), so at low load a transaction carries one delivery and waits for nothing.
+// One multi-row statement claims every delivery's key; then each claimed delivery's fn
+// runs, one after another on the shared connection, and one more statement stores every
+// result and ends every claimed row, with the COMMIT in the same round trip. A delivery is
+// answered after that COMMIT, never before its write is durable. If any fn fails (an
+// error, a panic, a transaction left aborted) or that last statement is refused (a result
+// jsonb does not take), the whole transaction rolls back and every delivery in it runs
+// again in a transaction of its own, so that each outcome is the delivery's outcome
+// alone: fn may run more than once per delivery, its writes rolled back in between. For 5 s
+// after such a rollback, shared transactions give each fn a savepoint of its own (made at
+// its first statement; its result stored before the savepoint is released) and a failing
+// fn rolls back to it alone. If a COMMIT fails, every delivery it carried gets an error
+// and nothing of them was recorded. When the shared claim is refused (a lock wait cut
+// short), each delivery runs in a transaction of its own instead. Deliveries whose fn
+// spends over 1 ms on average outside the database (txshim: the time its queries take
+// does not count) run in transactions of their own, side by side. The idle timeout of a
+// shared transaction is the longest its deliveries allow. A call whose ctx ends while it
+// waits for a transaction returns ctx's error without running. A slow fn delays the
+// deliveries after it in its transaction, and a ctx that ends while one of fn's queries
+// runs closes the shared connection, failing the others (they may be retried).
 //
 // fn must do all its work through tx and no external I/O: the transaction may still roll
 // back after it. tx's Commit and Rollback return an error (DoTx ends the transaction);

@@ -92,8 +92,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	w := asynqmw.NewWorker(ledger, locker, &asynqmw.Config{
 		LockTTL:    cfg.LockTTL,
 		BusyBudget: busyBudget,
-		Redis:      rdb,
-		Logger:     log,
+		// A quarter of the slots may wait for one scope (at least the default 8): as many
+		// as the hottest account of a Zipf(1.1) skew over 1,000 takes, which would
+		// otherwise bounce through the retry set.
+		ScopeWaiters: max(8, cfg.Concurrency/4),
+		Redis:        rdb,
+		Logger:       log,
 		ObserveLock: func(ev asynqmw.LockEvent, taskType string) {
 			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
 		},

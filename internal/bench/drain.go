@@ -75,12 +75,12 @@ type drainWorkload struct {
 
 var drainWorkloads = map[string]drainWorkload{
 	"debit-distinct":  {name: "debit-distinct", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }},
-	"debit-hot":       {name: "debit-hot", typ: tasks.TypeDebit, dup: 1, share: 0.05, scope: func(_ *rand.Rand, i int) int { return i % 13 }},
-	"debit-zipf":      {name: "debit-zipf", typ: tasks.TypeDebit, dup: 1, share: 0.05, scope: zipf(1000)},
+	"debit-hot":       {name: "debit-hot", typ: tasks.TypeDebit, dup: 1, share: 0.25, scope: func(_ *rand.Rand, i int) int { return i % 13 }},
+	"debit-zipf":      {name: "debit-zipf", typ: tasks.TypeDebit, dup: 1, share: 0.25, scope: zipf(1000)},
 	"debit-dup":       {name: "debit-dup", typ: tasks.TypeDebit, dup: 3, share: 1.0 / 3, scope: func(_ *rand.Rand, i int) int { return i }},
 	"debit-prefilled": {name: "debit-prefilled", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }, prefilled: true},
 	"charge-distinct": {name: "charge-distinct", typ: tasks.TypeCharge, dup: 1, share: 0.5, scope: func(_ *rand.Rand, i int) int { return i }},
-	"charge-hot":      {name: "charge-hot", typ: tasks.TypeCharge, dup: 1, share: 0.05, scope: func(_ *rand.Rand, i int) int { return i % 17 }},
+	"charge-hot":      {name: "charge-hot", typ: tasks.TypeCharge, dup: 1, share: 0.25, scope: func(_ *rand.Rand, i int) int { return i % 17 }},
 }
 
 // DrainWorkloadNames lists drain mode's workloads, in the order a run measures them.

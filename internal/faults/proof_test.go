@@ -241,6 +241,7 @@ func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localse
 	// The hand-over of held scope locks is a path of its own: a run that never took it
 	// proves nothing of it.
 	fail(r.Counters["lock:handed"] > 0, "no scope lock was handed over from one delivery to the next")
+	fail(r.Counters["ledger:shared_run"] > 0, "no DoTx handler ran in a shared transaction without a savepoint")
 	fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
 	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
 	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
@@ -533,6 +534,8 @@ func table(rep *report) string {
 	})
 	row("suppressed by lock (busy)", func(r runReport) any { return r.Counters["lock:busy"] })
 	row("locks handed over in a process", func(r runReport) any { return r.Counters["lock:handed"] })
+	row("DoTx handlers run in a shared transaction without a savepoint", func(r runReport) any { return r.Counters["ledger:shared_run"] })
+	row("… run again alone after it rolled back", func(r runReport) any { return r.Counters["ledger:shared_rerun"] })
 	row("locks waited for (held by another process)", func(r runReport) any { return r.Counters["lock:waited"] })
 	row("suppressed by ledger: cache hit", func(r runReport) any { return r.Counters["ledger:cache_hit"] })
 	row("suppressed by ledger: busy", func(r runReport) any { return r.Counters["ledger:busy"] })
