@@ -50,13 +50,14 @@ func (h *handlerTimes) slow(limit time.Duration) bool { return time.Duration(h.n
 
 // fit is how many members fit in budget, at the average time, within 2..most: never
 // one, as only a transaction of several members measures a member's turn, and a
-// transaction whose second member does not fit gives it back.
+// transaction whose second member does not fit gives it back. (A member given back costs
+// a claim and a finish for nothing: the estimate does not round up.)
 func (h *handlerTimes) fit(budget time.Duration, most int) int {
 	avg := time.Duration(h.nanos.Load())
 	if avg <= 0 {
 		return most
 	}
-	return max(min(2, most), min(most, int(budget/avg)+1))
+	return max(min(2, most), min(most, int(budget/avg)))
 }
 
 // txMember is one DoTx delivery in a transaction: shared (it waits in Ledger.txq and its

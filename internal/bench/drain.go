@@ -148,6 +148,12 @@ type DrainSample struct {
 	// Worker only, from its /metrics: busy answers (lock and ledger) per delivery and
 	// ledger requests per shared commit.
 	BusyPerDelivery float64 `json:"busy_per_delivery"`
+	// Ledger claims (new and taken over) per delivery, DoTx handlers run again alone
+	// after their shared transaction rolled back, and scope locks handed over in a
+	// process, per delivery.
+	ClaimsPerDelivery float64 `json:"claims_per_delivery"`
+	RerunsPerDelivery float64 `json:"reruns_per_delivery"`
+	HandedPerDelivery float64 `json:"handed_per_delivery"`
 	PerCommit       float64 `json:"requests_per_commit"`
 	Archived        int     `json:"archived"`
 }
@@ -180,8 +186,9 @@ func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSamp
 					if err != nil {
 						return out, err
 					}
-					fmt.Fprintf(progress, "drain %-15s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, effects %d, CPU µs %0.f+%0.f+%0.f, busy/delivery %.2f, per commit %.1f\n",
-						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.BusyPerDelivery, s.PerCommit)
+					fmt.Fprintf(progress, "drain %-15s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, effects %d, CPU µs %0.f+%0.f+%0.f, busy/delivery %.2f, per commit %.1f, claims/delivery %.2f, reruns/delivery %.2f, handed/delivery %.2f\n",
+						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.BusyPerDelivery, s.PerCommit,
+						s.ClaimsPerDelivery, s.RerunsPerDelivery, s.HandedPerDelivery)
 					out = append(out, s)
 				}
 			}
@@ -273,14 +280,18 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 	d := cpu0.to(cpu1)
 	per := 1e6 / float64(s.Deliveries)
 	s.CPUWorkers, s.CPURedis, s.CPUPG = (childCPU1-childCPU0)*per, d.redis*per, d.pg*per
-	var busy, commits, requests float64
+	var busy, commits, requests, claims, reruns, handed float64
 	for _, u := range metricsURLs {
 		m := scrape(ctx, u)
 		busy += m[`idemq_lock_events_total{event="busy"`] + m[`idemq_ledger_events_total{event="busy"`]
+		claims += m[`idemq_ledger_events_total{event="claimed"`] + m[`idemq_ledger_events_total{event="takeover"`]
+		reruns += m[`idemq_ledger_events_total{event="shared_rerun"`]
+		handed += m[`idemq_lock_events_total{event="handed"`]
 		commits += m["idemq_ledger_commit_requests_count"]
 		requests += m["idemq_ledger_commit_requests_sum"]
 	}
 	s.BusyPerDelivery = busy / float64(s.Deliveries)
+	s.ClaimsPerDelivery, s.RerunsPerDelivery, s.HandedPerDelivery = claims/float64(s.Deliveries), reruns/float64(s.Deliveries), handed/float64(s.Deliveries)
 	if commits > 0 {
 		s.PerCommit = requests / commits
 	}
