@@ -92,10 +92,11 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	w := asynqmw.NewWorker(ledger, locker, &asynqmw.Config{
 		LockTTL:    cfg.LockTTL,
 		BusyBudget: busyBudget,
-		// A quarter of the slots may wait for one scope (at least the default 8): as many
-		// as the hottest account of a Zipf(1.1) skew over 1,000 takes, which would
-		// otherwise bounce through the retry set.
-		ScopeWaiters: max(8, cfg.Concurrency/4),
+		// Half the slots may wait for one scope (at least the default 8): the hottest
+		// account of a Zipf(1.1) skew over 1,000 takes a fifth of the tasks, in bursts,
+		// and a delivery turned away bounces through the retry set for a second or more;
+		// the other half stays free for the other scopes.
+		ScopeWaiters: max(8, cfg.Concurrency/2),
 		Redis:        rdb,
 		Logger:       log,
 		ObserveLock: func(ev asynqmw.LockEvent, taskType string) {

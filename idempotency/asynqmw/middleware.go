@@ -65,7 +65,7 @@ type Config struct {
 
 	// ScopeHandoffs and ScopeHold bound how many times, and for how long, the held lock
 	// of a scope is handed from one delivery of this process to the next before the
-	// process gives another process that asked for the scope its turn. Defaults: 64
+	// process gives another process that asked for the scope its turn. Defaults: 256
 	// and 1s.
 	ScopeHandoffs int
 	ScopeHold     time.Duration
@@ -143,7 +143,7 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 		w.cfg.ScopeWait = 2 * time.Second
 	}
 	if w.cfg.ScopeHandoffs <= 0 {
-		w.cfg.ScopeHandoffs = 64
+		w.cfg.ScopeHandoffs = 256
 	}
 	if w.cfg.ScopeHold <= 0 {
 		w.cfg.ScopeHold = time.Second

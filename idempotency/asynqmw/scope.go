@@ -147,15 +147,19 @@ func (g *gate) take(ctx context.Context, s *scope, taskType string, h handout, g
 	return g.obtain(ctx, s, taskType, giveUp)
 }
 
+// scopeRetryMax is the longest a delivery waits between two asks for a scope another
+// process holds: a scope handed over between processes sits idle for up to this long.
+const scopeRetryMax = 20 * time.Millisecond
+
 // scopeYield is how long a released scope is left to the other processes before the
 // next delivery of this process asks Redis for it: longer than their slowest retry.
-const scopeYield = 60 * time.Millisecond
+const scopeYield = 30 * time.Millisecond
 
 // obtain takes s's lock from Redis for the delivery whose turn it is, asking again until
 // giveUp fires. When it does not get it, the turn goes to the next waiter (which asks
 // Redis for itself), and the delivery answers busy.
 func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-chan time.Time) (*scopeHold, error) {
-	retry := lock.ExponentialBackoff(5*time.Millisecond, 50*time.Millisecond, 1<<30)
+	retry := lock.ExponentialBackoff(5*time.Millisecond, scopeRetryMax, 1<<30)
 	opts := &lock.Options{Want: 4 * g.w.cfg.ScopeHold}
 	for n := 1; ; n++ {
 		lk, err := g.w.locker.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
