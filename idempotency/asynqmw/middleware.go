@@ -113,7 +113,7 @@ const (
 )
 
 // Worker composes the Redis lock and the ledger around asynq handlers, in the order
-// decode → lock → claim → handler → complete → result → release. It is safe for
+// decode → lock → claim → handler → complete → release → result. It is safe for
 // concurrent use; build handlers for it with Leased and Transactional.
 type Worker struct {
 	ledger *idempotency.Ledger
@@ -244,6 +244,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		scope = key
 	}
 	runCtx := ctx
+	leave := func() {}
 	if h.w.locker != nil && (scope != key || h.w.cfg.LockKeyScoped) {
 		// On the last attempt a busy answer would archive the task: wait for the lock as
 		// long as the delivery may run.
@@ -258,7 +259,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			// Redis is a fast path: without it the ledger still guards the work.
 			log.Warn("lock unavailable; relying on the ledger", "scope", scope, "err", err)
 		}
-		runCtx = hold.ctx
+		runCtx, leave = hold.ctx, hold.leave
 		defer hold.leave()
 	}
 
@@ -269,6 +270,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	for {
 		res, err := h.run(runCtx, req, job)
 		if err == nil {
+			// The work is durable: the scope's next delivery need not wait for the
+			// result's write to asynq.
+			leave()
 			if hook := testhook.From(ctx); hook != nil {
 				hook.Answered(ctx, res)
 			}

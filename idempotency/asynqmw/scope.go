@@ -59,6 +59,7 @@ type scopeHold struct {
 	s      *scope
 	ctx    context.Context
 	handed bool // the lock came from the delivery before, not from Redis
+	left   bool // leave ran
 }
 
 func newGate(w *Worker) *gate {
@@ -229,7 +230,12 @@ func (g *gate) lose(s *scope, cause error) {
 }
 
 // leave ends the delivery's turn: the lock goes to the next waiter, or back to Redis.
+// Only its first call does anything.
 func (h *scopeHold) leave() {
+	if h.left {
+		return
+	}
+	h.left = true
 	g, s := h.g, h.s
 	g.mu.Lock()
 	if s.cancel != nil {
