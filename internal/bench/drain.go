@@ -154,8 +154,8 @@ type DrainSample struct {
 	ClaimsPerDelivery float64 `json:"claims_per_delivery"`
 	RerunsPerDelivery float64 `json:"reruns_per_delivery"`
 	HandedPerDelivery float64 `json:"handed_per_delivery"`
-	PerCommit       float64 `json:"requests_per_commit"`
-	Archived        int     `json:"archived"`
+	PerCommit         float64 `json:"requests_per_commit"`
+	Archived          int     `json:"archived"`
 }
 
 // RunDrain runs drain mode: for each workload and concurrency, reps repetitions of every
