@@ -45,6 +45,7 @@ const (
 	EventCommitResolved Event = "commit_resolved" // a commit outcome was learned from its transaction id
 	EventSharedRun      Event = "shared_run"      // a DoTx handler ran in a shared transaction without a savepoint
 	EventSharedRerun    Event = "shared_rerun"    // its shared transaction rolled back: the delivery runs alone
+	EventGivenBack      Event = "given_back"      // a shared transaction's budget ran out first: its claim is undone, it runs alone
 )
 
 // Kinds of shared commit passed to Config.ObserveBatch.

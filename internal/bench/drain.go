@@ -148,9 +148,9 @@ type DrainSample struct {
 	// Worker only, from its /metrics: busy answers (lock and ledger) per delivery and
 	// ledger requests per shared commit.
 	BusyPerDelivery float64 `json:"busy_per_delivery"`
-	// Ledger claims (new and taken over) per delivery, DoTx handlers run again alone
-	// after their shared transaction rolled back, and scope locks handed over in a
-	// process, per delivery.
+	// Ledger claims (new and taken over) per delivery, DoTx deliveries run again alone
+	// (their shared transaction rolled back, or gave their claim back past its budget),
+	// and scope locks handed over in a process, per delivery.
 	ClaimsPerDelivery float64 `json:"claims_per_delivery"`
 	RerunsPerDelivery float64 `json:"reruns_per_delivery"`
 	HandedPerDelivery float64 `json:"handed_per_delivery"`
@@ -285,7 +285,7 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 		m := scrape(ctx, u)
 		busy += m[`idemq_lock_events_total{event="busy"`] + m[`idemq_ledger_events_total{event="busy"`]
 		claims += m[`idemq_ledger_events_total{event="claimed"`] + m[`idemq_ledger_events_total{event="takeover"`]
-		reruns += m[`idemq_ledger_events_total{event="shared_rerun"`]
+		reruns += m[`idemq_ledger_events_total{event="shared_rerun"`] + m[`idemq_ledger_events_total{event="given_back"`]
 		handed += m[`idemq_lock_events_total{event="handed"`]
 		commits += m["idemq_ledger_commit_requests_count"]
 		requests += m["idemq_ledger_commit_requests_sum"]
