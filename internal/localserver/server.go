@@ -91,8 +91,8 @@ func (p *process) stop(sig syscall.Signal, group bool, d time.Duration) error {
 		<-done
 	}
 	// Reap what is left of the group (a killed postmaster's backends exit on their own,
-	// but not at once).
-	waitFor(5*time.Second, func() error {
+	// but not at once: one in the middle of a disk write on a loaded machine takes a while).
+	waitFor(15*time.Second, func() error {
 		if syscall.Kill(-cmd.Process.Pid, 0) == nil {
 			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 			return fmt.Errorf("group alive")
