@@ -23,7 +23,7 @@ import (
 const txBatchBudget = 5 * time.Millisecond
 
 // txSavepointsFor is how long shared transactions give each member a savepoint after one
-// that ran its members without rolled back (a handler failed, or the finish was
+// that ran its members without savepoints rolled back (a handler failed, or the finish was
 // refused): a steady rate of business errors must not run every handler twice.
 const txSavepointsFor = 5 * time.Second
 
