@@ -387,7 +387,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.IntVar(&opt.N, "n", 0, "fixed number of tasks per measurement (0: sized by -seconds)")
 	fs.IntVar(&opt.WarmupN, "warmup", 500, "tasks of the unrecorded warm-up of each configuration (negative: none)")
 	fs.IntVar(&opt.Concurrency, "concurrency", 50, "concurrency of each asynq server")
-	fs.IntVar(&opt.PoolBudget, "pool", 40, "Postgres connections shared by a measurement's servers (each gets min(concurrency+4, pool/servers))")
+	fs.IntVar(&opt.PoolBudget, "pool", 40, "Postgres connections shared by a measurement's servers (each gets the worker's pool, min(concurrency+4, 4 × cores + 8), at most pool/servers)")
 	servers := fs.String("servers", "1,2,4", "server counts of the scale workload")
 	fs.DurationVar(&opt.IOWait, "io-wait", 10*time.Millisecond, "simulated I/O of the io workload's handler")
 	fs.Float64Var(&opt.LatencyRate, "latency-rate", 200, "arrival rate (tasks/s) of the latency workload (concurrency 10, no queue: the unloaded overhead)")
