@@ -92,11 +92,11 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	w := asynqmw.NewWorker(ledger, locker, &asynqmw.Config{
 		LockTTL:    cfg.LockTTL,
 		BusyBudget: busyBudget,
-		// Half the slots may wait for one scope (at least the default 8): the hottest
-		// account of a Zipf(1.1) skew over 1,000 takes a fifth of the tasks, in bursts,
-		// and a delivery turned away bounces through the retry set for a second or more;
-		// the other half stays free for the other scopes.
-		ScopeWaiters: max(8, cfg.Concurrency/2),
+		// Four fifths of the slots may wait for one scope (at least the default 8): the
+		// hottest account of a Zipf(1.1) skew over 1,000 takes a fifth of the tasks, in
+		// bursts, and a delivery turned away bounces through the retry set for a second
+		// or more; a fifth stays free for the other scopes.
+		ScopeWaiters: max(8, cfg.Concurrency*4/5),
 		Redis:        rdb,
 		Logger:       log,
 		ObserveLock: func(ev asynqmw.LockEvent, taskType string) {
