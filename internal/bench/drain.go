@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -22,6 +21,9 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/idemq/idemq/tasks"
 )
@@ -283,12 +285,12 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 	var busy, commits, requests, claims, reruns, handed float64
 	for _, u := range metricsURLs {
 		m := scrape(ctx, u)
-		busy += m[`idemq_lock_events_total{event="busy"`] + m[`idemq_ledger_events_total{event="busy"`]
-		claims += m[`idemq_ledger_events_total{event="claimed"`] + m[`idemq_ledger_events_total{event="takeover"`]
-		reruns += m[`idemq_ledger_events_total{event="shared_rerun"`] + m[`idemq_ledger_events_total{event="given_back"`]
-		handed += m[`idemq_lock_events_total{event="handed"`]
-		commits += m["idemq_ledger_commit_requests_count"]
-		requests += m["idemq_ledger_commit_requests_sum"]
+		busy += events(m, "idemq_lock_events_total", "busy") + events(m, "idemq_ledger_events_total", "busy")
+		claims += events(m, "idemq_ledger_events_total", "claimed", "takeover")
+		reruns += events(m, "idemq_ledger_events_total", "shared_rerun", "given_back")
+		handed += events(m, "idemq_lock_events_total", "handed")
+		sum, count := histogram(m, "idemq_ledger_commit_requests")
+		requests, commits = requests+sum, commits+count
 	}
 	s.BusyPerDelivery = busy / float64(s.Deliveries)
 	s.ClaimsPerDelivery, s.RerunsPerDelivery, s.HandedPerDelivery = claims/float64(s.Deliveries), reruns/float64(s.Deliveries), handed/float64(s.Deliveries)
@@ -329,11 +331,8 @@ FROM generate_series($1::bigint, $2::bigint) g,
 // resetPrefilled empties Redis and every table but the ledger, deletes the rows of the
 // last drain from it, and fills it up to n rows (the first time, in chunks of a million).
 func (e *env) resetPrefilled(ctx context.Context, n int) error {
-	if err := e.rdb.FlushDB(ctx).Err(); err != nil {
-		return fmt.Errorf("bench: empty the leased Redis database: %w", err)
-	}
-	if _, err := e.admin.Exec(ctx, `TRUNCATE wallet_entries, fakepay_charges, fakepay_requests, job_intents`); err != nil {
-		return fmt.Errorf("bench: truncate: %w", err)
+	if err := e.resetKeepingLedger(ctx); err != nil {
+		return err
 	}
 	if _, err := e.admin.Exec(ctx, drainRowsSQL); err != nil {
 		return fmt.Errorf("bench: delete the last drain's rows: %w", err)
@@ -399,43 +398,45 @@ func freeAddr() (string, error) {
 	return l.Addr().String(), nil
 }
 
-// scrape reads a Prometheus text page and sums its series by name (all labels summed)
-// and by name and first label (`name{label="v"`).
-func scrape(ctx context.Context, url string) map[string]float64 {
-	m := map[string]float64{}
+// scrape reads a worker's /metrics page (nil when it cannot).
+func scrape(ctx context.Context, url string) map[string]*dto.MetricFamily {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return m
+		return nil
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return m
+		return nil
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if strings.HasPrefix(line, "#") {
-			continue
-		}
-		sp := strings.LastIndexByte(line, ' ')
-		if sp < 0 {
-			continue
-		}
-		v, err := strconv.ParseFloat(line[sp+1:], 64)
-		if err != nil {
-			continue
-		}
-		series := line[:sp]
-		base, labels, found := strings.Cut(series, "{")
-		m[base] += v
-		if found {
-			first, _, _ := strings.Cut(strings.TrimSuffix(labels, "}"), ",")
-			m[base+"{"+first] += v
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		return nil
+	}
+	return fams
+}
+
+// events sums the counter name over the series whose event label is one of events.
+func events(fams map[string]*dto.MetricFamily, name string, events ...string) float64 {
+	var n float64
+	for _, m := range fams[name].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "event" && slices.Contains(events, l.GetValue()) {
+				n += m.GetCounter().GetValue()
+			}
 		}
 	}
-	return m
+	return n
+}
+
+// histogram sums the histogram name's observations and their count over its series.
+func histogram(fams map[string]*dto.MetricFamily, name string) (sum, count float64) {
+	for _, m := range fams[name].GetMetric() {
+		sum += m.GetHistogram().GetSampleSum()
+		count += float64(m.GetHistogram().GetSampleCount())
+	}
+	return sum, count
 }
 
 // WriteDrainTable prints drain mode's table: per workload, concurrency and configuration

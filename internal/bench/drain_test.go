@@ -2,7 +2,11 @@ package bench
 
 import (
 	"bytes"
+	"context"
+	"io"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 )
@@ -42,5 +46,37 @@ func TestDrainTablePairsByRepetition(t *testing.T) {
 	}
 	if i, j := strings.Index(b.String(), "| bare |"), strings.Index(b.String(), "| worker×1 |"); i < 0 || j < i {
 		t.Errorf("bare asynq's row must come first:\n%s", b.String())
+	}
+}
+
+// The drain reads the workers' counters and the commit-size histogram from their metrics
+// page, summed over task types.
+func TestDrainReadsWorkerMetrics(t *testing.T) {
+	page := `# TYPE idemq_lock_events_total counter
+idemq_lock_events_total{event="busy",task_type="a"} 2
+idemq_lock_events_total{event="busy",task_type="b"} 3
+idemq_lock_events_total{event="handed",task_type="a"} 7
+# TYPE idemq_ledger_commit_requests histogram
+idemq_ledger_commit_requests_bucket{kind="tx",le="+Inf"} 4
+idemq_ledger_commit_requests_sum{kind="tx"} 10
+idemq_ledger_commit_requests_count{kind="tx"} 4
+idemq_ledger_commit_requests_bucket{kind="claim",le="+Inf"} 1
+idemq_ledger_commit_requests_sum{kind="claim"} 2
+idemq_ledger_commit_requests_count{kind="claim"} 1
+`
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, page) }))
+	defer srv.Close()
+	m := scrape(context.Background(), srv.URL)
+	if busy := events(m, "idemq_lock_events_total", "busy"); busy != 5 {
+		t.Errorf("busy %v, want 5", busy)
+	}
+	if n := events(m, "idemq_lock_events_total", "busy", "handed"); n != 12 {
+		t.Errorf("busy and handed %v, want 12", n)
+	}
+	if sum, count := histogram(m, "idemq_ledger_commit_requests"); sum != 12 || count != 5 {
+		t.Errorf("commit requests sum %v count %v, want 12 and 5", sum, count)
+	}
+	if n := events(m, "idemq_ledger_events_total", "busy"); n != 0 {
+		t.Errorf("a family the page lacks counts %v, want 0", n)
 	}
 }

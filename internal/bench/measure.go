@@ -191,10 +191,21 @@ func (st *stack) close() {
 // reset empties the Redis database and the tables the workloads write, so every
 // measurement starts from the same state.
 func (e *env) reset(ctx context.Context) error {
+	if err := e.resetKeepingLedger(ctx); err != nil {
+		return err
+	}
+	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs`); err != nil {
+		return fmt.Errorf("bench: truncate: %w", err)
+	}
+	return nil
+}
+
+// resetKeepingLedger is reset without emptying the ledger (processed_jobs).
+func (e *env) resetKeepingLedger(ctx context.Context) error {
 	if err := e.rdb.FlushDB(ctx).Err(); err != nil {
 		return fmt.Errorf("bench: empty the leased Redis database: %w", err)
 	}
-	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs, wallet_entries, fakepay_charges, fakepay_requests, job_intents`); err != nil {
+	if _, err := e.admin.Exec(ctx, `TRUNCATE wallet_entries, fakepay_charges, fakepay_requests, job_intents`); err != nil {
 		return fmt.Errorf("bench: truncate: %w", err)
 	}
 	return nil

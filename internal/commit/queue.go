@@ -43,17 +43,8 @@ func NewQueueSpare[T comparable](lanes, workers, spare int, key func(T) string) 
 }
 
 // Push queues t in lane. It reports whether the caller must start a worker (fewer than
-// the maximum run); that worker calls Take until it returns nil.
-func (q *Queue[T]) Push(lane int, t T) (startWorker bool) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	q.lanes[lane] = append(q.lanes[lane], t)
-	if q.running < q.workers {
-		q.running++
-		return true
-	}
-	return false
-}
+// the maximum run, spare ones included); that worker calls Take until it returns nil.
+func (q *Queue[T]) Push(lane int, t T) (startWorker bool) { return q.PushDeep(lane, t, 0) }
 
 // PushDeep is Push that also starts a spare worker, when more than depth requests per
 // running worker wait in lane: more than the running workers' next batches take, so that
