@@ -4,23 +4,15 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strconv"
 	"time"
 
+	"github.com/idemq/idemq/idempotency/internal/sharedtx"
+	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/jackc/pgx/v5"
-
-	"github.com/idemq/idemq/idempotency/internal/txshim"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
-
-// idleTimeout is the idle_in_transaction_session_timeout of a claim's transaction (it
-// matters for DoTx): Config.SessionTimeout, cut to the time left before the deadline.
-func (l *Ledger) idleTimeout(deadline time.Time) string {
-	idle := l.cfg.SessionTimeout
-	if !deadline.IsZero() {
-		idle = max(min(idle, time.Until(deadline)), time.Millisecond)
-	}
-	return strconv.FormatInt(max(1, idle.Milliseconds()), 10) + "ms"
-}
 
 // DoTx commits fn's work at most once per completed key, in transactional mode: for
 // effects in this database. The claim, fn's writes through tx and the completion commit in one
@@ -72,93 +64,101 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	if err := req.validate(); err != nil {
 		return Result{}, err
 	}
-	if l.cfg.DisableGroupCommit || l.txTimes.slow(l.txSlow) {
-		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
-		return l.doTxAlone(ctx, req, fn, 0, !l.cfg.DisableGroupCommit)
-	}
-	return l.doTxShared(ctx, req, fn)
+	d := &txDelivery{l: l, req: req}
+	return l.settle(ctx, d, l.tx.Run(ctx, d, fn))
 }
 
-// doTxShared is DoTx in a transaction shared with concurrent deliveries: the delivery
-// queues, and the executor that takes it hands the claimed transaction to this goroutine
-// for fn's turn (txMember).
-func (l *Ledger) doTxShared(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
-	m := newTxMember(ctx, req, nil)
-	m.timed = true
-	if l.txq.PushDeep(0, m, l.memberTimes.fit(l.txBudget, l.cfg.MaxBatch)) {
-		go l.runTxBatches()
-	}
-	done := ctx.Done()
-	for {
-		select {
-		case <-done:
-			if l.txq.Leave(0, m) {
-				return Result{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, ctx.Err())
-			}
-			done = nil // taken: the executor answers, at the latest when its turn comes
-		case t := <-m.run:
-			ran, pval := runTxFn(withClaim(ctx, t.c.Key, t.c.Fence), t.tx, fn)
-			m.ran <- ran
-			if ran.panicked {
-				<-m.answer // rolled back
-				panic(pval)
-			}
-		case a := <-m.answer:
-			if a.alone {
-				return l.doTxAlone(ctx, req, fn, 1, false)
-			}
-			return l.settle(ctx, m, a)
-		}
-	}
+// txDelivery is one DoTx call, as the executor (sharedtx) sees it: its request, and what
+// its transaction decided (the claim, the result, a stuck fence).
+type txDelivery struct {
+	l     *Ledger
+	req   Request
+	claim *Claim
+	res   Result
+	stuck int64 // a fence to mark needs_attention
 }
 
-// doTxAlone is DoTx in a transaction of its own: a batch of one, run on the caller's
-// goroutine. A claim that lost a race is tried again, from round on, up to
-// maxClaimRounds. timed: fn's run time joins the moving average (txMember.timed).
-func (l *Ledger) doTxAlone(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error), round int, timed bool) (Result, error) {
-	for ; ; round++ {
-		m := newTxMember(ctx, req, fn)
-		m.round, m.timed = round, timed
-		conn, err := l.pool.Acquire(ctx)
-		if err != nil {
-			return Result{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
-		}
-		l.runTxBatch(conn.Conn(), []*txMember{m})
-		conn.Release() // the pool closes a connection left in a transaction
-		a := <-m.answer
-		if m.panicked {
-			panic(m.pval)
-		}
-		if !a.alone {
-			return l.settle(ctx, m, a)
-		}
+func (d *txDelivery) Key() string         { return d.req.Key }
+func (d *txDelivery) TaskType() string    { return d.req.TaskType }
+func (d *txDelivery) Deadline() time.Time { return d.req.Deadline }
+
+func (d *txDelivery) Claim(int) (store.ClaimParams, error) {
+	c, p, err := d.l.newClaim(d.req)
+	d.claim, d.res, d.stuck = c, Result{}, 0
+	return p, err
+}
+
+func (d *txDelivery) Decide(r *store.ClaimRow, round int) (claimed, again bool, err error) {
+	cr, stuck, again, err := d.l.decide(d.req, d.claim, r, round)
+	d.stuck = stuck
+	if cr.Completed != nil {
+		d.res = *cr.Completed
 	}
+	return cr.Claim != nil, again, err
+}
+
+func (d *txDelivery) ClaimRefused(err error) error { return d.l.claimError(d.req, err) }
+
+func (d *txDelivery) Identity() store.FinishParams {
+	return store.FinishParams{Key: d.claim.Key, Fence: d.claim.Fence, Owner: d.claim.owner}
+}
+
+func (d *txDelivery) Check(out json.RawMessage) (stored, lastErr pgtype.Text) {
+	stored, lastErr = d.l.checkResult(d.claim, out)
+	d.res = d.claim.completed(out, stored, lastErr)
+	return stored, lastErr
+}
+
+// Refused is the error of a delivery whose result the database refused: its claim no
+// longer holds the row (the fenced store's division by zero), or the value is one jsonb
+// refuses (a data exception), which is recorded for good.
+func (d *txDelivery) Refused(pgErr *pgconn.PgError) error {
+	c := d.claim
+	switch {
+	case pgErr.Code == pgcode.DivisionByZero:
+		d.l.leaseLost(c, "completion")
+		return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
+	case pgErr.Code[:2] == pgcode.DataExceptionClass:
+		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
+	}
+	return fmt.Errorf("idempotency: complete %s: %w", c.Key, pgErr)
+}
+
+func (d *txDelivery) Committed(xid, serverStart string) {
+	d.claim.xid, d.claim.serverStart = xid, serverStart
+}
+
+func (d *txDelivery) Context(ctx context.Context) context.Context {
+	return withClaim(ctx, d.claim.Key, d.claim.Fence)
 }
 
 // settle finishes what a DoTx answer leaves to its caller: a stuck key to mark, a commit
 // whose answer was lost to resolve, a permanent failure to record.
-func (l *Ledger) settle(ctx context.Context, m *txMember, a txAnswer) (Result, error) {
-	if a.stuck != 0 {
-		l.markStuckOne(ctx, m.req, a.stuck)
+func (l *Ledger) settle(ctx context.Context, d *txDelivery, a sharedtx.Answer) (Result, error) {
+	if d.stuck != 0 {
+		l.markStuckOne(ctx, d.req, d.stuck)
 	}
-	if a.lost != nil {
+	if a.Lost != nil {
 		rctx := ctx
 		if ctx.Err() != nil {
 			var cancel context.CancelFunc
 			rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 			defer cancel()
 		}
-		if err := l.commitLost(rctx, m.claim, a.lost); err != nil {
+		if err := l.commitLost(rctx, d.claim, a.Lost); err != nil {
 			return Result{}, err
 		}
-		if a.err == nil {
-			l.observe(EventCompleted, m.req.TaskType)
+		if a.Err == nil {
+			l.observe(EventCompleted, d.req.TaskType)
 		}
 	}
-	if IsPermanent(a.err) && !a.recorded {
-		l.recordPermanent(ctx, m.req, a.err)
+	if IsPermanent(a.Err) && !a.Recorded {
+		l.recordPermanent(ctx, d.req, a.Err)
 	}
-	return a.res, a.err
+	if a.Err != nil {
+		return Result{}, a.Err
+	}
+	return d.res, nil
 }
 
 // recordPermanent records a permanent DoTx failure, whose transaction rolled back, with a
@@ -174,17 +174,4 @@ func (l *Ledger) recordPermanent(ctx context.Context, req Request, cause error) 
 	if err != nil {
 		l.log.Warn("idempotency: record a permanent failure", "task_type", req.TaskType, "key", req.Key, "err", err, "cause", cause)
 	}
-}
-
-// runTxFn runs fn on tx, recovering a panic (its value is pval).
-func runTxFn(ctx context.Context, tx *txshim.Tx, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (ran txRan, pval any) {
-	began := time.Now()
-	defer func() {
-		ran.own = time.Since(began) - tx.InDB()
-		if r := recover(); r != nil {
-			ran.panicked, pval = true, r
-		}
-	}()
-	ran.out, ran.err = fn(ctx, tx)
-	return ran, nil
 }

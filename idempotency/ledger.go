@@ -5,12 +5,12 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"log/slog"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/claimctx"
 	"github.com/idemq/idemq/internal/commit"
@@ -29,23 +29,23 @@ type Event string
 
 // Events passed to Config.Observe.
 const (
-	EventClaimed        Event = "claimed"         // a new key was claimed
-	EventTakeover       Event = "takeover"        // an expired lease was taken over
-	EventCacheHit       Event = "cache_hit"       // a completed key answered with its stored result
-	EventBusy           Event = "busy"            // another claim holds the key
-	EventMismatch       Event = "mismatch"        // the key was claimed with another fingerprint
-	EventFailedKey      Event = "failed_key"      // the key is terminal failed; not run again
-	EventNeedsAttention Event = "needs_attention" // the key is (or was just marked) needs_attention
-	EventCompleted      Event = "completed"       // a completion was recorded
-	EventRetry          Event = "retry"           // a retryable failure ended the lease
-	EventFailed         Event = "failed"          // a permanent failure was recorded
-	EventLeaseLost      Event = "lease_lost"      // a fenced write matched no row (ErrLeaseLost)
-	EventSelfFenced     Event = "self_fenced"     // no heartbeat reached the database in time
-	EventBadResult      Event = "bad_result"      // a result was replaced by an error marker
-	EventCommitResolved Event = "commit_resolved" // a commit outcome was learned from its transaction id
-	EventSharedRun      Event = "shared_run"      // a DoTx handler ran in a shared transaction without a savepoint
-	EventSharedRerun    Event = "shared_rerun"    // its shared transaction rolled back: the delivery runs alone
-	EventGivenBack      Event = "given_back"      // a shared transaction's budget ran out first: its claim is undone, it runs alone
+	EventClaimed        Event = "claimed"                 // a new key was claimed
+	EventTakeover       Event = "takeover"                // an expired lease was taken over
+	EventCacheHit       Event = "cache_hit"               // a completed key answered with its stored result
+	EventBusy           Event = "busy"                    // another claim holds the key
+	EventMismatch       Event = "mismatch"                // the key was claimed with another fingerprint
+	EventFailedKey      Event = "failed_key"              // the key is terminal failed; not run again
+	EventNeedsAttention Event = "needs_attention"         // the key is (or was just marked) needs_attention
+	EventCompleted      Event = sharedtx.EventCompleted   // a completion was recorded
+	EventRetry          Event = "retry"                   // a retryable failure ended the lease
+	EventFailed         Event = sharedtx.EventFailed      // a permanent failure was recorded
+	EventLeaseLost      Event = "lease_lost"              // a fenced write matched no row (ErrLeaseLost)
+	EventSelfFenced     Event = "self_fenced"             // no heartbeat reached the database in time
+	EventBadResult      Event = "bad_result"              // a result was replaced by an error marker
+	EventCommitResolved Event = "commit_resolved"         // a commit outcome was learned from its transaction id
+	EventSharedRun      Event = sharedtx.EventSharedRun   // a DoTx handler ran in a shared transaction without a savepoint
+	EventSharedRerun    Event = sharedtx.EventSharedRerun // its shared transaction rolled back: the delivery runs alone
+	EventGivenBack      Event = sharedtx.EventGivenBack   // a shared transaction's budget ran out first: its claim is undone, it runs alone
 )
 
 // Kinds of shared commit passed to Config.ObserveBatch.
@@ -131,16 +131,8 @@ type Ledger struct {
 	// cache_describe: what a transaction-mode pooler needs) gets them unnamed.
 	prepare bool
 
-	leased  *commit.Committer[*leasedOp] // leased claims and finishes (Do)
-	txq     *commit.Queue[*txMember]     // DoTx deliveries waiting for a shared transaction
-	txTimes handlerTimes                 // how long DoTx handlers take outside the database
-	// memberTimes: how long a member's turn in a shared transaction takes.
-	memberTimes handlerTimes
-	txBudget    time.Duration // txBatchBudget; tests lengthen it
-	// savepointsUntil (Unix nanoseconds): until then shared transactions give each member
-	// a savepoint, as after an optimistic one rolled back (txSavepointsFor).
-	savepointsUntil atomic.Int64
-	txSlow          time.Duration // txSlowHandler; tests lengthen it
+	leased *commit.Committer[*leasedOp] // leased claims and finishes (Do)
+	tx     *sharedtx.Exec               // DoTx transactions
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table
@@ -195,15 +187,20 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 			l.hbPool = pool
 		}
 	}
-	l.txBudget, l.txSlow = txBatchBudget, txSlowHandler
 	l.writes = store.Fenced
 	if c.UnsafeNoFencing {
 		l.writes = store.Unfenced
 	}
 	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 	l.leased = l.newLeasedCommitter()
-	l.txq = commit.NewQueueSpare(1, c.Committers, c.Committers, func(m *txMember) string { return m.req.Key })
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
+	l.tx = sharedtx.New(sharedtx.Config{
+		Pool: pool, Writes: l.writes, MaxBatch: c.MaxBatch, Committers: c.Committers,
+		WriteTimeout: c.WriteTimeout, ClaimLockTimeout: c.ClaimLockTimeout, SessionTimeout: c.SessionTimeout, MaxAge: c.MaxAge,
+		Alone: c.DisableGroupCommit, Permanent: IsPermanent, CleanText: cleanText,
+		Observe:      func(ev, taskType string) { l.observe(Event(ev), taskType) },
+		ObserveBatch: func(n int) { l.observeBatch(BatchTx, n) },
+	})
 	return l
 }
 

@@ -30,7 +30,7 @@ func batchReq(key string) Request {
 }
 
 // queued reports how many members wait in l's queue.
-func queued(l *Ledger) int { return l.txq.Len() }
+func queued(l *Ledger) int { return l.tx.Queued() }
 
 // waitQueued waits until n members wait in l's queue.
 func waitQueued(t *testing.T, l *Ledger, n int) {
@@ -86,7 +86,7 @@ func TestDoTxBatchedManyKeys(t *testing.T) {
 			}
 		},
 	})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
@@ -162,9 +162,9 @@ func testFailingMembers(t *testing.T, mode string) {
 			reruns.Add(1)
 		}
 	}})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // every member in the one transaction, however slow the race detector makes it
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // every member in the one transaction, however slow the race detector makes it
 	if mode == "savepoints" {
-		l.savepointsUntil.Store(math.MaxInt64)
+		l.tx.SavepointsUntil(time.Unix(0, math.MaxInt64))
 	}
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
@@ -281,7 +281,7 @@ func testFailingMembers(t *testing.T, mode string) {
 	switch {
 	case mode == "optimistic" && reruns.Load() < int64(len(members)):
 		t.Errorf("%d members ran again alone, want all %d", reruns.Load(), len(members))
-	case mode == "optimistic" && l.savepointsUntil.Load() <= time.Now().UnixNano():
+	case mode == "optimistic" && l.tx.Optimistic():
 		t.Error("after an optimistic transaction rolled back, shared transactions must use savepoints for a while")
 	case mode != "optimistic" && reruns.Load() != 0:
 		t.Errorf("%d members ran again alone, want none", reruns.Load())
@@ -329,7 +329,7 @@ func TestDoTxBatchedDuplicates(t *testing.T) {
 	var sizes []int
 	var mu sync.Mutex
 	l := New(pool, &Config{Committers: 1, ObserveBatch: func(_ string, size int) { mu.Lock(); sizes = append(sizes, size); mu.Unlock() }})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	release, waitHolder := holdExecutor(t, l, "holder")
@@ -399,7 +399,7 @@ func TestDoTxBatchedLockedKeyAndCancel(t *testing.T) {
 	ctx := testenv.Context(t, 2*time.Minute)
 	pool := testenv.Postgres(t)
 	l := New(pool, &Config{Committers: 1, ClaimLockTimeout: 200 * time.Millisecond, Lease: time.Minute})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	// An expired claim on "m-locked" whose row another transaction holds.
@@ -469,7 +469,7 @@ func TestDoTxBatchedCtxDoneAtItsTurn(t *testing.T) {
 	ctx := testenv.Context(t, time.Minute)
 	pool := testenv.Postgres(t)
 	l := New(pool, &Config{Committers: 1})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	release, waitHolder := holdExecutor(t, l, "0-holder")
 	entered, gate := make(chan struct{}), make(chan struct{})
@@ -534,7 +534,7 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 				resolved.Done()
 			}
 		}})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	slowCommitOf(t, pool, "m-slow", commits)
 	release, waitHolder := holdExecutor(t, l, "0-holder")
@@ -609,7 +609,7 @@ func TestDoTxBatchedRestart(t *testing.T) {
 	}
 	pool := testenv.Pool(t, pg.URL)
 	l := New(pool, &Config{Committers: 2, WriteTimeout: 5 * time.Second})
-	l.txBudget, l.txSlow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour // shared, however slow the race detector makes the handlers
 	defer l.Close()
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 
@@ -818,7 +818,7 @@ func TestDoTxBatchedSlowQueriesKeepSharing(t *testing.T) {
 	pool := testenv.Postgres(t)
 	l := New(pool, &Config{Committers: 1})
 	defer l.Close()
-	l.txBudget = time.Hour // every waiting member fits: only the slow switch can split them
+	l.tx.Budget = time.Hour // every waiting member fits: only the slow switch can split them
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
 	run := func(key string) {
 		_, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
@@ -864,7 +864,7 @@ func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
 			ctx := testenv.Context(t, time.Minute)
 			pool := testenv.Postgres(t)
 			l := New(pool, &Config{Committers: 1, WriteTimeout: 400 * time.Millisecond, ClaimLockTimeout: 100 * time.Millisecond})
-			l.txBudget, l.txSlow = 50*time.Millisecond, time.Hour // z-last's turn comes past the budget
+			l.tx.Budget, l.tx.Slow = 50*time.Millisecond, time.Hour // z-last's turn comes past the budget
 			defer l.Close()
 			slowCommitOf(t, pool, "m-slow", commits)
 			release, waitHolder := holdExecutor(t, l, "0-holder")
@@ -937,7 +937,7 @@ func TestDoTxOptimisticMembers(t *testing.T) {
 					reruns.Add(1)
 				}
 			}})
-			l.txBudget, l.txSlow = time.Hour, time.Hour
+			l.tx.Budget, l.tx.Slow = time.Hour, time.Hour
 			defer l.Close()
 			batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
 			results := map[string]string{"a-ok": `{"a": 1}`, "m-marker": `{not json`, "z-ok": `"z"`}

@@ -1,0 +1,262 @@
+package sharedtx
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency/internal/store"
+)
+
+// batch is the state of one transaction, used by its executor only: one multi-row claim
+// for every member (store.BeginClaims), each claimed member's handler, and one multi-row
+// finish that completes, fails or forgets every claimed row, with the COMMIT
+// (store.FinishAndCommit). With several members claimed, each handler runs in a savepoint
+// of its own (made when it first uses the transaction) unless the transaction is
+// optimistic; a member claimed alone needs none: its failure rolls the whole transaction
+// back.
+type batch struct {
+	e    *Exec
+	conn *pgx.Conn
+	idle string // idle_in_transaction_session_timeout for the whole transaction
+
+	xid, serverStart string // the transaction's id, drawn with the claims
+
+	pre     []string  // statements sent ahead of the next round trip (a RELEASE)
+	claimed []*member // members whose rows the finish ends, in order
+	broken  error     // the transaction cannot commit
+	// optimistic: the members run without savepoints, their results stored by the finish;
+	// undone: one of them failed, so the transaction rolls back and every member runs
+	// alone (its outcome then is its outcome alone).
+	optimistic, undone bool
+}
+
+// ctx bounds one round trip of the executor: a claim's lock wait and a write.
+func (b *batch) ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), b.e.cfg.WriteTimeout+b.e.cfg.ClaimLockTimeout)
+}
+
+func (b *batch) replyWith(m *member, a Answer) {
+	if m.answered {
+		return
+	}
+	m.answered = true
+	m.answer <- a
+}
+
+// rollback ends the transaction (or closes the connection).
+func (b *batch) rollback() {
+	ctx, cancel := b.ctx()
+	defer cancel()
+	store.Rollback(ctx, b.conn)
+}
+
+// runBatch runs ms, sorted by key, in one transaction on conn, and answers each. It
+// reports whether conn is fit for another batch.
+func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
+	// The transaction lives across its members: its idle timeout is the longest any
+	// member allows, so no member's short deadline cuts the others off.
+	var latest time.Time
+	for _, m := range ms {
+		dl := m.d.Deadline()
+		if dl.IsZero() {
+			latest = time.Time{}
+			break
+		}
+		if dl.After(latest) {
+			latest = dl
+		}
+	}
+	b := &batch{e: e, conn: conn, idle: e.idleTimeout(latest)}
+	switch {
+	case !b.claimAll(ms):
+		// Nothing claimed (completed keys, busy ones, races): the transaction wrote
+		// nothing; end it so that the connection goes back to the pool (or on to the next
+		// batch) instead of being closed for a transaction left open.
+		if b.broken == nil {
+			b.rollback()
+		}
+	case len(b.claimed) == 1:
+		b.runSolo(b.claimed[0])
+	default:
+		b.runShared()
+	}
+	if b.broken != nil {
+		for _, m := range ms {
+			b.replyWith(m, Answer{Err: fmt.Errorf("idempotency: DoTx %s: the transaction did not commit; nothing recorded: %w", m.d.Key(), b.broken)})
+		}
+		b.rollback()
+	}
+	return !conn.IsClosed() && conn.PgConn().TxStatus() == 'I'
+}
+
+// runShared runs the claimed members one after another, within the budget, and commits
+// them (or, undone, rolls back and has them run alone).
+func (b *batch) runShared() {
+	e := b.e
+	b.optimistic = e.Optimistic()
+	start := time.Now()
+	ran := 0
+	for _, m := range b.claimed {
+		if b.broken != nil || b.undone {
+			break
+		}
+		if spent := time.Since(start); spent > e.Budget && spent > time.Duration(ran)*slowTurn {
+			// Handlers this slow gain nothing from sharing a connection: the rest give
+			// their claims back and run alone, side by side. (Quick turns that only add
+			// up past the budget, as on a loaded machine, keep their places: a claim given
+			// back is a claim and a commit more.)
+			m.finish, m.later = finish{action: store.ActionForget}, true
+			e.observe(EventGivenBack, m)
+			continue
+		}
+		if b.optimistic {
+			b.runOptimistic(m)
+		} else {
+			b.runMember(m)
+		}
+		ran++
+	}
+	if ran > 0 {
+		// A member's turn costs its handler and the round trips around it (its savepoint,
+		// its result): a shared transaction takes only as many members as fit in the
+		// budget at that cost, so that it gives none back.
+		e.turns.record(time.Since(start) / time.Duration(ran))
+	}
+	if b.broken == nil && !b.undone {
+		b.commit()
+	}
+	if b.undone && b.broken == nil {
+		b.rollback()
+		b.rerunAlone()
+	}
+}
+
+// claimAll begins the transaction and claims every member's key in one statement. A
+// member that is not claimed is answered at once (a completed key's result is committed
+// data). When the server refuses the statement (a lock wait cut short, say), nothing is
+// claimed: a member alone gets the refusal, several each run alone instead. It reports
+// whether any member was claimed.
+func (b *batch) claimAll(ms []*member) bool {
+	e := b.e
+	var ps []store.ClaimParams
+	var live []*member
+	for _, m := range ms {
+		if err := m.ctx.Err(); err != nil {
+			b.replyWith(m, Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), err)})
+			continue
+		}
+		p, err := m.d.Claim(m.round)
+		if err != nil {
+			b.replyWith(m, Answer{Err: err})
+			continue
+		}
+		ps, live = append(ps, p), append(live, m)
+	}
+	if len(live) == 0 {
+		return false
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	t, err := store.BeginClaims(ctx, b.conn, b.idle, e.lockTimeoutSQL, ps, e.cfg.MaxAge)
+	if err != nil {
+		if !store.Answered(err) {
+			b.broken = err
+			return false
+		}
+		// Refused (a lock timeout, a constraint): nothing was claimed.
+		for _, m := range live {
+			if len(live) == 1 {
+				b.replyWith(m, Answer{Err: m.d.ClaimRefused(err)})
+			} else {
+				b.replyWith(m, Answer{alone: true}) // its own transaction tells it what happened
+			}
+		}
+		b.rollback()
+		return false
+	}
+	b.xid, b.serverStart = t.XID, t.ServerStart
+	for i, m := range live {
+		r := &t.Rows[i]
+		if !t.Answered[i] || !r.Claimed && r.Attempted {
+			*r = store.ClaimRow{} // a lost race: Decide looks again, alone, or reports busy
+		}
+		claimed, again, err := m.d.Decide(r, m.round)
+		switch {
+		case again:
+			b.replyWith(m, Answer{alone: true})
+		case claimed:
+			b.claimed = append(b.claimed, m)
+		default:
+			b.replyWith(m, Answer{Err: err})
+		}
+	}
+	return len(b.claimed) > 0
+}
+
+// params are m's row in the finish.
+func (b *batch) params(m *member) store.FinishParams {
+	p := m.d.Identity()
+	p.Action, p.Result, p.Error = m.finish.action, m.finish.result, m.finish.errMsg
+	return p
+}
+
+func (b *batch) takePre() []string {
+	p := b.pre
+	b.pre = nil
+	return p
+}
+
+// commit ends every claimed row in one statement (completed, failed, or forgotten: the
+// row a failed handler's claim inserted is deleted, a taken-over one ends its lease) and
+// commits, in one round trip; then it answers the members whose rows it completed or
+// failed.
+func (b *batch) commit() {
+	ps := make([]store.FinishParams, len(b.claimed))
+	for i, m := range b.claimed {
+		ps[i] = b.params(m)
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, b.takePre(), ps)
+	if err != nil && b.optimistic && store.Answered(err) {
+		// The finish was refused (a result jsonb does not take): nothing committed, and
+		// whose result it was, the members alone will tell.
+		b.rollback()
+		b.rerunAlone()
+		return
+	}
+	b.answerCommitted(err)
+}
+
+// answerCommitted answers the claimed members after the COMMIT, whose error is err. An
+// error the server answered (or any on a connection still open) means nothing committed:
+// the batch is broken. A COMMIT whose answer was lost is resolved by each member with the
+// transaction id drawn with the claims.
+func (b *batch) answerCommitted(err error) {
+	if err != nil && (store.Answered(err) || !b.conn.IsClosed() || b.xid == "") {
+		b.broken = err
+		return
+	}
+	for _, m := range b.claimed {
+		m.d.Committed(b.xid, b.serverStart)
+		switch {
+		case m.later:
+			// Its claim is gone (forgotten by the commit, or never committed if the lost
+			// answer was a failure): it runs alone now. It must be answered whatever the
+			// commit's fate: it waits for nothing else.
+			b.replyWith(m, Answer{alone: true})
+		case m.finish.action == store.ActionForget:
+		case err != nil: // the answer was lost: each member resolves it by transaction id
+			b.replyWith(m, Answer{Err: m.finish.err, Lost: err, Recorded: m.finish.err != nil})
+		case m.finish.action == store.ActionFail:
+			b.e.observe(EventFailed, m)
+			b.replyWith(m, Answer{Err: m.finish.err, Recorded: true})
+		default:
+			b.e.observe(EventCompleted, m)
+			b.replyWith(m, Answer{})
+		}
+	}
+}

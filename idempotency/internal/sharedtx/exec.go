@@ -1,0 +1,386 @@
+// Package sharedtx is the ledger's DoTx executor: deliveries that commit their work in the
+// ledger's database queue for a transaction, and each transaction carries several of them,
+// one after another on one connection, with one multi-row claim before them and one
+// multi-row finish (with the COMMIT) after. What a delivery is (its claim, how a row
+// decides it, what its result stores) the ledger says through Delivery; the executor owns
+// the transaction, the hand-over to each delivery's goroutine, savepoints, the budget and
+// the fall-backs to transactions of their own.
+package sharedtx
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/idempotency/internal/txshim"
+	"github.com/idemq/idemq/internal/commit"
+)
+
+// Budget is how long a shared transaction runs its members' handlers: the members still
+// waiting when it is spent give their claims back (in the finish) and run in transactions
+// of their own, in parallel. Sharing pays when handlers take about as long as a claim and
+// a commit; a handler that sleeps or waits on a slow query would otherwise hold up every
+// member after it.
+const Budget = 5 * time.Millisecond
+
+// SavepointsFor is how long shared transactions give each member a savepoint after one
+// that ran its members without savepoints rolled back (a handler failed, or the finish was
+// refused): a steady rate of business errors must not run every handler twice.
+const SavepointsFor = 5 * time.Second
+
+// slowTurn is the average member's turn (its handler and its round trips) above which a
+// shared transaction past its budget gives its remaining members back.
+const slowTurn = time.Millisecond
+
+// SlowHandler is the average handler time outside the database (txshim.Tx.InDB) above
+// which deliveries stop sharing transactions and run alone, in parallel, until handlers
+// are quick again.
+const SlowHandler = time.Millisecond
+
+// Events the executor reports through Config.Observe.
+const (
+	EventSharedRun   = "shared_run"   // a handler ran in a shared transaction without a savepoint
+	EventSharedRerun = "shared_rerun" // its shared transaction rolled back: the delivery runs alone
+	EventGivenBack   = "given_back"   // a shared transaction's budget ran out first: the claim is undone
+	EventCompleted   = "completed"    // a completion was committed
+	EventFailed      = "failed"       // a permanent failure was committed
+)
+
+// Fn is a delivery's work, run on the transaction.
+type Fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)
+
+// Delivery is one DoTx call, as the ledger knows it. The executor calls its methods from
+// the goroutine that runs its transaction, one at a time; the caller reads what they
+// recorded after Run returns.
+type Delivery interface {
+	// Key is the delivery's idempotency key: a transaction holds one delivery per key.
+	Key() string
+	// TaskType names the delivery for Config.Observe.
+	TaskType() string
+	// Deadline is the delivery's own deadline (zero: none).
+	Deadline() time.Time
+	// Claim starts claim round round: the parameters of the claim's row.
+	Claim(round int) (store.ClaimParams, error)
+	// Decide reads the claim's row (zero: a lost race): claimed, another round (again: it
+	// bounds the rounds), or an answer that ends the delivery without running it (err
+	// nil: a completed key).
+	Decide(r *store.ClaimRow, round int) (claimed, again bool, err error)
+	// ClaimRefused is the error of a claim the server refused.
+	ClaimRefused(err error) error
+	// Identity is the claimed row's key, fence and owner.
+	Identity() store.FinishParams
+	// Check checks the work's result: what to store and the last_error to record. The
+	// delivery keeps its completion's result.
+	Check(out json.RawMessage) (stored, lastErr pgtype.Text)
+	// Refused is the error of a result or claim write the server refused.
+	Refused(pgErr *pgconn.PgError) error
+	// Committed records the transaction id (and the server's start) the delivery's last
+	// write committed in, to resolve a commit whose answer was lost.
+	Committed(xid, serverStart string)
+	// Context is ctx carrying the claim, for the work.
+	Context(ctx context.Context) context.Context
+}
+
+// Answer is how a delivery ended; what it recorded on the way, the Delivery holds.
+type Answer struct {
+	Err error
+	// Lost: the commit's answer was lost: resolve it from the transaction id.
+	Lost error
+	// Recorded: a permanent failure was committed with the batch.
+	Recorded bool
+	// alone: the shared claim could not decide this member (a lost race, or a batch the
+	// server refused): it runs in a transaction of its own instead.
+	alone bool
+}
+
+// Config is what the executor needs of the ledger.
+type Config struct {
+	Pool   *pgxpool.Pool
+	Writes *store.Writes // fenced, or not (the negative control)
+	// MaxBatch caps the members of one transaction; Committers the transactions that run
+	// at once (twice as many while deliveries queue deeper than one takes).
+	MaxBatch, Committers int
+	WriteTimeout         time.Duration
+	ClaimLockTimeout     time.Duration
+	SessionTimeout       time.Duration // idle_in_transaction_session_timeout, cut to the deadline
+	MaxAge               time.Duration
+	// Alone: every delivery in a transaction of its own (Config.DisableGroupCommit).
+	Alone        bool
+	Permanent    func(error) bool    // a failure recorded for good
+	CleanText    func(string) string // last_error text fit for the column
+	Observe      func(ev, taskType string)
+	ObserveBatch func(size int)
+}
+
+// Exec runs deliveries in transactions. Safe for concurrent use.
+type Exec struct {
+	cfg            Config
+	lockTimeoutSQL string
+	q              *commit.Queue[*member]
+	handlers       times // how long handlers take outside the database
+	turns          times // how long a member's turn in a shared transaction takes
+	// Budget (Budget) and Slow (SlowHandler) may be lengthened by tests before use.
+	Budget, Slow time.Duration
+	// savepointsUntil (Unix nanoseconds): until then shared transactions give each member
+	// a savepoint, as after an optimistic one rolled back (SavepointsFor).
+	savepointsUntil atomic.Int64
+}
+
+// New returns an executor.
+func New(cfg Config) *Exec {
+	return &Exec{
+		cfg:            cfg,
+		lockTimeoutSQL: fmt.Sprintf("%dms", max(1, cfg.ClaimLockTimeout.Milliseconds())),
+		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key() }),
+		Budget:         Budget,
+		Slow:           SlowHandler,
+	}
+}
+
+// Queued is how many deliveries wait for a shared transaction.
+func (e *Exec) Queued() int { return e.q.Len() }
+
+// SavepointsUntil makes shared transactions give each member a savepoint until t (as
+// after a rollback): for tests.
+func (e *Exec) SavepointsUntil(t time.Time) { e.savepointsUntil.Store(t.UnixNano()) }
+
+// Optimistic reports whether shared transactions run their members without savepoints now.
+func (e *Exec) Optimistic() bool { return time.Now().UnixNano() >= e.savepointsUntil.Load() }
+
+// Run runs fn for d: in a transaction shared with concurrent deliveries, or in one of its
+// own (Config.Alone, handlers slow, or when the shared one could not decide it). A panic
+// of fn is raised again on the caller's goroutine after the transaction rolled back.
+func (e *Exec) Run(ctx context.Context, d Delivery, fn Fn) Answer {
+	if e.cfg.Alone || e.handlers.slow(e.Slow) {
+		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
+		return e.alone(ctx, d, fn, 0, !e.cfg.Alone)
+	}
+	return e.shared(ctx, d, fn)
+}
+
+// shared queues d, and the executor that takes it hands the claimed transaction to this
+// goroutine for fn's turn (member).
+func (e *Exec) shared(ctx context.Context, d Delivery, fn Fn) Answer {
+	m := newMember(ctx, d, nil)
+	m.timed = true
+	if e.q.PushDeep(0, m, e.turns.fit(e.Budget, e.cfg.MaxBatch)) {
+		go e.runBatches()
+	}
+	done := ctx.Done()
+	for {
+		select {
+		case <-done:
+			if e.q.Leave(0, m) {
+				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
+			}
+			done = nil // taken: the executor answers, at the latest when its turn comes
+		case t := <-m.run:
+			ran, pval := runFn(d.Context(ctx), t, fn)
+			m.ran <- ran
+			if ran.panicked {
+				<-m.answer // rolled back
+				panic(pval)
+			}
+		case a := <-m.answer:
+			if a.alone {
+				return e.alone(ctx, d, fn, 1, false)
+			}
+			return a
+		}
+	}
+}
+
+// alone runs d in a transaction of its own: a batch of one, run on the caller's
+// goroutine. A claim that lost a race is tried again, from round on, until Decide stops
+// asking for another round.
+// timed: fn's run time joins the moving average (member.timed).
+func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bool) Answer {
+	for ; ; round++ {
+		m := newMember(ctx, d, fn)
+		m.round, m.timed = round, timed
+		conn, err := e.cfg.Pool.Acquire(ctx)
+		if err != nil {
+			return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), err)}
+		}
+		e.runBatch(conn.Conn(), []*member{m})
+		conn.Release() // the pool closes a connection left in a transaction
+		a := <-m.answer
+		if m.panicked {
+			panic(m.pval)
+		}
+		if !a.alone {
+			return a
+		}
+	}
+}
+
+// runBatches is an executor: it runs the queued deliveries in shared transactions on one
+// connection, up to Config.MaxBatch (one per key, in key order) in each, until nothing is
+// queued. Up to 2 × Config.Committers executors run at once.
+func (e *Exec) runBatches() {
+	var conn *pgxpool.Conn
+	defer func() {
+		if conn != nil {
+			conn.Release()
+		}
+	}()
+	for {
+		// Take the connection first, so that members stay free to leave meanwhile.
+		var acqErr error
+		if conn == nil && e.q.Ready() {
+			conn, acqErr = e.acquire()
+		}
+		batches := e.q.Take(e.turns.fit(e.Budget, e.cfg.MaxBatch))
+		if batches == nil {
+			return
+		}
+		ms := batches[0]
+		if conn == nil && acqErr == nil {
+			conn, acqErr = e.acquire()
+		}
+		if acqErr != nil {
+			for _, m := range ms {
+				m.answer <- Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), acqErr)}
+			}
+			e.q.Done(batches)
+			continue
+		}
+		e.observeBatch(len(ms))
+		if !e.runBatch(conn.Conn(), ms) {
+			conn.Release() // the pool closes a connection left in a transaction
+			conn = nil
+		}
+		e.q.Done(batches)
+	}
+}
+
+func (e *Exec) acquire() (*pgxpool.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.WriteTimeout)
+	defer cancel()
+	return e.cfg.Pool.Acquire(ctx)
+}
+
+func (e *Exec) observe(ev string, m *member) {
+	if e.cfg.Observe != nil {
+		e.cfg.Observe(ev, m.d.TaskType())
+	}
+}
+
+func (e *Exec) observeBatch(n int) {
+	if e.cfg.ObserveBatch != nil {
+		e.cfg.ObserveBatch(n)
+	}
+}
+
+// idleTimeout is the idle_in_transaction_session_timeout of a transaction whose members'
+// latest deadline is deadline (zero: none): Config.SessionTimeout, cut to the time left.
+func (e *Exec) idleTimeout(deadline time.Time) string {
+	idle := e.cfg.SessionTimeout
+	if !deadline.IsZero() {
+		idle = max(min(idle, time.Until(deadline)), time.Millisecond)
+	}
+	return strconv.FormatInt(max(1, idle.Milliseconds()), 10) + "ms"
+}
+
+// times is a moving average of a duration.
+type times struct{ nanos atomic.Int64 }
+
+// record adds a run time to the moving average (weight 1/8).
+func (h *times) record(d time.Duration) {
+	for {
+		old := h.nanos.Load()
+		if h.nanos.CompareAndSwap(old, old+(int64(d)-old)/8) {
+			return
+		}
+	}
+}
+
+// slow reports whether runs take longer than limit, on average.
+func (h *times) slow(limit time.Duration) bool { return time.Duration(h.nanos.Load()) > limit }
+
+// fit is how many members fit in budget, at the average time, within 2..most: never
+// one, as only a transaction of several members measures a member's turn, and a
+// transaction whose second member does not fit gives it back. (A member given back costs
+// a claim and a finish for nothing: the estimate does not round up.)
+func (h *times) fit(budget time.Duration, most int) int {
+	avg := time.Duration(h.nanos.Load())
+	if avg <= 0 {
+		return most
+	}
+	return max(min(2, most), min(most, int(budget/avg)))
+}
+
+// member is one delivery in a transaction: shared (it waits in Exec.q and its own
+// goroutine runs fn when the executor hands it the transaction) or alone (local: the
+// caller's goroutine is the executor and runs fn itself). It carries its caller's ctx,
+// as an http.Request does, so that the executor can tell at the member's turn whether the
+// caller still waits.
+type member struct {
+	ctx   context.Context
+	d     Delivery
+	fn    Fn  // local members only
+	round int // claim rounds before this one
+	// timed: fn's run time joins the moving average (Exec.handlers). Shared members and
+	// deliveries run alone because handlers are slow are timed, so that the average can
+	// come down again; a member given back by a shared transaction (past its budget, or
+	// after a lost race) is not: its run alone says nothing of how sharing goes.
+	timed bool
+
+	run    chan *txshim.Tx // executor → member: the claim is taken, run fn
+	ran    chan ran        // member → executor: fn returned or panicked
+	answer chan Answer     // executor → member: the outcome (buffered)
+
+	// The executor's own.
+	answered bool
+	finish   finish
+	later    bool // did not run in the batch (past Budget): runs alone after it
+	panicked bool // a local fn panicked with pval: the caller panics again
+	pval     any
+}
+
+// newMember returns the member of a delivery: local (fn set, run by its executor) or
+// shared (fn nil; the hand-over channels carry its turn).
+func newMember(ctx context.Context, d Delivery, fn Fn) *member {
+	m := &member{ctx: ctx, d: d, fn: fn, answer: make(chan Answer, 1)}
+	if fn == nil {
+		m.run, m.ran = make(chan *txshim.Tx, 1), make(chan ran, 1)
+	}
+	return m
+}
+
+type ran struct {
+	out      json.RawMessage
+	err      error
+	panicked bool
+	own      time.Duration // fn's run less what it waited on the database
+}
+
+// finish is what the shared finish does with a claimed member's row.
+type finish struct {
+	action store.Action // complete, store (complete with result), fail (permanent) or forget (the handler failed)
+	result pgtype.Text  // store: the result
+	errMsg pgtype.Text
+	err    error // the handler's error, answered after the commit (fail)
+}
+
+// runFn runs fn on tx, recovering a panic (its value is pval).
+func runFn(ctx context.Context, tx *txshim.Tx, fn Fn) (r ran, pval any) {
+	began := time.Now()
+	defer func() {
+		r.own = time.Since(began) - tx.InDB()
+		if p := recover(); p != nil {
+			r.panicked, pval = true, p
+		}
+	}()
+	r.out, r.err = fn(ctx, tx)
+	return r, nil
+}
