@@ -24,7 +24,7 @@ import (
 // Concurrent calls share transactions (unless Config.DisableGroupCommit): up to
 // 2 × Config.Committers transactions run at once (more than Config.Committers only while
 // deliveries queue), each carrying the deliveries queued when it began (at most as many
-// as fit in 5 ms at the measured cost of one, at most Config.MaxBatch, one per key, in
+// as fit in 20 ms at the measured cost of one, at most Config.MaxBatch, one per key, in
 // key order), so at low load a transaction carries one delivery and waits for nothing.
 // One multi-row statement claims every delivery's key; then each claimed delivery's fn
 // runs, one after another on the shared connection, and one more statement stores every

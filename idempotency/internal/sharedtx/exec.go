@@ -29,8 +29,11 @@ import (
 // waiting when it is spent give their claims back (in the finish) and run in transactions
 // of their own, in parallel. Sharing pays when handlers take about as long as a claim and
 // a commit; a handler that sleeps or waits on a slow query would otherwise hold up every
-// member after it.
-const Budget = 5 * time.Millisecond
+// member after it. On a loaded machine every turn is slower (a round trip and two
+// goroutine wake-ups, each waiting for a core): at 5 ms, three worker processes on two
+// cores carried 3.4 debits per transaction and ran at half the rate of one; at 20 ms,
+// 9–10 and three quarters of it.
+const Budget = 20 * time.Millisecond
 
 // SavepointsFor is how long shared transactions give each member a savepoint after one
 // that ran its members without savepoints rolled back (a handler failed, or the finish was
