@@ -81,6 +81,7 @@ type txDelivery struct {
 func (d *txDelivery) Key() string         { return d.req.Key }
 func (d *txDelivery) TaskType() string    { return d.req.TaskType }
 func (d *txDelivery) Deadline() time.Time { return d.req.Deadline }
+func (d *txDelivery) Scope() string       { return d.req.Scope }
 
 func (d *txDelivery) Claim(int) (store.ClaimParams, error) {
 	c, p, err := d.l.newClaim(d.req)

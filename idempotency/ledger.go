@@ -237,6 +237,11 @@ type Request struct {
 	// Deadline is the delivery's own deadline (zero: none). A lease is never extended
 	// past it.
 	Deadline time.Time
+	// Scope (DoTx only; empty: none) names deliveries that must not run at the same time in
+	// this process, such as one account's: concurrent DoTx calls of one scope take turns,
+	// and those that meet run one after another in one shared transaction. It does not
+	// reach other processes (the asynq middleware's Redis lock does). At most 255 bytes.
+	Scope string
 }
 
 func (r *Request) validate() error {
@@ -245,6 +250,9 @@ func (r *Request) validate() error {
 	}
 	if n := len(r.TaskType); n < 1 || n > 255 {
 		return fmt.Errorf("%w: task type is %d bytes, must be 1..255", ErrInvalidRequest, n)
+	}
+	if len(r.Scope) > MaxKeyBytes {
+		return fmt.Errorf("%w: scope is %d bytes, must be at most %d", ErrInvalidRequest, len(r.Scope), MaxKeyBytes)
 	}
 	if r.Fingerprint != nil && len(r.Fingerprint) != sha256.Size {
 		return fmt.Errorf("%w: fingerprint is %d bytes, must be %d or none", ErrInvalidRequest, len(r.Fingerprint), sha256.Size)

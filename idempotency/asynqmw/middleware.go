@@ -184,7 +184,7 @@ func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (
 // Postgres: fn's writes and the completion commit in one transaction. fn must not do
 // external I/O. decode as for Leased.
 func Transactional[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
-	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, tx: true, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
 		return w.ledger.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
 			return permanentIfSkip(testhook.Effect(ctx, tx, func() (json.RawMessage, error) { return fn(ctx, tx, job) }))
 		})
@@ -204,6 +204,9 @@ type handler[T idempotency.Job] struct {
 	taskType string
 	decode   func([]byte) (T, error)
 	run      func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error)
+	// tx: the work runs in the ledger's transaction (DoTx), which takes the deliveries of
+	// one scope in turn (Request.Scope): they ride the scope's turn together.
+	tx bool
 }
 
 var _ asynq.Handler = (*handler[idempotency.Job])(nil)
@@ -245,10 +248,11 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	}
 	runCtx := ctx
 	leave := func() {}
+	lineScope := "" // the ledger's Request.Scope
 	if h.w.locker != nil && (scope != key || h.w.cfg.LockKeyScoped) {
 		// On the last attempt a busy answer would archive the task: wait for the lock as
 		// long as the delivery may run.
-		hold, err := h.w.gate.enter(ctx, scope, h.taskType, scope == key, lastAttempt(ctx))
+		hold, err := h.w.gate.enter(ctx, scope, h.taskType, scope == key, lastAttempt(ctx), h.tx)
 		switch {
 		case errors.Is(err, lock.ErrNotObtained):
 			h.w.observeLock(LockBusy, h.taskType)
@@ -261,9 +265,12 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		}
 		runCtx, leave = hold.ctx, hold.leave
 		defer hold.leave()
+		if h.tx {
+			lineScope = scope
+		}
 	}
 
-	req := idempotency.Request{Key: key, TaskType: h.taskType, Fingerprint: idempotency.Fingerprint(h.taskType, canonical)}
+	req := idempotency.Request{Key: key, TaskType: h.taskType, Fingerprint: idempotency.Fingerprint(h.taskType, canonical), Scope: lineScope}
 	if d, ok := ctx.Deadline(); ok {
 		req.Deadline = d
 	}

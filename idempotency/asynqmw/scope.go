@@ -36,21 +36,34 @@ type gate struct {
 // obtains its lock or waits for it.
 type scope struct {
 	name     string
-	taskType string     // of the delivery that holds it, for LockLost
+	taskType string     // of the delivery that took the turn, for LockLost
 	lk       *lock.Lock // nil while no delivery holds it from Redis
 	unwatch  func() error
 	since    time.Time // when lk was taken from Redis
 	handoffs int       // since then
 	lost     error     // the watchdog found lk lost: it is not handed on
-	cancel   context.CancelCauseFunc
-	ownKey   bool           // the scope is the job's own key: a loss does not cancel (the ledger guards)
-	waiters  []chan handout // FIFO
+	ownKey   bool      // the scope is the job's own key: a loss does not cancel (the ledger guards)
+	// holds are the deliveries whose turn it is, each with its cancel: one, or, while
+	// riding, every transactional delivery that joined the turn (the ledger runs them one
+	// at a time: idempotency.Request.Scope).
+	holds   map[*scopeHold]context.CancelCauseFunc
+	riding  bool     // the turn is transactional deliveries': more of them may join it
+	waiters []waiter // FIFO
+}
+
+// waiter is a delivery in line: rides, it may join a riding turn.
+type waiter struct {
+	turn  chan handout
+	rides bool
 }
 
 // handout is what a waiter is told when its turn comes: the lock is handed over (held:
 // run), or it was released (take it from Redis; yield: released for another process,
 // which gets a moment's start).
-type handout struct{ held, yield bool }
+type handout struct {
+	held, yield bool
+	hold        *scopeHold // held: the turn, made by the delivery that handed it over
+}
 
 // scopeHold is a delivery's turn in a scope: its ctx (cancelled when the lock is lost,
 // unless the scope is the key) and the lock it holds, if Redis was reachable.
@@ -72,8 +85,11 @@ func (g *gate) stop() { g.stopOnce.Do(func() { close(g.stopping) }) }
 // enter waits for the scope's turn, within patience (the rest of ctx when patient). Its
 // errors: lock.ErrNotObtained (busy: the scope stayed held, or its line is full), ctx's
 // error, or a Redis error, with which the hold is returned as well: the delivery runs
-// guarded by the ledger alone, still one at a time in this process.
-func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient bool) (*scopeHold, error) {
+// guarded by the ledger alone, still one at a time in this process. A delivery that rides
+// (a transactional one, whose ledger call carries the scope) joins a turn other riders
+// hold, while its bounds allow, instead of waiting for it to end: the ledger runs them
+// one after another, in shared transactions.
+func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient, rides bool) (*scopeHold, error) {
 	select {
 	case <-g.stopping:
 		return nil, lock.ErrNotObtained
@@ -89,17 +105,24 @@ func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient
 	g.mu.Lock()
 	s := g.scopes[name]
 	if s == nil {
-		s = &scope{name: name, ownKey: ownKey}
+		s = &scope{name: name, ownKey: ownKey, riding: rides, holds: map[*scopeHold]context.CancelCauseFunc{}}
 		g.scopes[name] = s
 		g.mu.Unlock()
 		return g.obtain(ctx, s, taskType, giveUp.C)
 	}
-	if len(s.waiters) >= g.w.cfg.ScopeWaiters {
+	if rides && g.joinable(s) {
+		s.handoffs++
+		h := g.holdLocked(ctx, s, taskType, true)
+		g.mu.Unlock()
+		g.w.observeLock(LockHanded, taskType)
+		return h, nil
+	}
+	if len(s.waiters)+len(s.holds) > g.w.cfg.ScopeWaiters {
 		g.mu.Unlock()
 		return nil, lock.ErrNotObtained
 	}
 	turn := make(chan handout, 1)
-	s.waiters = append(s.waiters, turn)
+	s.waiters = append(s.waiters, waiter{turn: turn, rides: rides})
 	g.mu.Unlock()
 
 	select {
@@ -110,7 +133,7 @@ func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient
 	case <-giveUp.C:
 	}
 	g.mu.Lock()
-	if i := slices.Index(s.waiters, turn); i >= 0 {
+	if i := slices.IndexFunc(s.waiters, func(w waiter) bool { return w.turn == turn }); i >= 0 {
 		s.waiters = slices.Delete(s.waiters, i, i+1)
 		g.mu.Unlock()
 		if ctx.Err() != nil {
@@ -122,7 +145,7 @@ func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient
 	// The turn came as this delivery gave up: pass it on.
 	h := <-turn
 	if h.held {
-		(&scopeHold{g: g, s: s}).leave()
+		h.hold.leave()
 		return nil, lock.ErrNotObtained
 	}
 	g.passOn(s, h.yield)
@@ -133,7 +156,7 @@ func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient
 func (g *gate) take(ctx context.Context, s *scope, taskType string, h handout, giveUp <-chan time.Time) (*scopeHold, error) {
 	if h.held {
 		g.w.observeLock(LockHanded, taskType)
-		return g.hold(ctx, s, taskType, true), nil
+		return g.adopt(ctx, h.hold, taskType), nil
 	}
 	if h.yield {
 		// The lock was released so that another process may take it: give it the moment
@@ -205,15 +228,47 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 
 // hold makes the turn of the delivery whose ctx is ctx.
 func (g *gate) hold(ctx context.Context, s *scope, taskType string, handed bool) *scopeHold {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.holdLocked(ctx, s, taskType, handed)
+}
+
+// holdLocked is hold, with g.mu held.
+func (g *gate) holdLocked(ctx context.Context, s *scope, taskType string, handed bool) *scopeHold {
+	hctx, cancel := context.WithCancelCause(ctx)
+	h := &scopeHold{g: g, s: s, ctx: hctx, handed: handed}
+	s.holds[h], s.taskType = cancel, taskType
+	if s.lost != nil && !s.ownKey {
+		cancel(s.lost)
+	}
+	return h
+}
+
+// adopt makes hd, a turn handed over, the turn of the delivery whose ctx is ctx.
+func (g *gate) adopt(ctx context.Context, hd *scopeHold, taskType string) *scopeHold {
 	hctx, cancel := context.WithCancelCause(ctx)
 	g.mu.Lock()
-	s.cancel, s.taskType = cancel, taskType
-	lost := s.lost
-	g.mu.Unlock()
-	if lost != nil && !s.ownKey {
-		cancel(lost)
+	defer g.mu.Unlock()
+	s := hd.s
+	hd.ctx, hd.handed = hctx, true
+	s.holds[hd], s.taskType = cancel, taskType
+	if s.lost != nil && !s.ownKey {
+		cancel(s.lost)
 	}
-	return &scopeHold{g: g, s: s, ctx: hctx, handed: handed}
+	return hd
+}
+
+// joinable reports whether a riding delivery may join s's turn now: riders hold it, its
+// lock is held and confirmed, within its bounds. With g.mu held.
+func (g *gate) joinable(s *scope) bool {
+	return s.riding && len(s.holds) > 0 && len(s.holds) <= g.w.cfg.ScopeWaiters && s.lk != nil && s.lost == nil && len(s.waiters) == 0 &&
+		s.lk.Remaining() > g.w.cfg.LockTTL/2 && !g.bound(s)
+}
+
+// bound reports whether s's turn reached its bounds: other processes that asked get the
+// scope before more deliveries of this one. With g.mu held.
+func (g *gate) bound(s *scope) bool {
+	return s.handoffs >= g.w.cfg.ScopeHandoffs || time.Since(s.since) >= g.w.cfg.ScopeHold
 }
 
 // lose runs on s's watchdog when its lock is lost: the running delivery is cancelled
@@ -224,13 +279,16 @@ func (g *gate) lose(s *scope, cause error) {
 	g.w.observeLock(LockLost, s.taskType)
 	g.w.log.Warn("lock lost while running", "scope", s.name, "err", cause)
 	s.lost = cause
-	if s.cancel != nil && !s.ownKey {
-		s.cancel(cause)
+	if !s.ownKey {
+		for _, cancel := range s.holds {
+			cancel(cause)
+		}
 	}
 }
 
-// leave ends the delivery's turn: the lock goes to the next waiter, or back to Redis.
-// Only its first call does anything.
+// leave ends the delivery's turn: when no other rider holds it, the lock goes to the
+// next waiter (with the riders behind it, when it rides), or back to Redis. Only its
+// first call does anything.
 func (h *scopeHold) leave() {
 	if h.left {
 		return
@@ -238,9 +296,13 @@ func (h *scopeHold) leave() {
 	h.left = true
 	g, s := h.g, h.s
 	g.mu.Lock()
-	if s.cancel != nil {
-		s.cancel(context.Canceled)
-		s.cancel = nil
+	if cancel := s.holds[h]; cancel != nil {
+		cancel(context.Canceled)
+		delete(s.holds, h)
+	}
+	if len(s.holds) > 0 {
+		g.mu.Unlock()
+		return
 	}
 	select {
 	case <-g.stopping:
@@ -250,7 +312,7 @@ func (h *scopeHold) leave() {
 	default:
 	}
 	handOn := s.lk != nil && s.lost == nil && len(s.waiters) > 0 && s.lk.Remaining() > g.w.cfg.LockTTL/2
-	bound := s.handoffs >= g.w.cfg.ScopeHandoffs || time.Since(s.since) >= g.w.cfg.ScopeHold
+	bound := g.bound(s)
 	g.mu.Unlock()
 	wanted := false
 	if handOn && bound {
@@ -261,15 +323,29 @@ func (h *scopeHold) leave() {
 		wanted = w || err != nil
 	}
 	g.mu.Lock()
-	if handOn && !wanted && s.lost == nil && len(s.waiters) > 0 {
+	if handOn && !wanted && s.lost == nil && len(s.waiters) > 0 && len(s.holds) == 0 {
 		if bound {
 			s.handoffs, s.since = 0, time.Now()
 		}
-		s.handoffs++
-		next := s.waiters[0]
-		s.waiters = s.waiters[1:]
+		// The next waiter's turn, and, when it rides, that of the riders right behind it.
+		var next []waiter
+		s.riding = s.waiters[0].rides
+		for len(s.waiters) > 0 && (len(next) == 0 || s.riding && s.waiters[0].rides) {
+			next = append(next, s.waiters[0])
+			s.waiters = s.waiters[1:]
+			s.handoffs++
+		}
+		turns := make([]*scopeHold, len(next))
+		for i := range next {
+			// Its ctx is set when it takes the turn (take): made here, so that the turn is
+			// held before the next delivery can leave it.
+			turns[i] = &scopeHold{g: g, s: s}
+			s.holds[turns[i]] = func(error) {}
+		}
 		g.mu.Unlock()
-		next <- handout{held: true}
+		for i, w := range next {
+			w.turn <- handout{held: true, hold: turns[i]}
+		}
 		return
 	}
 	g.mu.Unlock()
@@ -305,8 +381,9 @@ func (g *gate) passOn(s *scope, yield bool) {
 	}
 	next := s.waiters[0]
 	s.waiters = s.waiters[1:]
+	s.riding = next.rides
 	g.mu.Unlock()
-	next <- handout{yield: yield}
+	next.turn <- handout{yield: yield}
 }
 
 // deadlineOf is ctx's deadline, or a day from now.

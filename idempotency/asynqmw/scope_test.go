@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
@@ -223,5 +224,104 @@ func waitFor(t *testing.T, ok func() bool) {
 			t.Fatal("timed out")
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestScopeRidersAcrossProcesses: 100 transactional deliveries of one account over 3
+// processes (each its own Ledger), 8 at a time in each. They run one at a time, across
+// the processes as within each, none answered busy; within a process the deliveries that
+// meet ride one turn of the lock and share transactions, and every process gets its turn.
+func TestScopeRidersAcrossProcesses(t *testing.T) {
+	t.Parallel()
+	_, pool := newLedger(t, nil)
+	ctx := testenv.Context(t, time.Minute)
+	rdb := testenv.Redis(t)
+	cfg := asynqmw.Config{ScopeHandoffs: 20, ScopeWait: 20 * time.Second}
+
+	var inside, most, runs atomic.Int64
+	type process struct {
+		*scopeProcess
+		debit  asynq.Handler
+		shared atomic.Int64 // deliveries that shared a transaction
+	}
+	procs := make([]*process, 3)
+	for i := range procs {
+		p := &process{}
+		ledger := idempotency.New(pool, &idempotency.Config{ObserveBatch: func(kind string, size int) {
+			if kind == idempotency.BatchTx && size > 1 {
+				p.shared.Add(int64(size))
+			}
+		}})
+		t.Cleanup(ledger.Close)
+		p.scopeProcess = newScopeProcess(ledger, rdb, cfg, func(context.Context, tasks.Charge) error { return nil })
+		p.debit = asynqmw.Transactional(p.worker, tasks.TypeDebit, tasks.DecodeDebit, func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
+			n := inside.Add(1)
+			defer inside.Add(-1)
+			for {
+				m := most.Load()
+				if n <= m || most.CompareAndSwap(m, n) {
+					break
+				}
+			}
+			runs.Add(1)
+			time.Sleep(time.Millisecond)
+			_, err := tx.Exec(ctx, `SELECT 1`)
+			return json.RawMessage(`{}`), err
+		})
+		procs[i] = p
+	}
+
+	const n = 100
+	next := atomic.Int64{}
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i, p := range procs {
+		for range 8 {
+			wg.Go(func() {
+				for {
+					k := next.Add(1)
+					if k > n {
+						return
+					}
+					task, err := tasks.NewDebitTask(tasks.Debit{AccountID: "a-hot", AmountCents: 1, Reference: fmt.Sprintf("hot-%03d", k)})
+					if err == nil {
+						err = p.debit.ProcessTask(ctx, task)
+					}
+					if err != nil {
+						errs <- fmt.Errorf("debit %d on process %d: %w", k, i, err)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if runs.Load() != n {
+		t.Fatalf("%d runs, want %d", runs.Load(), n)
+	}
+	if most.Load() != 1 {
+		t.Fatalf("%d debits of one account ran at once, want 1", most.Load())
+	}
+	var handed, shared int64
+	for i, p := range procs {
+		obtained, busy := p.count(asynqmw.LockObtained), p.count(asynqmw.LockBusy)
+		t.Logf("process %d: obtained %d, handed %d, waited %d, busy %d, shared %d", i, obtained, p.count(asynqmw.LockHanded), p.count(asynqmw.LockWaited), busy, p.shared.Load())
+		if busy != 0 {
+			t.Errorf("process %d answered busy %d times", i, busy)
+		}
+		if obtained == 0 {
+			t.Errorf("process %d never got the lock from Redis: no turn", i)
+		}
+		if h := p.count(asynqmw.LockHanded); h > cfg.ScopeHandoffs*obtained*3 {
+			t.Errorf("process %d: %d turns joined or handed over for %d obtains; the bound is %d per obtain unless nobody else asked", i, h, obtained, cfg.ScopeHandoffs)
+		}
+		handed += int64(p.count(asynqmw.LockHanded))
+		shared += p.shared.Load()
+	}
+	if handed == 0 || shared == 0 {
+		t.Errorf("%d turns joined or handed over, %d debits shared a transaction: the riders never met", handed, shared)
 	}
 }

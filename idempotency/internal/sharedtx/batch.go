@@ -171,7 +171,7 @@ func (b *batch) claimAll(ms []*member) bool {
 			if len(live) == 1 {
 				b.replyWith(m, Answer{Err: m.d.ClaimRefused(err)})
 			} else {
-				b.replyWith(m, Answer{alone: true}) // its own transaction tells it what happened
+				b.again(m, err) // its own transaction tells it what happened
 			}
 		}
 		b.rollback()
@@ -186,7 +186,7 @@ func (b *batch) claimAll(ms []*member) bool {
 		claimed, again, err := m.d.Decide(r, m.round)
 		switch {
 		case again:
-			b.replyWith(m, Answer{alone: true})
+			b.again(m, nil)
 		case claimed:
 			b.claimed = append(b.claimed, m)
 		default:
@@ -247,7 +247,7 @@ func (b *batch) answerCommitted(err error) {
 			// Its claim is gone (forgotten by the commit, or never committed if the lost
 			// answer was a failure): it runs alone now. It must be answered whatever the
 			// commit's fate: it waits for nothing else.
-			b.replyWith(m, Answer{alone: true})
+			b.again(m, nil)
 		case m.finish.action == store.ActionForget:
 		case err != nil: // the answer was lost: each member resolves it by transaction id
 			b.replyWith(m, Answer{Err: m.finish.err, Lost: err, Recorded: m.finish.err != nil})

@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -91,6 +92,9 @@ type Delivery interface {
 	Committed(xid, serverStart string)
 	// Context is ctx carrying the claim, for the work.
 	Context(ctx context.Context) context.Context
+	// Scope names the deliveries that must not overlap in this process (empty: none but
+	// the key's own): they take turns, several to a shared transaction when they meet.
+	Scope() string
 }
 
 // Answer is how a delivery ended; what it recorded on the way, the Delivery holds.
@@ -133,6 +137,8 @@ type Exec struct {
 	turns          times // how long a member's turn in a shared transaction takes
 	// Budget (Budget) and Slow (SlowHandler) may be lengthened by tests before use.
 	Budget, Slow time.Duration
+	mu           sync.Mutex
+	scopes       map[string]*line // the scopes with a unit queued or running
 	// savepointsUntil (Unix nanoseconds): until then shared transactions give each member
 	// a savepoint, as after an optimistic one rolled back (SavepointsFor).
 	savepointsUntil atomic.Int64
@@ -146,6 +152,7 @@ func New(cfg Config) *Exec {
 		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key() }),
 		Budget:         Budget,
 		Slow:           SlowHandler,
+		scopes:         map[string]*line{},
 	}
 }
 
@@ -163,6 +170,9 @@ func (e *Exec) Optimistic() bool { return time.Now().UnixNano() >= e.savepointsU
 // own (Config.Alone, handlers slow, or when the shared one could not decide it). A panic
 // of fn is raised again on the caller's goroutine after the transaction rolled back.
 func (e *Exec) Run(ctx context.Context, d Delivery, fn Fn) Answer {
+	if s := d.Scope(); s != "" {
+		return e.scoped(ctx, d, fn, s)
+	}
 	if e.cfg.Alone || e.handlers.slow(e.Slow) {
 		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
 		return e.alone(ctx, d, fn, 0, !e.cfg.Alone)
@@ -242,11 +252,12 @@ func (e *Exec) runBatches() {
 		if conn == nil && e.q.Ready() {
 			conn, acqErr = e.acquire()
 		}
-		batches := e.q.Take(e.turns.fit(e.Budget, e.cfg.MaxBatch))
+		n := e.turns.fit(e.Budget, e.cfg.MaxBatch)
+		batches := e.q.Take(n)
 		if batches == nil {
 			return
 		}
-		ms := batches[0]
+		ms := e.withLines(batches[0], n)
 		if conn == nil && acqErr == nil {
 			conn, acqErr = e.acquire()
 		}
@@ -255,6 +266,7 @@ func (e *Exec) runBatches() {
 				m.answer <- Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), acqErr)}
 			}
 			e.q.Done(batches)
+			e.afterLines(ms)
 			continue
 		}
 		e.observeBatch(len(ms))
@@ -263,6 +275,7 @@ func (e *Exec) runBatches() {
 			conn = nil
 		}
 		e.q.Done(batches)
+		e.afterLines(ms)
 	}
 }
 
@@ -342,8 +355,11 @@ type member struct {
 	ran    chan ran        // member → executor: fn returned or panicked
 	answer chan Answer     // executor → member: the outcome (buffered)
 
+	scope string // Delivery.Scope
+
 	// The executor's own.
 	answered bool
+	requeue  bool // back to the head of its scope's line after the batch (batch.again)
 	finish   finish
 	later    bool // did not run in the batch (past Budget): runs alone after it
 	panicked bool // a local fn panicked with pval: the caller panics again

@@ -156,7 +156,7 @@ func (b *batch) rerunAlone() {
 		if !m.answered {
 			b.e.observe(EventSharedRerun, m)
 		}
-		b.replyWith(m, Answer{alone: true})
+		b.again(m, nil)
 	}
 }
 

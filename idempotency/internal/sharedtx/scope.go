@@ -1,0 +1,186 @@
+package sharedtx
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+)
+
+// The deliveries of one scope (Delivery.Scope) never overlap in this process. They wait
+// in the scope's line, and one unit of the scope runs at a time: a batch, which takes the
+// line's waiting deliveries with it (up to the batch's size, one per key) and runs them
+// one after another in its transaction, or one delivery alone on its own goroutine (when
+// deliveries do not share transactions now). A delivery its batch could not decide (a
+// lost race, a refused claim, its turn past the budget, an undone transaction) goes back
+// to the head of its line, instead of running alone beside the scope's next unit.
+
+// line is a scope's waiting deliveries; the scope is in Exec.scopes while a unit of it
+// is queued or runs.
+type line struct{ waiting []*member }
+
+// requeueRounds bounds how often a delivery goes back to its line after a refused claim:
+// then the refusal is its answer.
+const requeueRounds = 5
+
+// scoped is Run for a delivery with a scope.
+func (e *Exec) scoped(ctx context.Context, d Delivery, fn Fn, scope string) Answer {
+	m := newMember(ctx, d, nil)
+	m.scope, m.timed = scope, true
+	e.mu.Lock()
+	if ln := e.scopes[scope]; ln != nil {
+		ln.waiting = append(ln.waiting, m)
+		e.mu.Unlock()
+	} else {
+		e.scopes[scope] = &line{}
+		e.mu.Unlock()
+		e.startUnit(m)
+	}
+	done := ctx.Done()
+	for {
+		select {
+		case <-done:
+			if e.leaveLine(m) {
+				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
+			}
+			done = nil // taken: its batch answers, at the latest when its turn comes
+		case tx := <-m.run:
+			r, pval := runFn(d.Context(ctx), tx, fn)
+			m.ran <- r
+			if r.panicked {
+				<-m.answer // rolled back
+				panic(pval)
+			}
+		case a := <-m.answer:
+			if !a.alone {
+				return a
+			}
+			// The scope's turn is this delivery's, alone, on this goroutine.
+			defer e.release(scope)
+			return e.alone(ctx, d, fn, m.round, !e.cfg.Alone)
+		}
+	}
+}
+
+// startUnit starts the scope's next unit with m at its head: queued for a batch, or
+// alone when deliveries do not share transactions now.
+func (e *Exec) startUnit(m *member) {
+	if e.cfg.Alone || e.handlers.slow(e.Slow) {
+		m.answer <- Answer{alone: true}
+		return
+	}
+	if e.q.PushDeep(0, m, e.turns.fit(e.Budget, e.cfg.MaxBatch)) {
+		go e.runBatches()
+	}
+}
+
+// leaveLine takes m, whose caller gives up, out of its line or the queue, unless a batch
+// took it already (then it reports false).
+func (e *Exec) leaveLine(m *member) bool {
+	e.mu.Lock()
+	if ln := e.scopes[m.scope]; ln != nil {
+		if i := slices.Index(ln.waiting, m); i >= 0 {
+			ln.waiting = slices.Delete(ln.waiting, i, i+1)
+			e.mu.Unlock()
+			return true
+		}
+	}
+	e.mu.Unlock()
+	if e.q.Leave(0, m) {
+		e.release(m.scope) // m headed the scope's unit
+		return true
+	}
+	return false
+}
+
+// release ends a unit of scope: the line's next delivery starts the next unit, or the
+// scope is forgotten.
+func (e *Exec) release(scope string) {
+	e.mu.Lock()
+	ln := e.scopes[scope]
+	if len(ln.waiting) == 0 {
+		delete(e.scopes, scope)
+		e.mu.Unlock()
+		return
+	}
+	next := ln.waiting[0]
+	ln.waiting = slices.Delete(ln.waiting, 0, 1)
+	e.mu.Unlock()
+	e.startUnit(next)
+}
+
+// withLines adds to the batch ms the deliveries waiting in the lines of its scoped
+// members, up to n members in all, one per key, and sorts it by key.
+func (e *Exec) withLines(ms []*member, n int) []*member {
+	leads := ms
+	keys := make(map[string]bool, len(ms))
+	for _, m := range ms {
+		keys[m.d.Key()] = true
+	}
+	e.mu.Lock()
+	for _, lead := range leads {
+		if lead.scope == "" {
+			continue
+		}
+		ln := e.scopes[lead.scope]
+		rest := ln.waiting[:0]
+		for _, f := range ln.waiting {
+			if len(ms) < n && !keys[f.d.Key()] {
+				keys[f.d.Key()] = true
+				ms = append(ms, f)
+			} else {
+				rest = append(rest, f)
+			}
+		}
+		clear(ln.waiting[len(rest):])
+		ln.waiting = rest
+	}
+	e.mu.Unlock()
+	if len(ms) > len(leads) {
+		slices.SortFunc(ms, func(a, b *member) int { return cmp.Compare(a.d.Key(), b.d.Key()) })
+	}
+	return ms
+}
+
+// afterLines ends the units of the scopes of the batch ms that ran: the members it sent
+// back go to the head of their lines, and each scope's next unit starts.
+func (e *Exec) afterLines(ms []*member) {
+	var scopes []string
+	back := map[string][]*member{}
+	for _, m := range ms {
+		if m.scope == "" {
+			continue
+		}
+		if !slices.Contains(scopes, m.scope) {
+			scopes = append(scopes, m.scope)
+		}
+		if m.requeue {
+			m.requeue, m.answered, m.finish, m.later = false, false, finish{}, false
+			back[m.scope] = append(back[m.scope], m)
+		}
+	}
+	for _, s := range scopes {
+		if b := back[s]; len(b) > 0 {
+			e.mu.Lock()
+			ln := e.scopes[s]
+			ln.waiting = append(b, ln.waiting...)
+			e.mu.Unlock()
+		}
+		e.release(s)
+	}
+}
+
+// again has m run once more: in a transaction of its own, or, when it has a scope, in
+// its line's next unit (the refusal err ends it after requeueRounds).
+func (b *batch) again(m *member, refusal error) {
+	switch {
+	case m.answered:
+	case m.scope == "":
+		b.replyWith(m, Answer{alone: true})
+	case refusal != nil && m.round+1 >= requeueRounds:
+		b.replyWith(m, Answer{Err: m.d.ClaimRefused(refusal)})
+	default:
+		m.answered, m.requeue = true, true
+		m.round++
+	}
+}

@@ -1,0 +1,123 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+// TestDoTxScopeTakesTurns: concurrent DoTx calls of one Request.Scope never run their
+// handlers at the same time, each takes effect once, and those that meet share
+// transactions; under every way a delivery can leave a shared transaction (an optimistic
+// one undone by a failing member, savepoints, handlers too slow to share, group commit
+// off) the scope still runs one delivery at a time. Another scope runs beside it.
+func TestDoTxScopeTakesTurns(t *testing.T) {
+	for _, mode := range []string{"optimistic", "savepoints", "slow", "alone"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			ctx := testenv.Context(t, 2*time.Minute)
+			pool := testenv.Postgres(t)
+			var mu sync.Mutex
+			maxBatch, shared := 0, 0
+			events := map[Event]int{}
+			l := New(pool, &Config{
+				DisableGroupCommit: mode == "alone",
+				Observe:            func(ev Event, _ string) { mu.Lock(); events[ev]++; mu.Unlock() },
+				ObserveBatch: func(kind string, size int) {
+					mu.Lock()
+					defer mu.Unlock()
+					if kind == BatchTx && size > 1 {
+						shared += size
+						maxBatch = max(maxBatch, size)
+					}
+				},
+			})
+			defer l.Close()
+			l.tx.Budget, l.tx.Slow = time.Hour, time.Hour
+			switch mode {
+			case "savepoints":
+				l.tx.SavepointsUntil(time.Now().Add(time.Hour))
+			case "slow":
+				l.tx.Slow = 0 // every handler is slow once one was timed: alone, in turn
+			}
+			batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, scope text NOT NULL)`)
+
+			// in[scope] counts the scope's handlers running now; overlap records a second.
+			var in [2]atomic.Int32
+			var overlap atomic.Int32
+			var failed sync.Map // keys whose first run failed on purpose
+			const perScope = 40
+			var wg sync.WaitGroup
+			for s := range 2 {
+				for i := range perScope {
+					wg.Go(func() {
+						key := fmt.Sprintf("s%d-k%02d", s, i)
+						req := batchReq(key)
+						req.Scope = fmt.Sprintf("account:%d", s)
+						for attempt := 0; ; attempt++ {
+							_, err := l.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+								if in[s].Add(1) > 1 {
+									overlap.Add(1)
+								}
+								defer in[s].Add(-1)
+								time.Sleep(200 * time.Microsecond) // long enough for an overlap to show
+								if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, key, req.Scope); err != nil {
+									return nil, err
+								}
+								if i%7 == 3 {
+									if _, done := failed.LoadOrStore(key, true); !done {
+										return nil, errors.New("first run fails")
+									}
+								}
+								return json.RawMessage(`{}`), nil
+							})
+							if err == nil {
+								return
+							}
+							if attempt > 0 || i%7 != 3 {
+								t.Errorf("%s: %v", key, err)
+								return
+							}
+						}
+					})
+				}
+			}
+			wg.Wait()
+			if n := overlap.Load(); n != 0 {
+				t.Fatalf("%d handlers ran while another of their scope ran", n)
+			}
+			for s := range 2 {
+				if got := batchCount(t, pool, `SELECT count(DISTINCT key) FROM effects WHERE scope = $1`, fmt.Sprintf("account:%d", s)); got != perScope {
+					t.Fatalf("scope %d: %d keys took effect, want %d", s, got, perScope)
+				}
+			}
+			if got := batchCount(t, pool, `SELECT count(*) FROM effects`); got != 2*perScope {
+				t.Fatalf("effects = %d, want %d (one per key)", got, 2*perScope)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			switch mode {
+			case "optimistic", "savepoints":
+				if maxBatch < 2 || shared < perScope/2 {
+					t.Fatalf("shared transactions carried %d deliveries, at most %d in one: the scope's deliveries did not share", shared, maxBatch)
+				}
+			case "alone":
+				if shared != 0 {
+					t.Fatalf("%d deliveries shared a transaction, want none (group commit off)", shared)
+				}
+			}
+			if mode == "optimistic" && events[EventSharedRerun] == 0 {
+				t.Fatalf("no optimistic transaction was undone (events %v): the failing members did not exercise it", events)
+			}
+		})
+	}
+}
