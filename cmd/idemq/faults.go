@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/tasks"
@@ -22,12 +23,16 @@ import (
 // They make a worker SIGKILL itself at a chosen point of a handler, with a probability:
 // after_claim (first thing in the handler, the claim committed), after_effect (after the
 // provider call or the wallet insert, before the handler returns, so before the
-// completion); debit_delay adds a random delay up to the given duration to each debit.
+// completion); debit_delay adds a random delay up to the given duration to each debit;
+// debit_error makes a debit's first delivery fail (a retryable error) after its wallet
+// insert, with a probability, so that the insert rolls back with its transaction and the
+// task is retried (a shared transaction without savepoints is rolled back, and its
+// deliveries run again); a retry does not fail, so no task waits for more than one.
 // Empty (the default) changes nothing.
 
 type faultPoints struct {
-	afterClaim, afterEffect float64
-	debitDelay              time.Duration
+	afterClaim, afterEffect, debitError float64
+	debitDelay                          time.Duration
 }
 
 func parseFaultPoints(spec string) (faultPoints, error) {
@@ -38,15 +43,18 @@ func parseFaultPoints(spec string) (faultPoints, error) {
 		}
 		name, val, _ := strings.Cut(item, ":")
 		switch name {
-		case "after_claim", "after_effect":
+		case "after_claim", "after_effect", "debit_error":
 			p, err := strconv.ParseFloat(val, 64)
 			if err != nil || p < 0 || p > 1 {
 				return fp, fmt.Errorf("%s: want a probability between 0 and 1, got %q", name, val)
 			}
-			if name == "after_claim" {
+			switch name {
+			case "after_claim":
 				fp.afterClaim = p
-			} else {
+			case "after_effect":
 				fp.afterEffect = p
+			default:
+				fp.debitError = p
 			}
 		case "debit_delay":
 			d, err := time.ParseDuration(val)
@@ -55,7 +63,7 @@ func parseFaultPoints(spec string) (faultPoints, error) {
 			}
 			fp.debitDelay = d
 		default:
-			return fp, fmt.Errorf("unknown fault point %q (after_claim, after_effect, debit_delay)", name)
+			return fp, fmt.Errorf("unknown fault point %q (after_claim, after_effect, debit_delay, debit_error)", name)
 		}
 	}
 	return fp, nil
@@ -76,7 +84,7 @@ func (fp faultPoints) wrap(charge func(context.Context, tasks.Charge) (json.RawM
 	if fp == (faultPoints{}) {
 		return charge, debit
 	}
-	log.Warn("IDEMQ_UNSAFE_FAULTS is set: this worker kills itself on purpose (tests only)", "after_claim", fp.afterClaim, "after_effect", fp.afterEffect, "debit_delay", fp.debitDelay)
+	log.Warn("IDEMQ_UNSAFE_FAULTS is set: this worker kills itself on purpose (tests only)", "after_claim", fp.afterClaim, "after_effect", fp.afterEffect, "debit_delay", fp.debitDelay, "debit_error", fp.debitError)
 	return func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 			fp.crash("after_claim", fp.afterClaim, c.Key(), log)
 			out, err := charge(ctx, c)
@@ -96,6 +104,9 @@ func (fp faultPoints) wrap(charge func(context.Context, tasks.Charge) (json.RawM
 			out, err := debit(ctx, tx, d)
 			if err == nil {
 				fp.crash("after_effect", fp.afterEffect, d.Key(), log)
+				if n, _ := asynq.GetRetryCount(ctx); n == 0 && fp.debitError > 0 && mrand.Float64() < fp.debitError {
+					return nil, fmt.Errorf("IDEMQ_UNSAFE_FAULTS: debit_error after the wallet insert of %s (rolled back; retried)", d.Key())
+				}
 			}
 			return out, err
 		}

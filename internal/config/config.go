@@ -61,7 +61,7 @@ type Worker struct {
 	LogLevel        string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 	UnsafeNoGuards  bool          `envconfig:"IDEMQ_UNSAFE_NO_GUARDS" default:"false" desc:"DEMO AND TESTS ONLY: run handlers without the lock and the ledger, to show the duplicates they prevent"`
 	UnsafeNoFencing bool          `envconfig:"IDEMQ_UNSAFE_NO_FENCING" default:"false" desc:"TESTS ONLY (negative control): the ledger stops checking fence and owner on its writes and stops fencing itself, so a stale owner can finish what a newer one holds"`
-	UnsafeFaults    string        `envconfig:"IDEMQ_UNSAFE_FAULTS" desc:"TESTS ONLY (fault suite): comma-separated point:value, e.g. after_claim:0.02,after_effect:0.02 (SIGKILL itself with that probability right after the claim or right after the effect, before the completion) and debit_delay:1s (random extra debit time)"`
+	UnsafeFaults    string        `envconfig:"IDEMQ_UNSAFE_FAULTS" desc:"TESTS ONLY (fault suite): comma-separated point:value, e.g. after_claim:0.02,after_effect:0.02 (SIGKILL itself with that probability right after the claim or right after the effect, before the completion) debit_delay:1s (random extra debit time) and debit_error:0.2 (a debit's first delivery fails after its insert, retried)"`
 }
 
 // API configures `idemq api`.

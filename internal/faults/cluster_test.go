@@ -214,11 +214,13 @@ type cluster struct {
 
 // clusterConfig chooses what differs between runs.
 type clusterConfig struct {
-	mode       localserver.Persistence
-	workers    int
-	honorKeys  bool
-	workerEnv  []string // added after the defaults (later values win)
-	startAfter int      // workers with index >= startAfter are not started at first
+	mode      localserver.Persistence
+	workers   int
+	honorKeys bool
+	workerEnv []string // added after the defaults (later values win)
+	// workerEnvAt is added after workerEnv for the worker of each index.
+	workerEnvAt map[int][]string
+	startAfter  int // workers with index >= startAfter are not started at first
 }
 
 const (
@@ -289,7 +291,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 		port, _ := localserver.FreePort()
 		w := &worker{i: i, metricsURL: fmt.Sprintf("http://127.0.0.1:%d/metrics", port), proc: &proc{
 			name: fmt.Sprintf("worker%d", i), args: []string{"worker"}, log: filepath.Join(c.dir, fmt.Sprintf("worker%d.log", i)),
-			env: append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port)}, workerEnv...)}}
+			env: append(append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port)}, workerEnv...), cfg.workerEnvAt[i]...)}}
 		c.workers = append(c.workers, w)
 		if cfg.startAfter == 0 || i < cfg.startAfter {
 			c.startWorker(w)

@@ -61,11 +61,21 @@ func (j job) spec() outbox.Spec {
 
 // plan derives n jobs from seed: half charges, half debits, about 20% with a duplicate,
 // sent evenly over spread.
+// Of every burstEvery jobs, the first burstSize are sent at once.
+const burstEvery, burstSize = 40, 24
+
 func plan(seed uint64, n int, spread time.Duration) []job {
 	rng := rand.New(rand.NewPCG(seed, 1))
 	jobs := make([]job, n)
 	for i := range jobs {
-		j := job{at: spread * time.Duration(i) / time.Duration(n)}
+		// Most of every 40 jobs arrive together at its start, the rest spread after them:
+		// a burst is what makes a worker's deliveries meet (shared transactions, a scope's
+		// riders) while the nemesis runs.
+		at := i
+		if i%burstEvery < burstSize {
+			at = i - i%burstEvery
+		}
+		j := job{at: spread * time.Duration(at) / time.Duration(n)}
 		if rng.IntN(2) == 0 {
 			j.charge = &tasks.Charge{OrderID: fmt.Sprintf("o-%d", i), CustomerID: fmt.Sprintf("c-%d", rng.IntN(n/2+1)),
 				AmountCents: int64(100 + rng.IntN(10000)), Currency: "EUR"}
