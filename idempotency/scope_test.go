@@ -121,3 +121,79 @@ func TestDoTxScopeTakesTurns(t *testing.T) {
 		})
 	}
 }
+
+// TestDoTxScopeLineLeaderKeyIsFreed: a scope's line is taken into its head's shared
+// transaction, and the batch sorts by key, so the head may run after the deliveries it
+// took; once done, the head's key is free again: a second delivery of it (a redelivery,
+// answered from the ledger) does not wait forever behind a key left in flight.
+func TestDoTxScopeLineLeaderKeyIsFreed(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	var mu sync.Mutex
+	shared := 0
+	l := New(pool, &Config{ObserveBatch: func(kind string, size int) {
+		if kind == BatchTx && size > 1 {
+			mu.Lock()
+			shared += size
+			mu.Unlock()
+		}
+	}})
+	defer l.Close()
+	l.tx.Budget, l.tx.Slow = time.Hour, time.Hour
+	const scope = "account:line"
+	do := func(ctx context.Context, key string, fn func()) error {
+		req := batchReq(key)
+		req.Scope = scope
+		_, err := l.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			if fn != nil {
+				fn()
+			}
+			_, err := tx.Exec(ctx, `SELECT 1`)
+			return json.RawMessage(`{}`), err
+		})
+		return err
+	}
+	// m-first holds the scope until z-head and the a-keys wait in its line, z-head first.
+	release := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		if err := do(ctx, "m-first", func() { <-release }); err != nil {
+			t.Errorf("m-first: %v", err)
+		}
+	})
+	waitLine := func(n int) {
+		for l.tx.Waiting(scope) < n {
+			if ctx.Err() != nil {
+				t.Fatalf("%d waiting in the line, want %d", l.tx.Waiting(scope), n)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	// The holder's fn runs once it is claimed; the line forms behind it.
+	time.Sleep(50 * time.Millisecond)
+	keys := []string{"z-head", "a-1", "a-2", "a-3"}
+	for i, key := range keys {
+		wg.Go(func() {
+			if err := do(ctx, key, nil); err != nil {
+				t.Errorf("%s: %v", key, err)
+			}
+		})
+		waitLine(i + 1)
+	}
+	close(release)
+	wg.Wait()
+	mu.Lock()
+	if shared < len(keys) {
+		t.Fatalf("%d deliveries shared a transaction, want the line's %d in one", shared, len(keys))
+	}
+	mu.Unlock()
+	for _, key := range append(keys, "m-first") {
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := do(dctx, key, func() { t.Errorf("%s ran again", key) })
+		cancel()
+		if err != nil {
+			t.Fatalf("%s delivered again: %v (its key was left in flight?)", key, err)
+		}
+	}
+}

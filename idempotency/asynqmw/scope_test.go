@@ -51,6 +51,31 @@ func newScopeProcess(ledger *idempotency.Ledger, rdb *redis.Client, cfg asynqmw.
 	return p
 }
 
+// driveHot delivers n tasks (deliver(i, k) delivers the k-th on process i) from 8
+// goroutines in each of procs processes, and reports every error.
+func driveHot(t *testing.T, n, procs int, deliver func(i int, k int64) error) {
+	t.Helper()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range procs {
+		for range 8 {
+			wg.Go(func() {
+				for k := next.Add(1); k <= int64(n); k = next.Add(1) {
+					if err := deliver(i, k); err != nil {
+						errs <- fmt.Errorf("task %d on process %d: %w", k, i, err)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
 func hotCharge(t *testing.T, order string) *asynq.Task {
 	t.Helper()
 	task, err := tasks.NewChargeTask(tasks.Charge{OrderID: order, CustomerID: "c-hot", AmountCents: 1, Currency: "EUR"})
@@ -95,29 +120,9 @@ func TestScopeHandoffAcrossProcesses(t *testing.T) {
 	}
 
 	const n = 100
-	next := atomic.Int64{}
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for i := range procs {
-		for range 8 {
-			wg.Go(func() {
-				for {
-					k := next.Add(1)
-					if k > n {
-						return
-					}
-					if err := procs[i].charge.ProcessTask(ctx, hotCharge(t, fmt.Sprintf("hot-%03d", k))); err != nil {
-						errs <- fmt.Errorf("order %d on process %d: %w", k, i, err)
-					}
-				}
-			})
-		}
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Error(err)
-	}
+	driveHot(t, n, len(procs), func(i int, k int64) error {
+		return procs[i].charge.ProcessTask(ctx, hotCharge(t, fmt.Sprintf("hot-%03d", k)))
+	})
 	if runs.Load() != n {
 		t.Fatalf("%d runs, want %d", runs.Load(), n)
 	}
@@ -272,33 +277,13 @@ func TestScopeRidersAcrossProcesses(t *testing.T) {
 	}
 
 	const n = 100
-	next := atomic.Int64{}
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for i, p := range procs {
-		for range 8 {
-			wg.Go(func() {
-				for {
-					k := next.Add(1)
-					if k > n {
-						return
-					}
-					task, err := tasks.NewDebitTask(tasks.Debit{AccountID: "a-hot", AmountCents: 1, Reference: fmt.Sprintf("hot-%03d", k)})
-					if err == nil {
-						err = p.debit.ProcessTask(ctx, task)
-					}
-					if err != nil {
-						errs <- fmt.Errorf("debit %d on process %d: %w", k, i, err)
-					}
-				}
-			})
+	driveHot(t, n, len(procs), func(i int, k int64) error {
+		task, err := tasks.NewDebitTask(tasks.Debit{AccountID: "a-hot", AmountCents: 1, Reference: fmt.Sprintf("hot-%03d", k)})
+		if err != nil {
+			return err
 		}
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Error(err)
-	}
+		return procs[i].debit.ProcessTask(ctx, task)
+	})
 	if runs.Load() != n {
 		t.Fatalf("%d runs, want %d", runs.Load(), n)
 	}

@@ -188,25 +188,33 @@ func (e *Exec) shared(ctx context.Context, d Delivery, fn Fn) Answer {
 	if e.q.PushDeep(0, m, e.turns.fit(e.Budget, e.cfg.MaxBatch)) {
 		go e.runBatches()
 	}
+	a := e.await(ctx, m, fn, func() bool { return e.q.Leave(0, m) })
+	if a.alone {
+		return e.alone(ctx, d, fn, 1, false)
+	}
+	return a
+}
+
+// await waits for m's answer, running fn when the executor hands m the transaction.
+// When ctx ends first, leave takes m out of where it waits (false: a batch took it
+// already, and answers it, at the latest when its turn comes).
+func (e *Exec) await(ctx context.Context, m *member, fn Fn, leave func() bool) Answer {
 	done := ctx.Done()
 	for {
 		select {
 		case <-done:
-			if e.q.Leave(0, m) {
-				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
+			if leave() {
+				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), ctx.Err())}
 			}
-			done = nil // taken: the executor answers, at the latest when its turn comes
-		case t := <-m.run:
-			ran, pval := runFn(d.Context(ctx), t, fn)
-			m.ran <- ran
-			if ran.panicked {
+			done = nil
+		case tx := <-m.run:
+			r, pval := runFn(m.d.Context(ctx), tx, fn)
+			m.ran <- r
+			if r.panicked {
 				<-m.answer // rolled back
 				panic(pval)
 			}
 		case a := <-m.answer:
-			if a.alone {
-				return e.alone(ctx, d, fn, 1, false)
-			}
 			return a
 		}
 	}

@@ -3,7 +3,6 @@ package sharedtx
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"slices"
 )
 
@@ -14,6 +13,16 @@ import (
 // deliveries do not share transactions now). A delivery its batch could not decide (a
 // lost race, a refused claim, its turn past the budget, an undone transaction) goes back
 // to the head of its line, instead of running alone beside the scope's next unit.
+
+// Waiting is how many deliveries of scope wait in its line: for tests.
+func (e *Exec) Waiting(scope string) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if ln := e.scopes[scope]; ln != nil {
+		return len(ln.waiting)
+	}
+	return 0
+}
 
 // line is a scope's waiting deliveries; the scope is in Exec.scopes while a unit of it
 // is queued or runs.
@@ -36,30 +45,13 @@ func (e *Exec) scoped(ctx context.Context, d Delivery, fn Fn, scope string) Answ
 		e.mu.Unlock()
 		e.startUnit(m)
 	}
-	done := ctx.Done()
-	for {
-		select {
-		case <-done:
-			if e.leaveLine(m) {
-				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
-			}
-			done = nil // taken: its batch answers, at the latest when its turn comes
-		case tx := <-m.run:
-			r, pval := runFn(d.Context(ctx), tx, fn)
-			m.ran <- r
-			if r.panicked {
-				<-m.answer // rolled back
-				panic(pval)
-			}
-		case a := <-m.answer:
-			if !a.alone {
-				return a
-			}
-			// The scope's turn is this delivery's, alone, on this goroutine.
-			defer e.release(scope)
-			return e.alone(ctx, d, fn, m.round, !e.cfg.Alone)
-		}
+	a := e.await(ctx, m, fn, func() bool { return e.leaveLine(m) })
+	if !a.alone {
+		return a
 	}
+	// The scope's turn is this delivery's, alone, on this goroutine.
+	defer e.release(scope)
+	return e.alone(ctx, d, fn, m.round, !e.cfg.Alone)
 }
 
 // startUnit starts the scope's next unit with m at its head: queued for a batch, or
@@ -112,7 +104,10 @@ func (e *Exec) release(scope string) {
 // withLines adds to the batch ms the deliveries waiting in the lines of its scoped
 // members, up to n members in all, one per key, and sorts it by key.
 func (e *Exec) withLines(ms []*member, n int) []*member {
+	// ms is the queue's batch, which Done must get back as it was (the leads' keys are
+	// in flight): the batch grows and is sorted in a copy.
 	leads := ms
+	ms = slices.Clone(ms)
 	keys := make(map[string]bool, len(ms))
 	for _, m := range ms {
 		keys[m.d.Key()] = true
