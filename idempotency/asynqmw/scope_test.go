@@ -51,6 +51,15 @@ func newScopeProcess(ledger *idempotency.Ledger, rdb *redis.Client, cfg asynqmw.
 	return p
 }
 
+// enter counts a run in inside and keeps the most runs seen at once in most; the
+// returned func ends the run.
+func enter(inside, most *atomic.Int64) func() {
+	n := inside.Add(1)
+	for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+	}
+	return func() { inside.Add(-1) }
+}
+
 // driveHot delivers n tasks (deliver(i, k) delivers the k-th on process i) from 8
 // goroutines in each of procs processes, and reports every error.
 func driveHot(t *testing.T, n, procs int, deliver func(i int, k int64) error) {
@@ -102,14 +111,7 @@ func TestScopeHandoffAcrossProcesses(t *testing.T) {
 	procs := make([]*scopeProcess, 3)
 	for i := range procs {
 		procs[i] = newScopeProcess(ledger, rdb, cfg, func(ctx context.Context, c tasks.Charge) error {
-			n := inside.Add(1)
-			defer inside.Add(-1)
-			for {
-				m := most.Load()
-				if n <= m || most.CompareAndSwap(m, n) {
-					break
-				}
-			}
+			defer enter(&inside, &most)()
 			orderMu.Lock()
 			order = append(order, i)
 			orderMu.Unlock()
@@ -260,14 +262,7 @@ func TestScopeRidersAcrossProcesses(t *testing.T) {
 		t.Cleanup(ledger.Close)
 		p.scopeProcess = newScopeProcess(ledger, rdb, cfg, func(context.Context, tasks.Charge) error { return nil })
 		p.debit = asynqmw.Transactional(p.worker, tasks.TypeDebit, tasks.DecodeDebit, func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
-			n := inside.Add(1)
-			defer inside.Add(-1)
-			for {
-				m := most.Load()
-				if n <= m || most.CompareAndSwap(m, n) {
-					break
-				}
-			}
+			defer enter(&inside, &most)()
 			runs.Add(1)
 			time.Sleep(time.Millisecond)
 			_, err := tx.Exec(ctx, `SELECT 1`)
