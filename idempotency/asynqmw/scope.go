@@ -235,27 +235,28 @@ func (g *gate) hold(ctx context.Context, s *scope, taskType string, handed bool)
 
 // holdLocked is hold, with g.mu held.
 func (g *gate) holdLocked(ctx context.Context, s *scope, taskType string, handed bool) *scopeHold {
+	return g.register(ctx, &scopeHold{g: g, s: s, handed: handed}, taskType)
+}
+
+// adopt makes hd, a turn handed over, the turn of the delivery whose ctx is ctx.
+func (g *gate) adopt(ctx context.Context, hd *scopeHold, taskType string) *scopeHold {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	hd.handed = true
+	return g.register(ctx, hd, taskType)
+}
+
+// register makes h one of its scope's holds, with a ctx of its own (cancelled at once if
+// the lock is lost already, unless the scope is the key). With g.mu held.
+func (g *gate) register(ctx context.Context, h *scopeHold, taskType string) *scopeHold {
 	hctx, cancel := context.WithCancelCause(ctx)
-	h := &scopeHold{g: g, s: s, ctx: hctx, handed: handed}
+	h.ctx = hctx
+	s := h.s
 	s.holds[h], s.taskType = cancel, taskType
 	if s.lost != nil && !s.ownKey {
 		cancel(s.lost)
 	}
 	return h
-}
-
-// adopt makes hd, a turn handed over, the turn of the delivery whose ctx is ctx.
-func (g *gate) adopt(ctx context.Context, hd *scopeHold, taskType string) *scopeHold {
-	hctx, cancel := context.WithCancelCause(ctx)
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	s := hd.s
-	hd.ctx, hd.handed = hctx, true
-	s.holds[hd], s.taskType = cancel, taskType
-	if s.lost != nil && !s.ownKey {
-		cancel(s.lost)
-	}
-	return hd
 }
 
 // joinable reports whether a riding delivery may join s's turn now: riders hold it, its
