@@ -185,14 +185,19 @@ func (e *Exec) Run(ctx context.Context, d Delivery, fn Fn) Answer {
 func (e *Exec) shared(ctx context.Context, d Delivery, fn Fn) Answer {
 	m := newMember(ctx, d, nil)
 	m.timed = true
-	if e.q.PushDeep(0, m, e.turns.fit(e.Budget, e.cfg.MaxBatch)) {
-		go e.runBatches()
-	}
+	e.push(m)
 	a := e.await(ctx, m, fn, func() bool { return e.q.Leave(0, m) })
 	if a.alone {
 		return e.alone(ctx, d, fn, 1, false)
 	}
 	return a
+}
+
+// push queues m for a shared transaction, starting an executor when one more may run.
+func (e *Exec) push(m *member) {
+	if e.q.PushDeep(0, m, e.turns.fit(e.Budget, e.cfg.MaxBatch)) {
+		go e.runBatches()
+	}
 }
 
 // await waits for m's answer, running fn when the executor hands m the transaction.

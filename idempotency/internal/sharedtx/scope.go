@@ -61,9 +61,7 @@ func (e *Exec) startUnit(m *member) {
 		m.answer <- Answer{alone: true}
 		return
 	}
-	if e.q.PushDeep(0, m, e.turns.fit(e.Budget, e.cfg.MaxBatch)) {
-		go e.runBatches()
-	}
+	e.push(m)
 }
 
 // leaveLine takes m, whose caller gives up, out of its line or the queue, unless a batch
@@ -106,6 +104,9 @@ func (e *Exec) release(scope string) {
 func (e *Exec) withLines(ms []*member, n int) []*member {
 	// ms is the queue's batch, which Done must get back as it was (the leads' keys are
 	// in flight): the batch grows and is sorted in a copy.
+	if !slices.ContainsFunc(ms, func(m *member) bool { return m.scope != "" }) {
+		return ms
+	}
 	leads := ms
 	ms = slices.Clone(ms)
 	keys := make(map[string]bool, len(ms))
@@ -140,6 +141,9 @@ func (e *Exec) withLines(ms []*member, n int) []*member {
 // afterLines ends the units of the scopes of the batch ms that ran: the members it sent
 // back go to the head of their lines, and each scope's next unit starts.
 func (e *Exec) afterLines(ms []*member) {
+	if !slices.ContainsFunc(ms, func(m *member) bool { return m.scope != "" }) {
+		return
+	}
 	var scopes []string
 	back := map[string][]*member{}
 	for _, m := range ms {
