@@ -182,6 +182,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	log.Info("draining", "shutdown_timeout", cfg.ShutdownTimeout)
 	w.Stop() // deliveries waiting for a scope's lock answer busy: another replica runs them
 	srv.Shutdown()
+	w.Wait() // the last deliveries' locks go back to Redis before it is closed
 	log.Info("worker stopped")
 	return runErr
 }

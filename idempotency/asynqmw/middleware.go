@@ -162,6 +162,12 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 // down, before asynq.Server.Shutdown.
 func (w *Worker) Stop() { w.gate.stop() }
 
+// Wait waits until the locks that deliveries left are given back to Redis (a delivery
+// returns without waiting for that round trip). Call it after asynq.Server.Shutdown and
+// before closing the Redis client, or the locks of the last deliveries stay held until
+// their TTL ends.
+func (w *Worker) Wait() { w.gate.releases.Wait() }
+
 func (w *Worker) observeLock(ev LockEvent, taskType string) {
 	if w.cfg.ObserveLock != nil {
 		w.cfg.ObserveLock(ev, taskType)
@@ -173,8 +179,11 @@ func (w *Worker) observeLock(ev LockEvent, taskType string) {
 // (FromContext) to pass downstream as the provider's idempotency key. decode must decode
 // strictly and validate; its error archives the task with the reason.
 func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, job T) (json.RawMessage, error)) asynq.Handler {
-	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T, effectDone func()) (idempotency.Result, error) {
 		return w.ledger.Do(ctx, req, func(ctx context.Context) (json.RawMessage, error) {
+			// The effect is over when fn returns (or panics): the scope's next delivery
+			// may start its own while this one's completion commits.
+			defer effectDone()
 			return permanentIfSkip(testhook.Effect(ctx, nil, func() (json.RawMessage, error) { return fn(ctx, job) }))
 		})
 	}}
@@ -184,7 +193,7 @@ func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (
 // Postgres: fn's writes and the completion commit in one transaction. fn must not do
 // external I/O. decode as for Leased.
 func Transactional[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
-	return &handler[T]{w: w, taskType: taskType, decode: decode, tx: true, run: func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error) {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, tx: true, run: func(ctx context.Context, req idempotency.Request, job T, _ func()) (idempotency.Result, error) {
 		return w.ledger.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
 			return permanentIfSkip(testhook.Effect(ctx, tx, func() (json.RawMessage, error) { return fn(ctx, tx, job) }))
 		})
@@ -203,7 +212,9 @@ type handler[T idempotency.Job] struct {
 	w        *Worker
 	taskType string
 	decode   func([]byte) (T, error)
-	run      func(ctx context.Context, req idempotency.Request, job T) (idempotency.Result, error)
+	// run does the work; a leased run calls effectDone when the handler's effect is over,
+	// before its completion commits.
+	run func(ctx context.Context, req idempotency.Request, job T, effectDone func()) (idempotency.Result, error)
 	// tx: the work runs in the ledger's transaction (DoTx), which takes the deliveries of
 	// one scope in turn (Request.Scope): they ride the scope's turn together.
 	tx bool
@@ -248,6 +259,12 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	}
 	runCtx := ctx
 	leave := func() {}
+	// effectDone ends the scope's turn as soon as a leased handler returns: a wider scope
+	// keeps effects apart, and this one's is over; its completion, a fenced write to the
+	// ledger, then commits while the scope's next delivery claims and runs (their commits
+	// share a round). A key-scoped lock is held until the completion is durable, or a
+	// duplicate would find the lease still held and answer busy.
+	effectDone := func() {}
 	lineScope := "" // the ledger's Request.Scope
 	if h.w.locker != nil && (scope != key || h.w.cfg.LockKeyScoped) {
 		// On the last attempt a busy answer would archive the task: wait for the lock as
@@ -265,6 +282,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		}
 		runCtx, leave = hold.ctx, hold.leave
 		defer hold.leave()
+		if scope != key {
+			effectDone = hold.leave
+		}
 		if h.tx {
 			lineScope = scope
 		}
@@ -275,7 +295,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		req.Deadline = d
 	}
 	for {
-		res, err := h.run(runCtx, req, job)
+		res, err := h.run(runCtx, req, job, effectDone)
 		if err == nil {
 			// The work is durable: the scope's next delivery need not wait for the
 			// result's write to asynq.

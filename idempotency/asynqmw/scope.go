@@ -30,6 +30,9 @@ type gate struct {
 	scopes   map[string]*scope
 	stopping chan struct{} // closed by Worker.Stop: waiters answer busy
 	stopOnce sync.Once
+	// releases counts the locks being given back to Redis after their last delivery
+	// left: a delivery does not wait for that round trip (Worker.Wait does).
+	releases sync.WaitGroup
 }
 
 // scope is the state of one lock scope in this process, while a delivery holds or
@@ -350,7 +353,10 @@ func (h *scopeHold) leave() {
 		return
 	}
 	g.mu.Unlock()
-	g.release(s, wanted)
+	// The delivery's work is durable: it need not wait for Redis to take the lock back.
+	// Until then the scope stays known here, so the scope's next delivery in this
+	// process waits in line and asks Redis once the lock is released.
+	g.releases.Go(func() { g.release(s, wanted) })
 }
 
 // release gives s's lock back to Redis and the turn to the next waiter.

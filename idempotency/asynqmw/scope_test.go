@@ -305,3 +305,80 @@ func TestScopeRidersAcrossProcesses(t *testing.T) {
 		t.Errorf("%d turns joined or handed over, %d debits shared a transaction: the riders never met", handed, shared)
 	}
 }
+
+// TestLeasedScopeHandsOnBeforeCompletion: a leased delivery of a wider scope hands the
+// scope on when its handler returns, so the scope's next delivery claims and runs while
+// the first one's completion is still being written; their handlers never overlap. The
+// first completion is held up by a row lock on its ledger row (each write commits on its
+// own: group commit off), and the second handler must start meanwhile.
+func TestLeasedScopeHandsOnBeforeCompletion(t *testing.T) {
+	t.Parallel()
+	ledger, pool := newLedger(t, &idempotency.Config{Lease: 10 * time.Second, DisableGroupCommit: true})
+	ctx := testenv.Context(t, time.Minute)
+	rdb := testenv.Redis(t)
+	started := make(chan string, 2)
+	firstGo := make(chan struct{})
+	var inside, most atomic.Int64
+	p := newScopeProcess(ledger, rdb, asynqmw.Config{ScopeWait: 20 * time.Second}, func(ctx context.Context, c tasks.Charge) error {
+		defer enter(&inside, &most)()
+		started <- c.OrderID
+		if c.OrderID == "e-1" {
+			<-firstGo
+		}
+		return nil
+	})
+
+	first := make(chan error, 1)
+	go func() { first <- p.charge.ProcessTask(ctx, hotCharge(t, "e-1")) }()
+	if got := <-started; got != "e-1" {
+		t.Fatalf("first run: %s, want e-1", got)
+	}
+	// The first delivery's claim is committed and its handler runs: lock its row, so
+	// that its completion waits.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM processed_jobs WHERE idempotency_key = 'charge:e-1' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	second := make(chan error, 1)
+	go func() { second <- p.charge.ProcessTask(ctx, hotCharge(t, "e-2")) }()
+	time.Sleep(50 * time.Millisecond) // the second delivery waits in line for the scope
+	close(firstGo)
+
+	select {
+	case got := <-started:
+		if got != "e-2" {
+			t.Fatalf("second run: %s, want e-2", got)
+		}
+	case <-time.After(1500 * time.Millisecond): // within the completion's 2 s lock timeout
+		t.Fatal("the scope's next delivery did not run while the first one's completion waited")
+	}
+	select {
+	case err := <-first:
+		t.Fatalf("the first delivery returned (%v) while its row was locked", err)
+	default:
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-first; err != nil {
+		t.Fatalf("first delivery: %v", err)
+	}
+	if err := <-second; err != nil {
+		t.Fatalf("second delivery: %v", err)
+	}
+	if most.Load() != 1 {
+		t.Fatalf("%d handlers of one customer ran at once, want 1", most.Load())
+	}
+	for _, key := range []string{"charge:e-1", "charge:e-2"} {
+		if r := get(t, ledger, key); r.Status != idempotency.StatusCompleted {
+			t.Errorf("%s: %s, want completed", key, r.Status)
+		}
+	}
+	if got := p.count(asynqmw.LockHanded) + p.count(asynqmw.LockObtained); got != 2 {
+		t.Errorf("%d turns (handed or obtained), want 2", got)
+	}
+}

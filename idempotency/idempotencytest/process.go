@@ -119,6 +119,7 @@ type process struct {
 
 	pool   *pgxpool.Pool
 	ledger *idempotency.Ledger
+	worker *asynqmw.Worker
 	locks  *redis.Client // the lock and the result writes; dies with the process
 	queue  *redis.Client // asynq's; it hands the task back when the process dies
 	srv    *asynq.Server
@@ -179,6 +180,7 @@ func (r *run) startProcess(concurrency int) (*process, error) {
 	w := asynqmw.NewWorker(p.ledger, lock.New(p.locks, &lock.Config{Prefix: r.lockPrefix}), &asynqmw.Config{
 		LockTTL: lease, Redis: p.locks, Logger: r.cfg.Logger.With("process", p.name),
 	})
+	p.worker = w
 	mux := asynq.NewServeMux()
 	r.cfg.Register(w, mux)
 	registerFillers(w, mux)
@@ -230,6 +232,7 @@ func (p *process) close() {
 	if dead {
 		return // its parked delivery holds what it held: leave it
 	}
+	p.worker.Wait()
 	p.ledger.Close()
 	p.pool.Close()
 	p.locks.Close()

@@ -183,6 +183,7 @@ func openStack(ctx context.Context, redisURL, dsn string, poolSize int32) (*stac
 }
 
 func (st *stack) close() {
+	st.worker.Wait()
 	st.ledger.Close()
 	st.pool.Close()
 	st.rdb.Close()
