@@ -24,7 +24,8 @@ type batch struct {
 
 	xid, serverStart string // the transaction's id, drawn with the claims
 
-	pre     []string  // statements sent ahead of the next round trip (a RELEASE)
+	pre     []string      // statements sent ahead of the next round trip (a RELEASE)
+	own     time.Duration // the members' handlers' time outside the database so far
 	claimed []*member // members whose rows the finish ends, in order
 	broken  error     // the transaction cannot commit
 	// optimistic: the members run without savepoints, their results stored by the finish;
@@ -103,11 +104,14 @@ func (b *batch) runShared() {
 		if b.broken != nil || b.undone {
 			break
 		}
-		if spent := time.Since(start); spent > e.Budget && spent > time.Duration(ran)*slowTurn {
+		if b.own > e.Budget || time.Since(start) > e.Budget*wallBudgets {
 			// Handlers this slow gain nothing from sharing a connection: the rest give
-			// their claims back and run alone, side by side. (Quick turns that only add
-			// up past the budget, as on a loaded machine, keep their places: a claim given
-			// back is a claim and a commit more.)
+			// their claims back and run alone, side by side. What counts is the handlers'
+			// own time, outside the database: on a saturated machine every turn takes
+			// longer (a round trip and two wake-ups, each waiting for a core), which is
+			// when sharing matters most, and a claim given back is a claim and a commit
+			// more. Only a transaction that has run several budgets' worth of turns (a
+			// handler waiting on a slow query) gives its rest back for its wall time.
 			m.finish, m.later = finish{action: store.ActionForget}, true
 			e.observe(EventGivenBack, m)
 			continue

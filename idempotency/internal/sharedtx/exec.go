@@ -26,9 +26,10 @@ import (
 	"github.com/idemq/idemq/internal/commit"
 )
 
-// Budget is how long a shared transaction runs its members' handlers: the members still
-// waiting when it is spent give their claims back (in the finish) and run in transactions
-// of their own, in parallel. Sharing pays when handlers take about as long as a claim and
+// Budget is how long a shared transaction runs its members' handlers (their time outside
+// the database; wallBudgets of them in wall time): the members still waiting when it is
+// spent give their claims back (in the finish) and run in transactions of their own, in
+// parallel. Sharing pays when handlers take about as long as a claim and
 // a commit; a handler that sleeps or waits on a slow query would otherwise hold up every
 // member after it. On a loaded machine every turn is slower (a round trip and two
 // goroutine wake-ups, each waiting for a core): at 5 ms, three worker processes on two
@@ -41,9 +42,11 @@ const Budget = 20 * time.Millisecond
 // refused): a steady rate of business errors must not run every handler twice.
 const SavepointsFor = 5 * time.Second
 
-// slowTurn is the average member's turn (its handler and its round trips) above which a
-// shared transaction past its budget gives its remaining members back.
-const slowTurn = time.Millisecond
+// wallBudgets is how many budgets of wall time a shared transaction runs its members'
+// turns (handlers and round trips) before the members still waiting give their claims
+// back: a handler waiting on a slow query holds up every member after it. Handlers that
+// spend the budget outside the database give the rest back at once (Budget).
+const wallBudgets = 5
 
 // SlowHandler is the average handler time outside the database (txshim.Tx.InDB) above
 // which deliveries stop sharing transactions and run alone, in parallel, until handlers

@@ -30,6 +30,7 @@ func (b *batch) runFn(m *member, tx *txshim.Tx) ran {
 	if m.timed {
 		b.e.handlers.record(r.own)
 	}
+	b.own += r.own
 	return r
 }
 
