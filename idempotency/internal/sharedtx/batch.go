@@ -26,8 +26,8 @@ type batch struct {
 
 	pre     []string      // statements sent ahead of the next round trip (a RELEASE)
 	own     time.Duration // the members' handlers' time outside the database so far
-	claimed []*member // members whose rows the finish ends, in order
-	broken  error     // the transaction cannot commit
+	claimed []*member     // members whose rows the finish ends, in order
+	broken  error         // the transaction cannot commit
 	// optimistic: the members run without savepoints, their results stored by the finish;
 	// undone: one of them failed, so the transaction rolls back and every member runs
 	// alone (its outcome then is its outcome alone).
