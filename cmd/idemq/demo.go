@@ -312,7 +312,7 @@ func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, 
 			run.incomplete = total - done
 			break
 		}
-		if time.Since(lastNudge) > 3*time.Second {
+		if time.Since(lastNudge) > nudgeEvery(guarded, run.killed) {
 			n, err := st.nudge(ctx, client, guarded, specs)
 			if err != nil {
 				return nil, err
@@ -410,7 +410,7 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 	if err := st.start("fakepay", append(base, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp), "IDEMQ_FAKEPAY_DELAY=30ms"), st.fakepay+"/healthz"); err != nil {
 		return st, err
 	}
-	st.env = append(base, "IDEMQ_FAKEPAY_URL="+st.fakepay, "IDEMQ_CONCURRENCY=8", "IDEMQ_LEASE=3s", "IDEMQ_LOCK_TTL=3s",
+	st.env = append(base, "IDEMQ_FAKEPAY_URL="+st.fakepay, "IDEMQ_CONCURRENCY=8", "IDEMQ_LEASE=1s", "IDEMQ_LOCK_TTL=1s",
 		"IDEMQ_SHUTDOWN_TIMEOUT=5s", fmt.Sprintf("IDEMQ_UNSAFE_NO_GUARDS=%t", !guarded))
 	for i := range workers {
 		port, _ := localserver.FreePort()
@@ -550,14 +550,26 @@ func (st *demoStack) finished(ctx context.Context, guarded bool, keys []string) 
 
 // nudge re-delivers, under a new TaskID, the jobs a killed worker left behind, once the
 // queue is otherwise idle: asynq itself would redeliver them only after 60–120 s.
+// nudgeEvery is how often the drain looks for jobs to enqueue again: with guards, once a
+// worker was killed, as soon as its leases can have ended (a duplicate that comes early
+// is answered busy and retried when the lease ends).
+func nudgeEvery(guarded, killed bool) time.Duration {
+	if guarded && killed {
+		return 500 * time.Millisecond
+	}
+	return 3 * time.Second
+}
+
 func (st *demoStack) nudge(ctx context.Context, client *asynq.Client, guarded bool, specs []outbox.Spec) (int, error) {
 	info, err := asynq.NewInspectorFromRedisClient(st.rdb).GetQueueInfo(tasks.Queue)
-	if err != nil || info.Pending+info.Retry+info.Scheduled > 0 {
+	// With guards, a busy delivery waiting in the retry set for a lease the killed worker
+	// held is no reason to wait: a duplicate is answered from the ledger.
+	if err != nil || info.Pending+info.Scheduled > 0 || !guarded && info.Retry > 0 {
 		return 0, nil
 	}
 	q := `SELECT i.idempotency_key FROM job_intents i LEFT JOIN processed_jobs p USING (idempotency_key)
-		WHERE i.created_at < now() - interval '3 seconds'
-		  AND (p.idempotency_key IS NULL OR (p.status = 'in_progress' AND p.locked_until < now()))`
+		WHERE (p.idempotency_key IS NULL AND i.created_at < now() - interval '1 second')
+		   OR (p.status = 'in_progress' AND p.locked_until < now())`
 	if !guarded {
 		q = `SELECT idempotency_key FROM job_intents i WHERE i.created_at < now() - interval '3 seconds'
 		  AND NOT EXISTS (SELECT 1 FROM fakepay_charges c WHERE 'charge:' || c.order_id = i.idempotency_key)
