@@ -1008,3 +1008,58 @@ func jsonEqualText(a, b string) bool {
 	var x, y any
 	return json.Unmarshal([]byte(a), &x) == nil && json.Unmarshal([]byte(b), &y) == nil && reflect.DeepEqual(x, y)
 }
+
+// TestDoTxSlowTurnsKeepTheirPlaces: members whose turns are slow only because their
+// queries are (as every query is on a saturated machine) are not given back when the
+// transaction runs past its budget: only the handlers' time outside the database spends
+// it, or several budgets of wall time. Six handlers of 4 ms in the database, with a 10 ms
+// budget, all share one transaction, each claimed once.
+func TestDoTxSlowTurnsKeepTheirPlaces(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	var givenBack, claimed atomic.Int64
+	l := New(pool, &Config{Committers: 1, Observe: func(ev Event, _ string) {
+		switch ev {
+		case EventGivenBack:
+			givenBack.Add(1)
+		case EventClaimed:
+			claimed.Add(1)
+		}
+	}})
+	defer l.Close()
+	l.tx.Budget, l.tx.Slow = 10*time.Millisecond, time.Hour
+	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
+	release, waitHolder := holdExecutor(t, l, "0-holder")
+	const n = 6
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("turn-%d", i)
+			_, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO effects SELECT $1, pg_current_xact_id()::text FROM pg_sleep(0.004)`, key)
+				return nil, err
+			})
+			if err != nil {
+				t.Errorf("%s: %v", key, err)
+			}
+		})
+	}
+	waitQueued(t, l, n)
+	release()
+	wg.Wait()
+	waitHolder()
+	var effects, transactions int
+	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT xid) FROM effects`).Scan(&effects, &transactions); err != nil {
+		t.Fatal(err)
+	}
+	if effects != n {
+		t.Fatalf("%d effects, want %d", effects, n)
+	}
+	if givenBack.Load() != 0 || transactions != 1 {
+		t.Errorf("%d members given back, %d transactions: quick handlers with slow queries lost their places", givenBack.Load(), transactions)
+	}
+	if got := claimed.Load(); got != n+1 {
+		t.Errorf("%d claims for %d deliveries and the holder, want one each", got, n)
+	}
+}
