@@ -2,8 +2,11 @@
 // decode and validate the payload (bad input is archived with the reason, asynq.SkipRetry)
 // → the Redis lock on the job's scope (skipped when the scope is the key) → the ledger's
 // claim (a completed key answers with its stored result; a busy one is retried soon and
-// is not a failure) → the handler → the fenced completion → the result written to the
-// task (what asynqmon shows) → release of the lock.
+// is not a failure) → the handler → the fenced completion → the lock handed to the
+// scope's next delivery or released in the background (a leased job of a scope wider
+// than its key hands it on as soon as its handler returns) → the result written to the
+// task (what asynqmon shows). At shutdown call Worker.Stop before asynq.Server.Shutdown
+// and Worker.Wait after it.
 //
 // Leased wraps a handler with an external effect (it runs under a heartbeated lease, with
 // the key in its context for the provider: idempotency.FromContext); Transactional one
