@@ -555,7 +555,7 @@ func (st *demoStack) finished(ctx context.Context, guarded bool, keys []string) 
 // is answered busy and retried when the lease ends).
 func nudgeEvery(guarded, killed bool) time.Duration {
 	if guarded && killed {
-		return 500 * time.Millisecond
+		return 250 * time.Millisecond
 	}
 	return 3 * time.Second
 }
