@@ -44,6 +44,27 @@ func waitQueued(t *testing.T, l *Ledger, n int) {
 	}
 }
 
+// eventCounts counts the ledger's events (Config.Observe) of the kinds asked for with of.
+// Ask before the ledger runs.
+type eventCounts struct{ n map[Event]*atomic.Int64 }
+
+// of returns the counter of ev.
+func (c *eventCounts) of(ev Event) *atomic.Int64 {
+	if c.n == nil {
+		c.n = map[Event]*atomic.Int64{}
+	}
+	if c.n[ev] == nil {
+		c.n[ev] = &atomic.Int64{}
+	}
+	return c.n[ev]
+}
+
+func (c *eventCounts) observe(ev Event, _ string) {
+	if n := c.n[ev]; n != nil {
+		n.Add(1)
+	}
+}
+
 // holdExecutor runs a DoTx whose fn blocks until release is closed, so that with one
 // committer the deliveries made meanwhile queue up and then share one transaction.
 func holdExecutor(t *testing.T, l *Ledger, key string) (release func(), wait func()) {
@@ -928,15 +949,9 @@ func TestDoTxOptimisticMembers(t *testing.T) {
 			t.Parallel()
 			ctx := testenv.Context(t, time.Minute)
 			pool := testenv.Postgres(t)
-			var runs, reruns atomic.Int64
-			l := New(pool, &Config{Committers: 1, Observe: func(ev Event, _ string) {
-				switch ev {
-				case EventSharedRun:
-					runs.Add(1)
-				case EventSharedRerun:
-					reruns.Add(1)
-				}
-			}})
+			events := &eventCounts{}
+			runs, reruns := events.of(EventSharedRun), events.of(EventSharedRerun)
+			l := New(pool, &Config{Committers: 1, Observe: events.observe})
 			l.tx.Budget, l.tx.Slow = time.Hour, time.Hour
 			defer l.Close()
 			batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
@@ -1018,15 +1033,9 @@ func TestDoTxSlowTurnsKeepTheirPlaces(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
 	pool := testenv.Postgres(t)
-	var givenBack, claimed atomic.Int64
-	l := New(pool, &Config{Committers: 1, Observe: func(ev Event, _ string) {
-		switch ev {
-		case EventGivenBack:
-			givenBack.Add(1)
-		case EventClaimed:
-			claimed.Add(1)
-		}
-	}})
+	events := &eventCounts{}
+	givenBack, claimed := events.of(EventGivenBack), events.of(EventClaimed)
+	l := New(pool, &Config{Committers: 1, Observe: events.observe})
 	defer l.Close()
 	l.tx.Budget, l.tx.Slow = 10*time.Millisecond, time.Hour
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
