@@ -166,7 +166,7 @@ func (w *Worker) Stop() { w.gate.stop() }
 // returns without waiting for that round trip). Call it after asynq.Server.Shutdown and
 // before closing the Redis client, or the locks of the last deliveries stay held until
 // their TTL ends.
-func (w *Worker) Wait() { w.gate.releases.Wait() }
+func (w *Worker) Wait() { w.gate.wait() }
 
 func (w *Worker) observeLock(ev LockEvent, taskType string) {
 	if w.cfg.ObserveLock != nil {

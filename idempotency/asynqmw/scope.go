@@ -30,9 +30,13 @@ type gate struct {
 	scopes   map[string]*scope
 	stopping chan struct{} // closed by Worker.Stop: waiters answer busy
 	stopOnce sync.Once
-	// releases counts the locks being given back to Redis after their last delivery
-	// left: a delivery does not wait for that round trip (Worker.Wait does).
-	releases sync.WaitGroup
+	// releasing counts the locks being given back to Redis after their last delivery
+	// left: a delivery does not wait for that round trip (Worker.Wait does). Unlike a
+	// WaitGroup's, its count may grow while Wait waits (a delivery asynq gave up on at
+	// shutdown may still leave).
+	relMu     sync.Mutex
+	releasing int
+	released  *sync.Cond // signalled when releasing drops to zero
 }
 
 // scope is the state of one lock scope in this process, while a delivery holds or
@@ -79,7 +83,9 @@ type scopeHold struct {
 }
 
 func newGate(w *Worker) *gate {
-	return &gate{w: w, scopes: map[string]*scope{}, stopping: make(chan struct{})}
+	g := &gate{w: w, scopes: map[string]*scope{}, stopping: make(chan struct{})}
+	g.released = sync.NewCond(&g.relMu)
+	return g
 }
 
 // stop makes every waiter answer busy, and every delivery that comes after it.
@@ -356,7 +362,26 @@ func (h *scopeHold) leave() {
 	// The delivery's work is durable: it need not wait for Redis to take the lock back.
 	// Until then the scope stays known here, so the scope's next delivery in this
 	// process waits in line and asks Redis once the lock is released.
-	g.releases.Go(func() { g.release(s, wanted) })
+	g.relMu.Lock()
+	g.releasing++
+	g.relMu.Unlock()
+	go func() {
+		g.release(s, wanted)
+		g.relMu.Lock()
+		if g.releasing--; g.releasing == 0 {
+			g.released.Broadcast()
+		}
+		g.relMu.Unlock()
+	}()
+}
+
+// wait waits until no lock is being given back to Redis.
+func (g *gate) wait() {
+	g.relMu.Lock()
+	defer g.relMu.Unlock()
+	for g.releasing > 0 {
+		g.released.Wait()
+	}
 }
 
 // release gives s's lock back to Redis and the turn to the next waiter.

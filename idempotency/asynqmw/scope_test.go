@@ -382,3 +382,48 @@ func TestLeasedScopeHandsOnBeforeCompletion(t *testing.T) {
 		t.Errorf("%d turns (handed or obtained), want 2", got)
 	}
 }
+
+// TestWaitReturnsOnceLocksAreReleased: a delivery returns without waiting for its lock's
+// release; Worker.Wait returns only once the lock is gone from Redis.
+func TestWaitReturnsOnceLocksAreReleased(t *testing.T) {
+	t.Parallel()
+	ledger, _ := newLedger(t, &idempotency.Config{Lease: 10 * time.Second})
+	ctx := testenv.Context(t, time.Minute)
+	rdb := testenv.Redis(t)
+	// The lock's scripts (its release among them) take 30 ms more on the worker's client.
+	opt := *rdb.Options()
+	slow := redis.NewClient(&opt)
+	t.Cleanup(func() { slow.Close() })
+	slow.AddHook(slowScripts{30 * time.Millisecond})
+	p := newScopeProcess(ledger, slow, asynqmw.Config{}, func(context.Context, tasks.Charge) error { return nil })
+	for i := range 5 {
+		if err := p.charge.ProcessTask(ctx, hotCharge(t, fmt.Sprintf("wait-%d", i))); err != nil {
+			t.Fatal(err)
+		}
+		p.worker.Wait()
+		if n := rdb.Exists(ctx, lock.New(rdb, nil).RedisKey("customer:c-hot")).Val(); n != 0 {
+			t.Fatalf("delivery %d: the scope's lock is still in Redis after Wait", i)
+		}
+	}
+	if got := p.count(asynqmw.LockObtained); got != 5 {
+		t.Errorf("%d locks obtained from Redis, want 5 (each released before the next)", got)
+	}
+}
+
+// slowScripts delays every script call by d.
+type slowScripts struct{ d time.Duration }
+
+func (h slowScripts) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h slowScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if name := cmd.Name(); name == "evalsha" || name == "eval" {
+			time.Sleep(h.d)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h slowScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
