@@ -46,6 +46,7 @@ const (
 	EventSharedRun      Event = sharedtx.EventSharedRun   // a DoTx handler ran in a shared transaction without a savepoint
 	EventSharedRerun    Event = sharedtx.EventSharedRerun // its shared transaction rolled back: the delivery runs alone
 	EventGivenBack      Event = sharedtx.EventGivenBack   // a shared transaction's budget ran out first: its claim is undone, it runs alone
+	EventLineStalled    Event = sharedtx.EventLineStalled // a DoTx delivery waited 30 s in its Request.Scope's line (it keeps waiting)
 )
 
 // Kinds of shared commit passed to Config.ObserveBatch.
@@ -200,6 +201,9 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		Alone: c.DisableGroupCommit, Permanent: IsPermanent, CleanText: cleanText,
 		Observe:      func(ev, taskType string) { l.observe(Event(ev), taskType) },
 		ObserveBatch: func(n int) { l.observeBatch(BatchTx, n) },
+		Stalled: func(scope, key string, waited time.Duration) {
+			l.log.Error("idempotency: a delivery waits in its scope's line: the scope's deliveries before it have not ended", "scope", scope, "key", key, "waited", waited)
+		},
 	})
 	return l
 }

@@ -197,3 +197,62 @@ func TestDoTxScopeLineLeaderKeyIsFreed(t *testing.T) {
 		}
 	}
 }
+
+// TestDoTxScopeLineStallIsReported: a delivery that waits too long in its scope's line
+// (here behind a handler that does not return) is reported once, and keeps waiting: it
+// runs when the line moves.
+func TestDoTxScopeLineStallIsReported(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	events := &eventCounts{}
+	stalled := events.of(EventLineStalled)
+	l := New(pool, &Config{Observe: events.observe})
+	defer l.Close()
+	l.tx.StallAfter = 100 * time.Millisecond
+	entered, release := make(chan struct{}), make(chan struct{})
+	var releaseOnce sync.Once
+	unblock := func() { releaseOnce.Do(func() { close(release) }) }
+	defer unblock() // before Close, which waits for the blocked handler
+	req := func(key string) Request {
+		r := batchReq(key)
+		r.Scope = "account:stall"
+		return r
+	}
+	first := make(chan error, 1)
+	go func() {
+		_, err := l.DoTx(ctx, req("stall-1"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			close(entered)
+			<-release
+			return nil, nil
+		})
+		first <- err
+	}()
+	<-entered
+	second := make(chan error, 1)
+	var ran atomic.Bool
+	go func() {
+		_, err := l.DoTx(ctx, req("stall-2"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			ran.Store(true)
+			return nil, nil
+		})
+		second <- err
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for stalled.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if stalled.Load() != 1 || ran.Load() {
+		t.Fatalf("stalled %d times, second ran %t: want the wait reported once, the delivery still waiting", stalled.Load(), ran.Load())
+	}
+	unblock()
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-second; err != nil || !ran.Load() {
+		t.Fatalf("second: %v, ran %t: want it to run once the line moved", err, ran.Load())
+	}
+	if stalled.Load() != 1 {
+		t.Errorf("stalled %d times, want 1", stalled.Load())
+	}
+}

@@ -60,7 +60,14 @@ const (
 	EventGivenBack   = "given_back"   // a shared transaction's budget ran out first: the claim is undone
 	EventCompleted   = "completed"    // a completion was committed
 	EventFailed      = "failed"       // a permanent failure was committed
+	EventLineStalled = "line_stalled" // a delivery waited StallAfter in its scope's line
 )
+
+// StallAfter is how long a delivery waits in its scope's line before the wait is
+// reported (Config.Stalled, EventLineStalled): a scope's units take milliseconds, so a
+// line this slow holds a handler that waits on something, or a bug that keeps the scope
+// from moving. The delivery keeps waiting, within its own deadline.
+const StallAfter = 30 * time.Second
 
 // Fn is a delivery's work, run on the transaction.
 type Fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)
@@ -129,6 +136,8 @@ type Config struct {
 	CleanText    func(string) string // last_error text fit for the column
 	Observe      func(ev, taskType string)
 	ObserveBatch func(size int)
+	// Stalled, if set, is told of a delivery that waited StallAfter in its scope's line.
+	Stalled func(scope, key string, waited time.Duration)
 }
 
 // Exec runs deliveries in transactions. Safe for concurrent use.
@@ -138,10 +147,11 @@ type Exec struct {
 	q              *commit.Queue[*member]
 	handlers       times // how long handlers take outside the database
 	turns          times // how long a member's turn in a shared transaction takes
-	// Budget (Budget) and Slow (SlowHandler) may be lengthened by tests before use.
-	Budget, Slow time.Duration
-	mu           sync.Mutex
-	scopes       map[string]*line // the scopes with a unit queued or running
+	// Budget (Budget), Slow (SlowHandler) and StallAfter (StallAfter) may be changed by
+	// tests before use.
+	Budget, Slow, StallAfter time.Duration
+	mu                       sync.Mutex
+	scopes                   map[string]*line // the scopes with a unit queued or running
 	// savepointsUntil (Unix nanoseconds): until then shared transactions give each member
 	// a savepoint, as after an optimistic one rolled back (SavepointsFor).
 	savepointsUntil atomic.Int64
@@ -155,6 +165,7 @@ func New(cfg Config) *Exec {
 		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key() }),
 		Budget:         Budget,
 		Slow:           SlowHandler,
+		StallAfter:     StallAfter,
 		scopes:         map[string]*line{},
 	}
 }

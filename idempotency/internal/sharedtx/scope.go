@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"slices"
+	"time"
 )
 
 // The deliveries of one scope (Delivery.Scope) never overlap in this process. They wait
@@ -40,6 +41,8 @@ func (e *Exec) scoped(ctx context.Context, d Delivery, fn Fn, scope string) Answ
 	if ln := e.scopes[scope]; ln != nil {
 		ln.waiting = append(ln.waiting, m)
 		e.mu.Unlock()
+		stall := time.AfterFunc(e.StallAfter, func() { e.stalled(m) })
+		defer stall.Stop()
 	} else {
 		e.scopes[scope] = &line{}
 		e.mu.Unlock()
@@ -52,6 +55,14 @@ func (e *Exec) scoped(ctx context.Context, d Delivery, fn Fn, scope string) Answ
 	// The scope's turn is this delivery's, alone, on this goroutine.
 	defer e.release(scope)
 	return e.alone(ctx, d, fn, m.round, !e.cfg.Alone)
+}
+
+// stalled reports m, which waited Exec.StallAfter in its scope's line.
+func (e *Exec) stalled(m *member) {
+	e.observe(EventLineStalled, m)
+	if e.cfg.Stalled != nil {
+		e.cfg.Stalled(m.scope, m.d.Key(), e.StallAfter)
+	}
 }
 
 // startUnit starts the scope's next unit with m at its head: queued for a batch, or
