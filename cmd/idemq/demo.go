@@ -548,8 +548,6 @@ func (st *demoStack) finished(ctx context.Context, guarded bool, keys []string) 
 	return n, err
 }
 
-// nudge re-delivers, under a new TaskID, the jobs a killed worker left behind, once the
-// queue is otherwise idle: asynq itself would redeliver them only after 60–120 s.
 // nudgeEvery is how often the drain looks for jobs to enqueue again: with guards, once a
 // worker was killed, as soon as its leases can have ended (a duplicate that comes early
 // is answered busy and retried when the lease ends).
@@ -560,6 +558,9 @@ func nudgeEvery(guarded, killed bool) time.Duration {
 	return 3 * time.Second
 }
 
+// nudge re-delivers, under a new TaskID, the jobs a killed worker left behind, once
+// nothing else is pending (with guards, deliveries waiting in the retry set for a lease to
+// end do not count): asynq itself would redeliver them only after 60–120 s.
 func (st *demoStack) nudge(ctx context.Context, client *asynq.Client, guarded bool, specs []outbox.Spec) (int, error) {
 	info, err := asynq.NewInspectorFromRedisClient(st.rdb).GetQueueInfo(tasks.Queue)
 	// With guards, a busy delivery waiting in the retry set for a lease the killed worker

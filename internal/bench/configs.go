@@ -153,8 +153,7 @@ func (p parts[T]) handler(config string, st *stack) asynq.Handler {
 	case ConfigFullTx:
 		return asynqmw.Transactional(st.worker, p.taskType, p.decode, p.tx)
 	case ConfigFullLock:
-		w := asynqmw.NewWorker(st.ledger, st.locker, &asynqmw.Config{LockTTL: lockTTL, Redis: st.rdb, LockKeyScoped: true})
-		return asynqmw.Leased(w, p.taskType, p.decode, p.leased)
+		return asynqmw.Leased(st.keyWorker, p.taskType, p.decode, p.leased)
 	}
 	panic("bench: unknown configuration " + config)
 }

@@ -133,6 +133,8 @@ type stack struct {
 	ledger *idempotency.Ledger
 	locker *lock.Locker
 	worker *asynqmw.Worker
+	// keyWorker is worker with asynqmw.Config.LockKeyScoped (ConfigFullLock).
+	keyWorker *asynqmw.Worker
 	// commits and rows count the ledger's shared commits and the requests they carried.
 	commits, rows atomic.Int64
 }
@@ -179,11 +181,13 @@ func openStack(ctx context.Context, redisURL, dsn string, poolSize int32) (*stac
 	st.locker = lock.New(st.rdb, nil)
 	// As `idemq worker` does: results reach asynq through the compare-and-set script.
 	st.worker = asynqmw.NewWorker(st.ledger, st.locker, &asynqmw.Config{LockTTL: lockTTL, Redis: st.rdb})
+	st.keyWorker = asynqmw.NewWorker(st.ledger, st.locker, &asynqmw.Config{LockTTL: lockTTL, Redis: st.rdb, LockKeyScoped: true})
 	return st, nil
 }
 
 func (st *stack) close() {
 	st.worker.Wait()
+	st.keyWorker.Wait()
 	st.ledger.Close()
 	st.pool.Close()
 	st.rdb.Close()
