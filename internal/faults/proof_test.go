@@ -35,7 +35,7 @@ type profile struct {
 
 var profiles = map[string]profile{
 	"smoke": {name: "smoke", jobs: 120, spread: 40 * time.Second, nemesis: 45 * time.Second, drain: 150 * time.Second, controlJobs: 40},
-	"short": {name: "short", jobs: 400, spread: 75 * time.Second, nemesis: 80 * time.Second, drain: 150 * time.Second, controlJobs: 80},
+	"short": {name: "short", jobs: 400, spread: 75 * time.Second, nemesis: 80 * time.Second, drain: 240 * time.Second, controlJobs: 80},
 	"long":  {name: "long", jobs: 2400, spread: 9*time.Minute + 30*time.Second, nemesis: 10 * time.Minute, drain: 240 * time.Second, controlJobs: 200},
 }
 
