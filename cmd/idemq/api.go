@@ -44,7 +44,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 		return err
 	}
 	defer rdb.Close()
-	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 0)
+	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, cfg.PoolSize)
 	if err != nil {
 		return err
 	}

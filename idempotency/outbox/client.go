@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/commit"
 )
 
 // Intent states (the job_intents.state column).
@@ -51,6 +52,13 @@ type Config struct {
 	// AlertGeneration: republishing an intent for this generation or later is logged as an
 	// error and counted. Default 3.
 	AlertGeneration int
+	// Committers caps the rounds of Enqueue calls (and of publishes at once) in flight
+	// at once. Default 4.
+	Committers int
+	// MaxBatch caps the intents one round of Enqueue calls records. Default 256.
+	MaxBatch int
+	// WriteTimeout bounds each round of Enqueue calls. Default 10s.
+	WriteTimeout time.Duration
 	// Logger receives relay and reconciler lines. Default: discard.
 	Logger *slog.Logger
 	// Observe, if set, is called for each outbox event (EventPublished, EventRepublished,
@@ -91,10 +99,14 @@ type Client struct {
 	cfg   Config
 	log   *slog.Logger
 
-	wakeMu   sync.Mutex
-	lastWake time.Time
+	wakeMu    sync.Mutex
+	lastWake  time.Time
+	wakeLater bool // a wake-up is due at the end of the window
 
 	epochQueues sync.Map // queue → true once its redis_epochs row is known to exist
+
+	enq *commit.Committer[*enqueueOp] // Enqueue's shared rounds
+	pub *commit.Committer[*publishOp] // Publish's
 }
 
 // NewClient returns a Client recording intents in pool's database and publishing through
@@ -129,10 +141,20 @@ func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) *Clie
 	if d.AlertGeneration <= 0 {
 		d.AlertGeneration = 3
 	}
+	if d.Committers <= 0 {
+		d.Committers = 4
+	}
+	if d.MaxBatch <= 0 {
+		d.MaxBatch = 256
+	}
+	if d.WriteTimeout <= 0 {
+		d.WriteTimeout = 10 * time.Second
+	}
 	c.log = d.Logger
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
+	c.newCommitters()
 	return c
 }
 
@@ -159,14 +181,8 @@ const readIntentSQL = `SELECT task_type, payload_sha256, state FROM job_intents 
 // *MismatchError. An invalid key returns an error wrapping ErrInvalidKey. A concurrent
 // uncommitted EnqueueTx of the same key makes this one wait for it.
 func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueResult, error) {
-	if err := idempotency.ValidateKey(spec.Key); err != nil {
+	if err := checkSpec(spec); err != nil {
 		return EnqueueResult{}, err
-	}
-	if len(spec.Payload) > idempotency.MaxPayloadBytes {
-		return EnqueueResult{}, fmt.Errorf("%w: payload of %s is %d bytes; the limit is %d", idempotency.ErrInvalidRequest, spec.Key, len(spec.Payload), idempotency.MaxPayloadBytes)
-	}
-	if spec.Type == "" || spec.Queue == "" {
-		return EnqueueResult{}, fmt.Errorf("%w: %s: task type and queue are required", idempotency.ErrInvalidRequest, spec.Key)
 	}
 	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
 	var state string
@@ -187,27 +203,6 @@ func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueRe
 		return EnqueueResult{}, &idempotency.MismatchError{Key: spec.Key}
 	}
 	return EnqueueResult{Key: spec.Key, Duplicate: true, State: state}, nil
-}
-
-// Enqueue records spec's intent in a transaction of its own and publishes it at once (a
-// relay publishes it later if that fails). Duplicates and mismatches are reported as by
-// EnqueueTx.
-func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) {
-	var res EnqueueResult
-	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
-		var err error
-		res, err = c.EnqueueTx(ctx, tx, spec)
-		return err
-	})
-	if err != nil || res.State != IntentPending {
-		return res, err
-	}
-	if _, err := c.publishPending(ctx, []string{spec.Key}); err != nil {
-		c.log.Warn("publish at enqueue failed; the relay will retry", "key", spec.Key, "err", err)
-	} else {
-		res.State = IntentPublished
-	}
-	return res, nil
 }
 
 // IntentInfo is an intent's row, for the API and operators.
@@ -273,16 +268,35 @@ func (i *IntentInfo) zeroEpochs() {
 }
 
 // Wake asks every relay to look for pending intents now (a NOTIFY outside any
-// transaction), at most once per 20 ms per Client; call it after committing EnqueueTx.
-// Errors are only logged: the relay polls anyway.
+// transaction); call it after committing EnqueueTx. A Client sends at most one per 20 ms:
+// a call inside that window is folded into one sent at its end, so no commit waits for a
+// relay's poll. Errors are only logged: the relays poll anyway.
 func (c *Client) Wake(ctx context.Context) {
 	c.wakeMu.Lock()
-	if time.Since(c.lastWake) < 20*time.Millisecond {
+	if wait := wakeEvery - time.Since(c.lastWake); wait > 0 {
+		if !c.wakeLater {
+			c.wakeLater = true
+			time.AfterFunc(wait, func() {
+				c.wakeMu.Lock()
+				c.wakeLater, c.lastWake = false, time.Now()
+				c.wakeMu.Unlock()
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				c.notify(ctx)
+			})
+		}
 		c.wakeMu.Unlock()
 		return
 	}
 	c.lastWake = time.Now()
 	c.wakeMu.Unlock()
+	c.notify(ctx)
+}
+
+// wakeEvery is the shortest time between two wake-ups a Client sends.
+const wakeEvery = 20 * time.Millisecond
+
+func (c *Client) notify(ctx context.Context) {
 	if _, err := c.pool.Exec(ctx, `SELECT pg_notify('`+wakeChannel+`', '')`); err != nil {
 		c.log.Debug("outbox wake-up", "err", err)
 	}

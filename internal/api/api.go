@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/commit"
 	"github.com/idemq/idemq/internal/metrics"
 )
 
@@ -79,8 +80,11 @@ type Server struct {
 	// crossOrigin refuses cross-origin writes to the dashboard and the ledger page.
 	crossOrigin *http.CrossOriginProtection
 
-	// holdAccept, when set by a test, runs inside the enqueue transaction after the
-	// Idempotency-Key row is written and before the commit.
+	// accepts shares transactions among concurrent POSTs (sendAccepts).
+	accepts *commit.Committer[*acceptReq]
+
+	// holdAccept, when set by a test, runs inside a round's transaction after its rows
+	// are written and before the commit, with the context of the round's first request.
 	holdAccept func(ctx context.Context)
 }
 
@@ -110,6 +114,7 @@ func New(deps Deps, opts *Options) *Server {
 		s.opts.DashboardPassword = ""
 	}
 	s.crossOrigin = newCrossOrigin()
+	s.accepts = s.newAcceptCommitter()
 
 	s.mux.HandleFunc("POST /v1/charges", s.postCharge)
 	s.mux.HandleFunc("POST /v1/wallet/debits", s.postDebit)

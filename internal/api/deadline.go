@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/internal/pgcode"
@@ -56,24 +55,19 @@ func isQueryCanceled(err error) bool {
 const setTimeoutsSQL = `SELECT set_config('statement_timeout', coalesce(nullif($1, ''), current_setting('statement_timeout')), true),
 	set_config('lock_timeout', coalesce(nullif($2, ''), current_setting('lock_timeout')), true)`
 
-// setTimeouts, in one round trip, bounds each of tx's statements just below the time ctx
-// has left, so a stalled statement is cancelled by Postgres itself (the connection
-// survives) before pgx gives up on the connection at the deadline, and sets lockTimeout
-// when it is not "". A ctx without a deadline sets no statement_timeout.
-func setTimeouts(ctx context.Context, tx pgx.Tx, lockTimeout string) error {
-	statement := ""
-	if deadline, ok := ctx.Deadline(); ok {
-		left := time.Until(deadline) * 9 / 10
-		if left < time.Millisecond {
-			return context.DeadlineExceeded // 0 would mean no timeout at all
-		}
-		statement = fmt.Sprintf("%dms", left.Milliseconds())
+// statementTimeout is the statement_timeout that makes Postgres itself cancel a stalled
+// statement (the connection survives) before pgx gives up on the connection at ctx's
+// deadline: nine tenths of the time left, "" when ctx has no deadline.
+func statementTimeout(ctx context.Context) (string, error) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return "", nil
 	}
-	if statement == "" && lockTimeout == "" {
-		return nil
+	left := time.Until(deadline) * 9 / 10
+	if left < time.Millisecond {
+		return "", context.DeadlineExceeded // 0 would mean no timeout at all
 	}
-	_, err := tx.Exec(ctx, setTimeoutsSQL, statement, lockTimeout)
-	return err
+	return fmt.Sprintf("%dms", left.Milliseconds()), nil
 }
 
 // unavailable answers 503 with Retry-After: the request ran out of time, and a retry

@@ -9,20 +9,23 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/internal/xact"
 	"github.com/idemq/idemq/tasks"
 )
 
-// Enqueuer records a job's intent inside the caller's transaction: *outbox.Client.
-// EnqueueTx reports an existing key with the same fingerprint as a duplicate, and one
-// with another fingerprint as an error wrapping idempotency.ErrMismatch.
+// Enqueuer records jobs' intents inside the caller's transaction: *outbox.Client.
+// EnqueueManyTx reports each spec's outcome at its index: an existing key with the same
+// fingerprint as a duplicate, one with another fingerprint as an error wrapping
+// idempotency.ErrMismatch; its last error is the statement's, which spoils tx.
 type Enqueuer interface {
-	EnqueueTx(ctx context.Context, tx pgx.Tx, spec outbox.Spec) (EnqueueResult, error)
+	EnqueueManyTx(ctx context.Context, tx pgx.Tx, specs []outbox.Spec) ([]EnqueueResult, []error, error)
 }
 
 // IntentLookup is what GET /v1/jobs/{key} uses, when the Enqueuer offers it
@@ -33,8 +36,14 @@ type IntentLookup interface {
 	Intent(ctx context.Context, key string) (*outbox.IntentInfo, error)
 }
 
-// waker is the Enqueuer's optional wake-up of its relays, called after a commit.
-type waker interface{ Wake(ctx context.Context) }
+// publisher is the Enqueuer's optional publish of a committed intent, called after a
+// commit; waker its optional wake-up of the relays, called instead when it cannot publish.
+type (
+	publisher interface {
+		Publish(ctx context.Context, key string) bool
+	}
+	waker interface{ Wake(ctx context.Context) }
+)
 
 // HeaderIdempotencyKey is the request header of the IETF httpapi idempotency-key draft.
 const HeaderIdempotencyKey = "Idempotency-Key"
@@ -43,7 +52,8 @@ const HeaderIdempotencyKey = "Idempotency-Key"
 const HeaderReplayed = "Idempotent-Replayed"
 
 // acceptLockTimeout bounds how long a request waits for another one holding the same
-// Idempotency-Key in its open transaction before it answers 409.
+// Idempotency-Key in its open transaction before it answers 409; a round of requests with
+// Idempotency-Keys waits as long for any of them.
 const acceptLockTimeout = "200ms"
 
 // jobResponse is the body of 202 (accepted) and 200 (duplicate).
@@ -216,29 +226,19 @@ func parseSFString(s string) (string, error) {
 	return "", errors.New("quoted key: no closing quote")
 }
 
-const (
-	insertHeaderSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type)
-VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING true`
-	getHeaderSQL = `SELECT fingerprint, status_code, response FROM api_idempotency_keys
-WHERE route = $1 AND header_key = $2`
-	answerHeaderSQL = `UPDATE api_idempotency_keys SET status_code = $3, response = $4
-WHERE route = $1 AND header_key = $2`
-)
-
-// accept records the job's intent and, with an Idempotency-Key, the header's row, in one
-// transaction, and answers 202 (new job), 200 (duplicate), a replay, 409 or 422.
+// accept records the job's intent and, with an Idempotency-Key, the header's row, in a
+// transaction shared with concurrent requests (sendAccepts), and answers 202 (new job),
+// 200 (duplicate), a replay, 409 or 422 once that transaction committed.
 func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string, spec outbox.Spec) {
-	hk, hasKey, err := headerKey(r)
+	hk, _, err := headerKey(r)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	ctx := r.Context()
-	route := r.Pattern
 	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
 
-	// The ledger's row, for a duplicate's answer, is read before the transaction: reading
-	// it from the pool while holding a connection in a transaction could exhaust the pool.
+	// The ledger's row, for a duplicate's answer, is read before the round.
 	rec, err := s.deps.Ledger.Get(ctx, spec.Key)
 	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
 		s.internal(w, r, "read the ledger", err)
@@ -251,118 +251,59 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 		return
 	}
 
-	tx, err := s.deps.Pool.Begin(ctx)
-	if err != nil {
-		s.internal(w, r, "begin", err)
-		return
-	}
-	defer func() {
-		// Even past the request's deadline, but bounded: a Postgres that stopped answering
-		// must not hold the handler past the server's write timeout.
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
-		defer cancel()
-		tx.Rollback(ctx)
-	}()
-	lockTimeout := ""
-	if hasKey {
-		lockTimeout = acceptLockTimeout // a repeat waits this long for the first, then 409
-	}
-	if err := setTimeouts(ctx, tx, lockTimeout); err != nil {
-		s.internal(w, r, "set timeouts", err)
-		return
-	}
-
-	if hasKey {
-		var inserted bool
-		err := tx.QueryRow(ctx, insertHeaderSQL, route, hk, fp, spec.Key, spec.Type).Scan(&inserted)
-		switch {
-		case isLockTimeout(err):
-			writeError(w, http.StatusConflict, fmt.Sprintf("%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, hk))
-			return
-		case errors.Is(err, pgx.ErrNoRows):
-			s.replay(w, r, tx, route, hk, fp)
-			return
-		case err != nil:
-			s.internal(w, r, "record the Idempotency-Key", err)
-			return
-		}
-		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout TO DEFAULT"); err != nil {
-			s.internal(w, r, "reset lock_timeout", err)
-			return
-		}
-	}
-
-	res, err := s.deps.Enqueuer.EnqueueTx(ctx, tx, spec)
+	req := &acceptReq{ctx: ctx, route: r.Pattern, hk: hk, keyField: keyField, fp: fp, spec: spec, rec: rec}
+	err = s.accepts.Run(ctx, 0, req)
+	var stage *stageError
 	switch {
-	case errors.Is(err, idempotency.ErrMismatch):
-		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s: job %q was already accepted with a different body", keyField, spec.Key))
-		return
-	case isLockTimeout(err):
-		writeError(w, http.StatusConflict, fmt.Sprintf("%s: job %q is still being accepted by another request; retry shortly", keyField, spec.Key))
-		return
-	case err != nil:
-		s.internal(w, r, "record the job", err)
-		return
-	}
-
-	code, resp := http.StatusAccepted, jobResponse{Key: spec.Key, Type: spec.Type, Status: StatusAccepted, Intent: res.State}
-	// A job the ledger knows is a duplicate even when its intent is new (its task was
-	// published without the outbox, or the intent is gone): the worker answers it from the
-	// ledger.
-	if res.Duplicate || rec != nil {
-		code, resp.Duplicate = http.StatusOK, true
-		if rec != nil {
-			resp.Status, resp.Fence, resp.Attempts, resp.Result, resp.LastError = rec.Status, rec.Fence, rec.Attempts, rec.Result, rec.LastError
-		}
-	}
-	body, err := json.Marshal(resp)
-	if err != nil {
-		s.internal(w, r, "encode response", err)
-		return
-	}
-	if hasKey {
-		if _, err := tx.Exec(ctx, answerHeaderSQL, route, hk, code, body); err != nil {
-			s.internal(w, r, "record the answer", err)
-			return
-		}
-	}
-	if s.holdAccept != nil {
-		s.holdAccept(ctx)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		s.internal(w, r, "commit", err)
-		return
-	}
-	if wk, ok := s.deps.Enqueuer.(waker); ok && !res.Duplicate {
-		wk.Wake(ctx)
-	}
-	writeRaw(w, code, body)
-}
-
-// replay answers a repeated Idempotency-Key: the first answer when the body is the same,
-// 422 when it is not.
-func (s *Server) replay(w http.ResponseWriter, r *http.Request, tx pgx.Tx, route, hk string, fp []byte) {
-	var (
-		storedFP []byte
-		code     *int
-		body     []byte
-	)
-	if err := tx.QueryRow(r.Context(), getHeaderSQL, route, hk).Scan(&storedFP, &code, &body); err != nil {
-		s.internal(w, r, "read the Idempotency-Key", err)
-		return
-	}
-	if !bytes.Equal(storedFP, fp) {
-		// Not naming the job the key made: it may be another caller's.
-		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s %q was used with a different body", HeaderIdempotencyKey, hk))
-		return
-	}
-	if code == nil { // cannot happen: the row is answered in its own transaction
+	case err == nil && clientGone(ctx):
+		return // nobody to answer: counted as 499; a retry gets the replay
+	case errors.As(err, &stage) && isLockTimeout(err) && stage.stage == stageHeaders:
 		writeError(w, http.StatusConflict, fmt.Sprintf("%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, hk))
-		return
+	case errors.As(err, &stage) && isLockTimeout(err):
+		writeError(w, http.StatusConflict, fmt.Sprintf("%s: job %q is still being accepted by another request; retry shortly", keyField, spec.Key))
+	case errors.Is(err, xact.ErrCommitUnknown):
+		s.log.Warn("api: accept: commit outcome unknown", "method", r.Method, "path", r.URL.Path, "key", spec.Key, "err", err)
+		unavailable(w, "accept: the database did not confirm the commit; retry with the same body and Idempotency-Key")
+	case err != nil:
+		s.internal(w, r, "accept", err)
+	case req.failure != nil:
+		s.internal(w, r, "record the job", req.failure)
+	case req.refuseCode != 0:
+		writeError(w, req.refuseCode, req.refusal)
+	default:
+		if req.replayed {
+			w.Header().Set(HeaderReplayed, "true")
+		}
+		if req.isNew {
+			s.publish(spec.Key)
+		}
+		writeRaw(w, req.code, req.body)
 	}
-	w.Header().Set(HeaderReplayed, "true")
-	writeRaw(w, *code, body)
 }
+
+// publish hands a newly accepted job to asynq without making its request wait: at once
+// when the Enqueuer can publish (*outbox.Client.Publish), else by waking the relays.
+func (s *Server) publish(key string) {
+	ctx, cancel := context.WithTimeout(context.Background(), publishTimeout)
+	switch p := s.deps.Enqueuer.(type) {
+	case publisher:
+		go func() {
+			defer cancel()
+			p.Publish(ctx, key)
+		}()
+	case waker:
+		go func() {
+			defer cancel()
+			p.Wake(ctx)
+		}()
+	default:
+		cancel()
+	}
+}
+
+// publishTimeout bounds the publish after a request's commit; a relay publishes what it
+// did not.
+const publishTimeout = 10 * time.Second
 
 // isLockTimeout reports SQLSTATE 55P03 (lock_not_available): another transaction holds
 // the row past acceptLockTimeout.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -138,4 +139,41 @@ func TestCommitterInlineAndLeaving(t *testing.T) {
 	if err := <-first; err != nil {
 		t.Errorf("the round in flight: %v", err)
 	}
+}
+
+// A request with several keys joins a batch only when none of them is in the batch or in
+// flight: two requests sharing their second key never meet in one batch.
+func TestQueueKeysKeepSharedKeysApart(t *testing.T) {
+	keys := func(s string) []string { return strings.Split(s, "/") }
+	q := NewQueueKeys(1, 1, 0, keys, false)
+	for _, s := range []string{"j2/h1", "j1/h1", "j3", "j4/h2"} {
+		q.Push(0, s)
+	}
+	b := q.Take(10)
+	if !slices.Equal(b[0], []string{"j2/h1", "j3", "j4/h2"}) {
+		t.Fatalf("first batch %v, want [j2/h1 j3 j4/h2]: j1/h1 shares h1 with j2/h1", b[0])
+	}
+	if q.Ready() {
+		t.Fatal("j1/h1 is ready while h1 is in flight")
+	}
+	q.Done(b)
+	if b2 := q.Take(10); !slices.Equal(b2[0], []string{"j1/h1"}) {
+		t.Fatalf("second batch %v, want [j1/h1]", b2[0])
+	}
+}
+
+// With roundOnly, a key in flight does not hold a request back: only a batch keeps its
+// keys apart.
+func TestQueueRoundOnlyLetsBatchesShareKeys(t *testing.T) {
+	q := NewQueueKeys(1, 2, 0, func(s string) []string { return strings.Split(s, "/") }, true)
+	q.Push(0, "j1/h1")
+	q.Push(0, "j2/h1")
+	b := q.Take(10)
+	if !slices.Equal(b[0], []string{"j1/h1"}) {
+		t.Fatalf("first batch %v, want [j1/h1]", b[0])
+	}
+	if b2 := q.Take(10); b2 == nil || !slices.Equal(b2[0], []string{"j2/h1"}) {
+		t.Fatalf("second batch %v, want [j2/h1] while the first is in flight", b2)
+	}
+	q.Done(b)
 }

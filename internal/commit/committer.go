@@ -17,8 +17,13 @@ type Config[T comparable] struct {
 	Inline bool
 	// Timeout bounds each attempt to send a round.
 	Timeout time.Duration
-	// Key is a request's key: one round carries a key at most once per lane.
-	Key func(T) string
+	// Key is a request's key: one round carries a key at most once per lane. Keys, when
+	// set instead, gives a request several (the first orders a batch): one round carries
+	// each at most once per lane.
+	Key  func(T) string
+	Keys func(T) []string
+	// RoundOnly keeps keys apart within a round only: rounds in flight may share one.
+	RoundOnly bool
 	// Send sends the batches (batches[i] is lane i's, sorted by key; some are empty) in
 	// one transaction and returns its error, nil once it committed.
 	Send func(ctx context.Context, batches [][]T) error
@@ -50,7 +55,11 @@ type waiter[T any] struct {
 // New returns a Committer for cfg.
 func New[T comparable](cfg Config[T]) *Committer[T] {
 	c := &Committer[T]{cfg: cfg}
-	c.q = NewQueue(cfg.Lanes, cfg.Workers, func(w *waiter[T]) string { return cfg.Key(w.v) })
+	keys := cfg.Keys
+	if keys == nil {
+		keys = func(v T) []string { return []string{cfg.Key(v)} }
+	}
+	c.q = NewQueueKeys(cfg.Lanes, cfg.Workers, 0, func(w *waiter[T]) []string { return keys(w.v) }, cfg.RoundOnly)
 	return c
 }
 

@@ -16,9 +16,11 @@ import (
 // batch in flight holds, in key order, so that concurrent batches lock rows in one order.
 // It is safe for concurrent use.
 type Queue[T comparable] struct {
-	key     func(T) string
-	workers int
-	spare   int // workers beyond these start only when the queue is deep (PushDeep)
+	keys func(T) []string // the first orders a batch
+	// roundOnly: a key is unique within a batch only; batches in flight may share it.
+	roundOnly bool
+	workers   int
+	spare     int // workers beyond these start only when the queue is deep (PushDeep)
 
 	mu       sync.Mutex
 	lanes    [][]T
@@ -35,7 +37,16 @@ func NewQueue[T comparable](lanes, workers int, key func(T) string) *Queue[T] {
 // NewQueueSpare is NewQueue with spare more workers, which start only when the queue is
 // deep (PushDeep).
 func NewQueueSpare[T comparable](lanes, workers, spare int, key func(T) string) *Queue[T] {
-	q := &Queue[T]{key: key, workers: max(workers, 1), spare: max(spare, 0), lanes: make([][]T, lanes), inFlight: make([]map[string]bool, lanes)}
+	return NewQueueKeys(lanes, workers, spare, func(t T) []string { return []string{key(t)} }, false)
+}
+
+// NewQueueKeys is NewQueueSpare for requests with several keys (an API request's header
+// key and its job's key, say): a batch takes a request only when none of its keys is in
+// the batch or, unless roundOnly, in a batch in flight; it orders its batch by the first
+// key. With roundOnly, two batches in flight may hold one key: the second waits for the
+// first's row locks in the server, as two separate transactions would.
+func NewQueueKeys[T comparable](lanes, workers, spare int, keys func(T) []string, roundOnly bool) *Queue[T] {
+	q := &Queue[T]{keys: keys, roundOnly: roundOnly, workers: max(workers, 1), spare: max(spare, 0), lanes: make([][]T, lanes), inFlight: make([]map[string]bool, lanes)}
 	for i := range q.inFlight {
 		q.inFlight[i] = make(map[string]bool)
 	}
@@ -79,7 +90,7 @@ func (q *Queue[T]) Ready() bool {
 	defer q.mu.Unlock()
 	for i, lane := range q.lanes {
 		for _, t := range lane {
-			if !q.inFlight[i][q.key(t)] {
+			if !q.held(i, t) {
 				return true
 			}
 		}
@@ -109,9 +120,10 @@ func (q *Queue[T]) Take(n int) [][]T {
 	for i, lane := range q.lanes {
 		rest := lane[:0]
 		for _, t := range lane {
-			k := q.key(t)
-			if len(batches[i]) < n && !q.inFlight[i][k] {
-				q.inFlight[i][k] = true
+			if len(batches[i]) < n && !q.held(i, t) {
+				for _, k := range q.keys(t) {
+					q.inFlight[i][k] = true
+				}
 				batches[i] = append(batches[i], t)
 			} else {
 				rest = append(rest, t)
@@ -119,9 +131,12 @@ func (q *Queue[T]) Take(n int) [][]T {
 		}
 		clear(lane[len(rest):])
 		q.lanes[i] = rest
+		if q.roundOnly {
+			clear(q.inFlight[i])
+		}
 		if len(batches[i]) > 0 {
 			found = true
-			slices.SortFunc(batches[i], func(a, b T) int { return cmp.Compare(q.key(a), q.key(b)) })
+			slices.SortFunc(batches[i], func(a, b T) int { return cmp.Compare(q.keys(a)[0], q.keys(b)[0]) })
 		}
 	}
 	if !found {
@@ -135,9 +150,25 @@ func (q *Queue[T]) Take(n int) [][]T {
 func (q *Queue[T]) Done(batches [][]T) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	if q.roundOnly {
+		return
+	}
 	for i, b := range batches {
 		for _, t := range b {
-			delete(q.inFlight[i], q.key(t))
+			for _, k := range q.keys(t) {
+				delete(q.inFlight[i], k)
+			}
 		}
 	}
+}
+
+// held reports whether one of t's keys is in lane's batches in flight (or in the batch
+// being taken).
+func (q *Queue[T]) held(lane int, t T) bool {
+	for _, k := range q.keys(t) {
+		if q.inFlight[lane][k] {
+			return true
+		}
+	}
+	return false
 }

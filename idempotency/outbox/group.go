@@ -1,0 +1,162 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemq/idemq/internal/commit"
+	"github.com/idemq/idemq/internal/pgcode"
+	"github.com/idemq/idemq/internal/xact"
+)
+
+// Concurrent Enqueue calls share transactions: each round records every queued intent
+// in one multi-row statement and one commit (see commit.Committer), and the intents a
+// round recorded are then published together, up to publishers at once. At low load a
+// round carries one call and adds no wait.
+
+// enqueueOp is one Enqueue call in a round.
+type enqueueOp struct {
+	spec Spec
+	res  EnqueueResult
+	err  error // its own outcome (a mismatch); the round's is Run's
+}
+
+// publishOp is one intent to publish at once, in a round with others.
+type publishOp struct {
+	key       string
+	published bool
+}
+
+// commitResolveFor bounds how long a round whose COMMIT lost its answer asks the server
+// what became of it before it reports xact.ErrCommitUnknown.
+const commitResolveFor = 5 * time.Second
+
+func (c *Client) newCommitters() {
+	c.enq = commit.New(commit.Config[*enqueueOp]{
+		Lanes:     1,
+		Workers:   c.cfg.Committers,
+		MaxBatch:  c.cfg.MaxBatch,
+		Timeout:   c.cfg.WriteTimeout,
+		Key:       func(op *enqueueOp) string { return op.spec.Key },
+		Send:      c.sendEnqueues,
+		Refused:   Refused,
+		Retryable: pgconn.SafeToRetry,
+	})
+	c.pub = commit.New(commit.Config[*publishOp]{
+		Lanes:     1,
+		Workers:   c.cfg.Committers,
+		MaxBatch:  c.cfg.RelayBatch,
+		Timeout:   c.cfg.WriteTimeout,
+		Key:       func(op *publishOp) string { return op.key },
+		Send:      c.sendPublishes,
+		Refused:   func(error) bool { return false },
+		Retryable: func(error) bool { return false },
+	})
+}
+
+// Refused reports an error with which the server refused a shared round because of one
+// of its rows (a constraint, a lock it waited too long for, a deadlock): the round is
+// then sent again in halves, down to the row at fault. A cancelled statement (the
+// statement timeout of a stalled server) or a broken connection is no row's fault.
+func Refused(err error) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) {
+		return false
+	}
+	switch {
+	case pe.Code == pgcode.QueryCanceled, strings.HasPrefix(pe.Code, "08"), strings.HasPrefix(pe.Code, "57"), strings.HasPrefix(pe.Code, "53"):
+		return false
+	}
+	return true
+}
+
+// sendEnqueues records one round's intents in a transaction of its own.
+func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) error {
+	ops := batches[0]
+	specs := make([]Spec, len(ops))
+	for i, op := range ops {
+		specs[i], op.res, op.err = op.spec, EnqueueResult{}, nil
+	}
+	tx, err := c.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var id xact.ID
+	if err := tx.QueryRow(ctx, xact.IDSQL).Scan(&id.Xid, &id.ServerStart); err != nil {
+		return err
+	}
+	res, errs, err := enqueueMany(ctx, tx, specs)
+	if err != nil {
+		return err
+	}
+	if err := xact.Commit(ctx, tx, c.pool, id, commitResolveFor); err != nil {
+		return err
+	}
+	for i, op := range ops {
+		op.res, op.err = res[i], errs[i]
+	}
+	return nil
+}
+
+// sendPublishes publishes one round's pending intents.
+func (c *Client) sendPublishes(ctx context.Context, batches [][]*publishOp) error {
+	ops := batches[0]
+	keys := make([]string, len(ops))
+	for i, op := range ops {
+		keys[i] = op.key
+	}
+	done, err := c.publishPending(ctx, keys)
+	published := make(map[string]bool, len(done))
+	for _, k := range done {
+		published[k] = true
+	}
+	for _, op := range ops {
+		op.published = published[op.key]
+	}
+	return err
+}
+
+// Enqueue records spec's intent, in a transaction shared with concurrent calls, and
+// publishes it at once (a relay publishes it later if that fails: the result's State then
+// says pending). Duplicates and mismatches are reported as by EnqueueTx. A commit whose
+// answer was lost is resolved by transaction id; when it cannot be, the error wraps
+// xact.ErrCommitUnknown and the intent may or may not be recorded: enqueue it again (the
+// same spec is then a duplicate, never a second job).
+func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) {
+	if err := checkSpec(spec); err != nil {
+		return EnqueueResult{}, err
+	}
+	op := &enqueueOp{spec: spec}
+	if err := c.enq.Run(ctx, 0, op); err != nil {
+		return EnqueueResult{}, fmt.Errorf("outbox: record intent %s: %w", spec.Key, err)
+	}
+	if op.err != nil {
+		return EnqueueResult{}, op.err
+	}
+	res := op.res
+	if res.State != IntentPending {
+		return res, nil
+	}
+	if c.Publish(ctx, spec.Key) {
+		res.State = IntentPublished
+	}
+	return res, nil
+}
+
+// Publish publishes key's intent now if it is pending, in a round with concurrent calls,
+// instead of waiting for a relay, and reports whether this call published it. Call it
+// after the transaction that recorded the intent committed. A failure is logged and left
+// to the relays.
+func (c *Client) Publish(ctx context.Context, key string) bool {
+	op := &publishOp{key: key}
+	if err := c.pub.Run(ctx, 0, op); err != nil {
+		c.log.Warn("publish at enqueue failed; a relay will retry", "key", key, "err", err)
+	}
+	return op.published
+}

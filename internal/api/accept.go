@@ -1,0 +1,330 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/internal/commit"
+	"github.com/idemq/idemq/internal/xact"
+)
+
+// Concurrent POSTs share transactions: a round records the header rows, the intents and
+// the answers of every request it took in one multi-row statement each and one commit
+// (see commit.Committer), and each request is answered only after its round committed.
+// A round never holds two requests with the same Idempotency-Key or job key (the second
+// goes to the next round, which then meets the first's row as a separate transaction
+// would: a replay, a duplicate, or a 409 after acceptLockTimeout). A round the server
+// refuses because of one request (the lock it waited for too long, say) is sent again in
+// halves, down to that request.
+
+// acceptReq is one POST in a round.
+type acceptReq struct {
+	ctx      context.Context
+	route    string // the header key's scope
+	hk       string // the Idempotency-Key; "" when absent
+	keyField string // the body's field the job key comes from, for errors
+	fp       []byte
+	spec     outbox.Spec
+	rec      *idempotency.Record // the ledger's row, read before the round
+
+	// The outcome, set by the round that committed.
+	code     int
+	body     []byte
+	replayed bool
+	// A refusal of this request alone (409, 422), or its error (500): nothing of it is
+	// kept.
+	refuseCode int
+	refusal    string
+	failure    error
+	isNew      bool // its intent was recorded by this round
+}
+
+func (r *acceptReq) reset() {
+	r.code, r.body, r.replayed, r.isNew = 0, nil, false, false
+	r.refuseCode, r.refusal, r.failure = 0, "", nil
+}
+
+func (r *acceptReq) refuse(code int, format string, args ...any) {
+	r.refuseCode, r.refusal = code, fmt.Sprintf(format, args...)
+}
+
+// roundStage says which of a round's statements the server refused.
+type roundStage string
+
+const (
+	stageHeaders roundStage = "record the Idempotency-Keys"
+	stageIntents roundStage = "record the jobs"
+)
+
+// stageError is a round's error with the statement it came from.
+type stageError struct {
+	stage roundStage
+	err   error
+}
+
+func (e *stageError) Error() string { return string(e.stage) + ": " + e.err.Error() }
+func (e *stageError) Unwrap() error { return e.err }
+
+// Defaults of the accept rounds.
+const (
+	acceptRounds   = 4   // rounds in flight at once
+	acceptMaxBatch = 128 // requests per round
+)
+
+func (s *Server) newAcceptCommitter() *commit.Committer[*acceptReq] {
+	return commit.New(commit.Config[*acceptReq]{
+		Lanes:    1,
+		Workers:  acceptRounds,
+		MaxBatch: acceptMaxBatch,
+		Timeout:  s.opts.RequestTimeout,
+		Keys: func(r *acceptReq) []string {
+			if r.hk == "" {
+				return []string{"job\x00" + r.spec.Key}
+			}
+			return []string{"job\x00" + r.spec.Key, "header\x00" + r.route + "\x00" + r.hk}
+		},
+		RoundOnly: true,
+		Send:      s.sendAccepts,
+		Refused:   outbox.Refused,
+		Retryable: func(error) bool { return false },
+	})
+}
+
+const (
+	insertHeadersSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type)
+SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[])
+ON CONFLICT DO NOTHING RETURNING route, header_key`
+	getHeadersSQL = `SELECT k.route, k.header_key, k.fingerprint, k.status_code, k.response
+FROM api_idempotency_keys k JOIN unnest($1::text[], $2::text[]) AS r(route, header_key) USING (route, header_key)`
+	answerHeadersSQL = `UPDATE api_idempotency_keys k SET status_code = a.code, response = a.body
+FROM unnest($1::text[], $2::text[], $3::int[], $4::bytea[]) AS a(route, header_key, code, body)
+WHERE k.route = a.route AND k.header_key = a.header_key`
+	forgetHeadersSQL = `DELETE FROM api_idempotency_keys k
+USING unnest($1::text[], $2::text[]) AS r(route, header_key)
+WHERE k.route = r.route AND k.header_key = r.header_key`
+)
+
+// headerID names a header row.
+type headerID struct{ route, hk string }
+
+// sendAccepts records one round's requests in a transaction of its own: the header rows
+// (a repeat gets its replay), the intents (a duplicate or a mismatch is that request's
+// answer), the answers to replay, then the commit, whose lost answer is resolved by
+// transaction id.
+func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error {
+	reqs := batches[0]
+	deadline := time.Time{}
+	keyed := false
+	for _, r := range reqs {
+		r.reset()
+		if d, ok := r.ctx.Deadline(); ok && (deadline.IsZero() || d.Before(deadline)) {
+			deadline = d
+		}
+		keyed = keyed || r.hk != ""
+	}
+	if !deadline.IsZero() { // statements end at the earliest deadline of the round's requests
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	tx, err := s.deps.Pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+		defer cancel()
+		tx.Rollback(ctx)
+	}()
+
+	// The timeouts, the transaction's id and the header rows, in one round trip.
+	statement, err := statementTimeout(ctx)
+	if err != nil {
+		return err
+	}
+	lockTimeout := ""
+	if keyed {
+		lockTimeout = acceptLockTimeout // a repeat waits this long for the first, then 409
+	}
+	b := &pgx.Batch{}
+	b.Queue(setTimeoutsSQL, statement, lockTimeout)
+	var id xact.ID
+	b.Queue(xact.IDSQL).QueryRow(func(row pgx.Row) error { return row.Scan(&id.Xid, &id.ServerStart) })
+	inserted := map[headerID]bool{}
+	if keyed {
+		var routes, hks, jobKeys, types []string
+		var fps [][]byte
+		for _, r := range reqs {
+			if r.hk != "" {
+				routes, hks, fps = append(routes, r.route), append(hks, r.hk), append(fps, r.fp)
+				jobKeys, types = append(jobKeys, r.spec.Key), append(types, r.spec.Type)
+			}
+		}
+		b.Queue(insertHeadersSQL, routes, hks, fps, jobKeys, types).Query(func(rows pgx.Rows) error {
+			var h headerID
+			_, err := pgx.ForEachRow(rows, []any{&h.route, &h.hk}, func() error {
+				inserted[h] = true
+				return nil
+			})
+			return err
+		})
+		b.Queue("SET LOCAL lock_timeout TO DEFAULT")
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return &stageError{stageHeaders, err}
+	}
+
+	// A repeated Idempotency-Key gets the first answer, or 422 for another body.
+	var repeats []*acceptReq
+	for _, r := range reqs {
+		if r.hk != "" && !inserted[headerID{r.route, r.hk}] {
+			repeats = append(repeats, r)
+		}
+	}
+	if len(repeats) > 0 {
+		if err := s.replayAll(ctx, tx, repeats); err != nil {
+			return err
+		}
+	}
+
+	// The intents of the others.
+	var todo []*acceptReq
+	var specs []outbox.Spec
+	for _, r := range reqs {
+		if !r.replayed && r.refuseCode == 0 && r.failure == nil {
+			todo, specs = append(todo, r), append(specs, r.spec)
+		}
+	}
+	if len(todo) > 0 {
+		res, errs, err := s.deps.Enqueuer.EnqueueManyTx(ctx, tx, specs)
+		if err != nil {
+			return &stageError{stageIntents, err}
+		}
+		b := &pgx.Batch{}
+		var forget, answer struct {
+			routes, hks []string
+			codes       []int32
+			bodies      [][]byte
+		}
+		for i, r := range todo {
+			switch {
+			case errors.Is(errs[i], idempotency.ErrMismatch):
+				r.refuse(http.StatusUnprocessableEntity, "%s: job %q was already accepted with a different body", r.keyField, r.spec.Key)
+			case errs[i] != nil:
+				r.failure = errs[i]
+			default:
+				r.code, r.body, err = answerOf(r, res[i])
+				if err != nil {
+					r.failure = err
+				}
+				r.isNew = !res[i].Duplicate && res[i].State == outbox.IntentPending
+			}
+			if r.hk == "" {
+				continue
+			}
+			if r.code == 0 { // refused: its header row goes, as if never written
+				forget.routes, forget.hks = append(forget.routes, r.route), append(forget.hks, r.hk)
+				continue
+			}
+			answer.routes, answer.hks = append(answer.routes, r.route), append(answer.hks, r.hk)
+			answer.codes, answer.bodies = append(answer.codes, int32(r.code)), append(answer.bodies, r.body)
+		}
+		if len(forget.routes) > 0 {
+			b.Queue(forgetHeadersSQL, forget.routes, forget.hks)
+		}
+		if len(answer.routes) > 0 {
+			b.Queue(answerHeadersSQL, answer.routes, answer.hks, answer.codes, answer.bodies)
+		}
+		if b.Len() > 0 {
+			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+				return fmt.Errorf("record the answers: %w", err)
+			}
+		}
+	}
+	if s.holdAccept != nil {
+		s.holdAccept(reqs[0].ctx)
+	}
+	if err := xact.Commit(ctx, tx, s.deps.Pool, id, commitResolveFor); err != nil {
+		for _, r := range reqs {
+			r.reset()
+		}
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// commitResolveFor bounds how long a round whose COMMIT lost its answer asks the server
+// what became of it; past it every request of the round gets 503.
+const commitResolveFor = 5 * time.Second
+
+// replayAll answers the repeats of header keys recorded before: the first answer when the
+// body is the same, 422 when it is not.
+func (s *Server) replayAll(ctx context.Context, tx pgx.Tx, repeats []*acceptReq) error {
+	routes, hks := make([]string, len(repeats)), make([]string, len(repeats))
+	for i, r := range repeats {
+		routes[i], hks[i] = r.route, r.hk
+	}
+	type stored struct {
+		fp   []byte
+		code *int32
+		body []byte
+	}
+	got := map[headerID]stored{}
+	rows, err := tx.Query(ctx, getHeadersSQL, routes, hks)
+	if err != nil {
+		return fmt.Errorf("read the Idempotency-Keys: %w", err)
+	}
+	var h headerID
+	var st stored
+	_, err = pgx.ForEachRow(rows, []any{&h.route, &h.hk, &st.fp, &st.code, &st.body}, func() error {
+		got[h] = st
+		st = stored{}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read the Idempotency-Keys: %w", err)
+	}
+	for _, r := range repeats {
+		st, ok := got[headerID{r.route, r.hk}]
+		switch {
+		case !ok: // cannot happen: the insert met it
+			r.failure = fmt.Errorf("%s %q: neither recorded nor found", HeaderIdempotencyKey, r.hk)
+		case string(st.fp) != string(r.fp):
+			// Not naming the job the key made: it may be another caller's.
+			r.refuse(http.StatusUnprocessableEntity, "%s %q was used with a different body", HeaderIdempotencyKey, r.hk)
+		case st.code == nil: // cannot happen: the row is answered in its own transaction
+			r.refuse(http.StatusConflict, "%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, r.hk)
+		default:
+			r.code, r.body, r.replayed = int(*st.code), st.body, true
+		}
+	}
+	return nil
+}
+
+// answerOf is the answer to a request whose intent the round recorded (or found): 202 for
+// a new job, 200 for a duplicate, with the ledger's state when it knows the job.
+func answerOf(r *acceptReq, res outbox.EnqueueResult) (int, []byte, error) {
+	code, resp := http.StatusAccepted, jobResponse{Key: r.spec.Key, Type: r.spec.Type, Status: StatusAccepted, Intent: res.State}
+	// A job the ledger knows is a duplicate even when its intent is new (its task was
+	// published without the outbox, or the intent is gone): the worker answers it from the
+	// ledger.
+	if rec := r.rec; res.Duplicate || rec != nil {
+		code, resp.Duplicate = http.StatusOK, true
+		if rec != nil {
+			resp.Status, resp.Fence, resp.Attempts, resp.Result, resp.LastError = rec.Status, rec.Fence, rec.Attempts, rec.Result, rec.LastError
+		}
+	}
+	body, err := json.Marshal(resp)
+	if err != nil {
+		return 0, nil, fmt.Errorf("encode response: %w", err)
+	}
+	return code, body, nil
+}

@@ -1,0 +1,90 @@
+// Package xact commits a transaction whose COMMIT may lose its answer (the connection
+// breaks after the COMMIT was sent) and then learns from the server, by transaction id,
+// whether it committed, so that a caller never reports as done what did not commit, nor
+// as failed what did.
+package xact
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// ErrCommitUnknown means a COMMIT lost its answer and the server could not say whether it
+// committed (it restarted as another server, or stayed unreachable).
+var ErrCommitUnknown = errors.New("commit outcome unknown")
+
+// IDSQL reads a transaction's id and the server's start time, as ID; send it inside the
+// transaction (it assigns the id), pipelined with the first statements.
+const IDSQL = `SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text`
+
+// ID names a transaction on one server run.
+type ID struct {
+	Xid, ServerStart string
+}
+
+// statusSQL is the fate of transaction $1 when the server is still the run that started
+// at $2 (NULL: another server, or an id it no longer knows).
+const statusSQL = `SELECT CASE WHEN pg_postmaster_start_time()::text = $2 THEN pg_xact_status($1::text::xid8)::text END,
+	pg_postmaster_start_time()::text = $2`
+
+// Commit commits tx. When the server answered the COMMIT with an error, nothing
+// committed. When the answer was lost, Commit asks the server on fresh connections from
+// pool, for up to resolveFor, whether transaction id committed: nil if it did, an error
+// if it aborted, and ErrCommitUnknown (wrapped) if that cannot be learned.
+func Commit(ctx context.Context, tx pgx.Tx, pool *pgxpool.Pool, id ID, resolveFor time.Duration) error {
+	err := tx.Commit(ctx)
+	var pgErr *pgconn.PgError
+	if err == nil || errors.As(err, &pgErr) || id.Xid == "" {
+		return err
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), resolveFor)
+	defer cancel()
+	committed, rerr := Resolve(rctx, pool, id)
+	switch {
+	case rerr != nil:
+		return fmt.Errorf("%w: transaction %s: %v (commit: %v)", ErrCommitUnknown, id.Xid, rerr, err)
+	case committed:
+		return nil
+	}
+	return fmt.Errorf("commit: transaction %s aborted: %w", id.Xid, err)
+}
+
+// Resolve asks the server whether transaction id committed, again and again while it is
+// still in progress or the server cannot be reached, until ctx ends.
+func Resolve(ctx context.Context, pool *pgxpool.Pool, id ID) (bool, error) {
+	wait := 10 * time.Millisecond
+	var lastErr error
+	for {
+		var status pgtype.Text
+		var sameServer bool
+		err := pool.QueryRow(ctx, statusSQL, id.Xid, id.ServerStart).Scan(&status, &sameServer)
+		switch {
+		case err == nil && !sameServer:
+			return false, errors.New("the server restarted as another run: its transaction ids are not this one's")
+		case err == nil && status.String == "committed":
+			return true, nil
+		case err == nil && status.String == "aborted":
+			return false, nil
+		case err == nil && !status.Valid:
+			return false, errors.New("the server no longer knows the transaction")
+		case err != nil:
+			lastErr = err
+		}
+		select {
+		case <-ctx.Done():
+			if lastErr == nil {
+				lastErr = errors.New("still in progress")
+			}
+			return false, fmt.Errorf("%w (last: %v)", context.Cause(ctx), lastErr)
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 500*time.Millisecond)
+	}
+}
