@@ -45,7 +45,7 @@ func TestConcurrentPostsShareTransactions(t *testing.T) {
 		body    string
 		headers []string
 		want    int
-		replay  bool  // a 202 must be a replay of first
+		replay  bool // a 202 must be a replay of first
 	}
 	const n = 40
 	var calls []call
