@@ -90,6 +90,9 @@ type Options struct {
 	// MemProfileDir, when set, is where each memory-mode child writes its heap profile
 	// (memory-<config>.pprof) at the end of the load.
 	MemProfileDir string
+
+	// API configures API mode (RunAPI, -workloads api).
+	API APIOptions
 }
 
 func (o *Options) defaults() {
@@ -378,10 +381,13 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	if len(args) > 0 && args[0] == bareChildFlag {
 		return runBareChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == apiChildFlag {
+		return runAPIChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
+	}
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
-	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait), latency (no-op tasks arriving at -latency-rate, concurrency 10), dup (every no-op key delivered 3 times)")
+	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait), latency (no-op tasks arriving at -latency-rate, concurrency 10), dup (every no-op key delivered 3 times); or api alone (the web side: see the -api flags)")
 	fs.IntVar(&opt.Reps, "reps", 3, "repetitions; each runs every configuration once, interleaved")
 	fs.Float64Var(&opt.Seconds, "seconds", 2, "drain time each measurement aims at (N is sized from the configuration's last rate); a full run uses 15")
 	fs.IntVar(&opt.N, "n", 0, "fixed number of tasks per measurement (0: sized by -seconds)")
@@ -409,8 +415,14 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.DurationVar(&opt.DrainTimeout, "drain-timeout", 5*time.Minute, "-drain: time limit of one drain")
 	fs.IntVar(&opt.DrainPrefill, "drain-prefill", 5_000_000, "-drain: completed rows in the ledger before each drain of debit-prefilled (about 1.8 GB with its indexes per 5,000,000; written once per run, in a few minutes)")
 	drainBinaries := fs.String("drain-binaries", "", "-drain: comma-separated idemq binaries whose `worker` to compare, side by side in one run (default: this one)")
+	fs.Float64Var(&opt.API.Seconds, "api-seconds", 10, "-workloads api: how long the load of each throughput sample runs")
+	fs.IntVar(&opt.API.Concurrency, "api-concurrency", 50, "-workloads api: calls in flight of each throughput sample")
+	apiBinaries := fs.String("api-binaries", "", "-workloads api: comma-separated idemq binaries whose api (and worker, for e2e) to compare side by side (default: this one)")
+	apiPaths := fs.String("api-paths", strings.Join(APIPathNames, ","), "-workloads api: paths: api (POST /v1/charges to idemq api), asynq (asynq's client), insert (one INSERT per request), enqueue and enqueuetx (the outbox client from Go), e2e (debits through the api to a worker at -api-e2e-rate)")
+	fs.Float64Var(&opt.API.E2ERate, "api-e2e-rate", 20, "-workloads api: debits per second of the e2e path")
+	fs.Float64Var(&opt.API.E2ESeconds, "api-e2e-seconds", 10, "-workloads api: how long the e2e path sends")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\n\nFlags:")
+		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq bench -workloads api -write-docs\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -459,6 +471,31 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			return fmt.Errorf("bench: -servers: %q is not a positive whole number", s)
 		}
 		opt.ScaleServers = append(opt.ScaleServers, k)
+	}
+	if slices.Contains(opt.Workloads, "api") {
+		if len(opt.Workloads) > 1 {
+			return fmt.Errorf("bench: -workloads api runs alone, not with %q", *workloads)
+		}
+		opt.API.Paths = splitList(*apiPaths)
+		opt.API.Binaries = splitList(*apiBinaries)
+		if *writeDocs && *jsonPath == "" {
+			*jsonPath = filepath.Join("docs", "bench-api.json")
+		}
+		rep, err := RunAPI(ctx, opt, stderr)
+		if err != nil {
+			return err
+		}
+		if err := WriteAPITable(stdout, rep.Samples); err != nil {
+			return err
+		}
+		if *jsonPath != "" {
+			return writeFile(*jsonPath, func(w io.Writer) error {
+				enc := json.NewEncoder(w)
+				enc.SetIndent("", "  ")
+				return enc.Encode(rep)
+			})
+		}
+		return nil
 	}
 	if *drain {
 		opt.DrainWorkloads = strings.Split(*drainWorkloadsFlag, ",")
@@ -538,6 +575,17 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		errs = append(errs, writeFile(*svgPath, rep.WriteSVG))
 	}
 	return errors.Join(errs...)
+}
+
+// splitList returns the comma-separated items of s, trimmed, without empty ones.
+func splitList(s string) []string {
+	var out []string
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
 }
 
 func writeFile(path string, write func(io.Writer) error) error {
