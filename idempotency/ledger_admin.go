@@ -72,6 +72,24 @@ func (l *Ledger) Get(ctx context.Context, key string) (*Record, error) {
 	return &r, nil
 }
 
+// GetMany returns the rows of keys the ledger holds, by key, in one statement; a key it
+// does not hold is absent from the map. Safe for concurrent use.
+func (l *Ledger) GetMany(ctx context.Context, keys []string) (map[string]*Record, error) {
+	rows, err := l.pool.Query(ctx, store.GetManySQL, keys)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: get: %w", err)
+	}
+	recs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) { return scanRecord(row) })
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: get: %w", err)
+	}
+	out := make(map[string]*Record, len(recs))
+	for i := range recs {
+		out[recs[i].Key] = &recs[i]
+	}
+	return out, nil
+}
+
 // List returns up to limit rows (all when limit <= 0) with the given status, or of every
 // status when status is "", most recently updated first. It scans the table; it is meant
 // for operators, not for hot paths. Safe for concurrent use.

@@ -886,6 +886,9 @@ func TestReleaseGetList(t *testing.T) {
 	if _, err := l.Get(ctx, "nope"); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Fatalf("Get of a missing key: %v", err)
 	}
+	if got, err := l.GetMany(ctx, []string{"rel", "nope"}); err != nil || len(got) != 1 || got["rel"] == nil || got["rel"].Fence != second.Claim.Fence || got["rel"].Status != idempotency.StatusCompleted {
+		t.Fatalf("GetMany of rel and a missing key: %+v, %v", got, err)
+	}
 	if _, err := l.Claim(ctx, req("live")); err != nil {
 		t.Fatal(err)
 	}

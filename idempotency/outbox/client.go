@@ -30,6 +30,8 @@ const (
 type Config struct {
 	// RelayBatch is how many pending intents one relay round publishes. Default 100.
 	RelayBatch int
+	// Relays caps the relay rounds RunRelay runs at once (see RunRelay). Default 4.
+	Relays int
 	// RelayPoll is how often the relay looks for pending intents without a wake-up.
 	// Default 500ms.
 	RelayPoll time.Duration
@@ -119,6 +121,9 @@ func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) *Clie
 	d := &c.cfg
 	if d.RelayBatch <= 0 {
 		d.RelayBatch = 100
+	}
+	if d.Relays <= 0 {
+		d.Relays = 4
 	}
 	if d.RelayPoll <= 0 {
 		d.RelayPoll = 500 * time.Millisecond

@@ -148,9 +148,8 @@ func (c *Client) prepareQueues(ctx context.Context, batch []intentRow) (map[stri
 // relay round of 100 intents paid 100 round trips in a row and fell behind a busy API.
 const publishers = 16
 
-// publishPending publishes one batch of pending intents (only keys, when not nil), up to
-// publishers at once, and returns the keys it published. The intents whose publish failed
-// are given back for a retry after a pause, and the first error is returned.
+// publishPending takes one batch of pending intents (only keys, when not nil) and
+// publishes it (publishRows).
 func (c *Client) publishPending(ctx context.Context, keys []string) ([]string, error) {
 	batch, err := c.takePending(ctx, keys)
 	if err != nil {
@@ -159,6 +158,13 @@ func (c *Client) publishPending(ctx context.Context, keys []string) ([]string, e
 	if len(batch) == 0 {
 		return nil, nil
 	}
+	return c.publishRows(ctx, batch)
+}
+
+// publishRows publishes batch, up to publishers at once, records the publishes and
+// returns the keys it published. The intents whose publish failed are given back for a
+// retry after a pause, and the first error is returned.
+func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, error) {
 	marks, pubErr := c.prepareQueues(ctx, batch)
 	gens, errs := make([]int, len(batch)), make([]error, len(batch))
 	published := make([]bool, len(batch))
@@ -247,23 +253,43 @@ func firstError(errs []error) error {
 }
 
 // RunRelay publishes committed intents until ctx ends: at once when woken (Wake, on a
-// dedicated LISTEN connection), else every Config.RelayPoll. While Redis is down it
-// backs off (up to 5 s) and drops nothing. Every replica may run a relay: they take
-// disjoint batches. It returns nil when ctx ends.
+// dedicated LISTEN connection), else every Config.RelayPoll. Up to Config.Relays rounds run
+// at once: a round that found a full batch brings in another, so a backlog is published
+// in parallel and an idle relay costs one round per poll. While Redis is down it backs off
+// (up to 5 s) and drops nothing. Every replica may run a relay: rounds take disjoint
+// batches. It returns nil when ctx ends.
 func (c *Client) RunRelay(ctx context.Context) error {
 	wake := make(chan struct{}, 1)
 	go c.listen(ctx, wake)
+	var wg sync.WaitGroup
+	for i := range c.cfg.Relays {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c.relayLoop(ctx, wake, i == 0)
+		}()
+	}
+	wg.Wait()
+	return nil
+}
+
+// relayLoop runs relay rounds until ctx ends; only the polling loop wakes up by itself
+// every RelayPoll, the others only when woken.
+func (c *Client) relayLoop(ctx context.Context, wake chan struct{}, polling bool) {
 	backoff := time.Duration(0)
 	for ctx.Err() == nil {
 		done, err := c.publishPending(ctx, nil)
-		n := len(done)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			backoff = min(max(2*backoff, 100*time.Millisecond), 5*time.Second)
 			c.log.Warn("relay", "err", err, "retry_in", backoff)
-		case n == c.cfg.RelayBatch:
+		case len(done) == c.cfg.RelayBatch:
 			backoff = 0
-			continue // more may be waiting
+			select { // more may be waiting: another round may join in
+			case wake <- struct{}{}:
+			default:
+			}
+			continue
 		default:
 			backoff = 0
 		}
@@ -271,15 +297,21 @@ func (c *Client) RunRelay(ctx context.Context) error {
 		if backoff > 0 {
 			wait = backoff
 		}
-		t := time.NewTimer(wait)
+		var poll <-chan time.Time
+		var t *time.Timer
+		if polling || backoff > 0 {
+			t = time.NewTimer(wait)
+			poll = t.C
+		}
 		select {
 		case <-ctx.Done():
-		case <-t.C:
+		case <-poll:
 		case <-wake:
 		}
-		t.Stop()
+		if t != nil {
+			t.Stop()
+		}
 	}
-	return nil
 }
 
 // listen holds a dedicated connection LISTENing on wakeChannel and signals wake for each

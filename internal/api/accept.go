@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -33,7 +34,7 @@ type acceptReq struct {
 	keyField string // the body's field the job key comes from, for errors
 	fp       []byte
 	spec     outbox.Spec
-	rec      *idempotency.Record // the ledger's row, read before the round
+	rec      *idempotency.Record // the ledger's row, read by the round
 
 	// The outcome, set by the round that committed.
 	code     int
@@ -98,9 +99,11 @@ func (s *Server) newAcceptCommitter() *commit.Committer[*acceptReq] {
 	})
 }
 
+// A header row is written with the answer a new job gets; the few requests whose job
+// turns out to be a duplicate get theirs in a second statement.
 const (
-	insertHeadersSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type)
-SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[])
+	insertHeadersSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type, status_code, response)
+SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::int[], $7::bytea[])
 ON CONFLICT DO NOTHING RETURNING route, header_key`
 	getHeadersSQL = `SELECT k.route, k.header_key, k.fingerprint, k.status_code, k.response
 FROM api_idempotency_keys k JOIN unnest($1::text[], $2::text[]) AS r(route, header_key) USING (route, header_key)`
@@ -115,25 +118,45 @@ WHERE k.route = r.route AND k.header_key = r.header_key`
 // headerID names a header row.
 type headerID struct{ route, hk string }
 
-// sendAccepts records one round's requests in a transaction of its own: the header rows
-// (a repeat gets its replay), the intents (a duplicate or a mismatch is that request's
-// answer), the answers to replay, then the commit, whose lost answer is resolved by
-// transaction id.
+// sendAccepts records one round's requests in a transaction of its own: the ledger's rows
+// of their jobs are read first (a duplicate's answer carries its state; a job the ledger
+// knows with another body is refused), then the header rows (a repeat gets its replay),
+// the intents (a duplicate or a mismatch is that request's answer), the answers that
+// differ from a new job's, and the commit, whose lost answer is resolved by transaction
+// id.
 func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error {
 	reqs := batches[0]
 	deadline := time.Time{}
-	keyed := false
-	for _, r := range reqs {
+	keys := make([]string, len(reqs))
+	for i, r := range reqs {
 		r.reset()
 		if d, ok := r.ctx.Deadline(); ok && (deadline.IsZero() || d.Before(deadline)) {
 			deadline = d
 		}
-		keyed = keyed || r.hk != ""
+		keys[i] = r.spec.Key
 	}
 	if !deadline.IsZero() { // statements end at the earliest deadline of the round's requests
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
+	}
+	recs, err := s.deps.Ledger.GetMany(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("read the ledger: %w", err)
+	}
+	keyed := false
+	for _, r := range reqs {
+		r.rec = recs[r.spec.Key]
+		// A key the ledger knows with another payload (published without the outbox,
+		// say) would only be archived as a mismatch by the worker: refuse it now.
+		if r.rec != nil && r.rec.Fingerprint != nil && !bytes.Equal(r.rec.Fingerprint, r.fp) {
+			r.refuse(http.StatusUnprocessableEntity, "%s: job %q was already accepted with a different body", r.keyField, r.spec.Key)
+			continue
+		}
+		if r.code, r.body, err = answerOf(r, outbox.EnqueueResult{Key: r.spec.Key, State: outbox.IntentPending}); err != nil {
+			return err
+		}
+		keyed = keyed || r.hk != ""
 	}
 	tx, err := s.deps.Pool.Begin(ctx)
 	if err != nil {
@@ -161,14 +184,16 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 	inserted := map[headerID]bool{}
 	if keyed {
 		var routes, hks, jobKeys, types []string
-		var fps [][]byte
+		var fps, bodies [][]byte
+		var codes []int32
 		for _, r := range reqs {
-			if r.hk != "" {
+			if r.hk != "" && r.refuseCode == 0 {
 				routes, hks, fps = append(routes, r.route), append(hks, r.hk), append(fps, r.fp)
 				jobKeys, types = append(jobKeys, r.spec.Key), append(types, r.spec.Type)
+				codes, bodies = append(codes, int32(r.code)), append(bodies, r.body)
 			}
 		}
-		b.Queue(insertHeadersSQL, routes, hks, fps, jobKeys, types).Query(func(rows pgx.Rows) error {
+		b.Queue(insertHeadersSQL, routes, hks, fps, jobKeys, types, codes, bodies).Query(func(rows pgx.Rows) error {
 			var h headerID
 			_, err := pgx.ForEachRow(rows, []any{&h.route, &h.hk}, func() error {
 				inserted[h] = true
@@ -185,7 +210,7 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 	// A repeated Idempotency-Key gets the first answer, or 422 for another body.
 	var repeats []*acceptReq
 	for _, r := range reqs {
-		if r.hk != "" && !inserted[headerID{r.route, r.hk}] {
+		if r.hk != "" && r.refuseCode == 0 && !inserted[headerID{r.route, r.hk}] {
 			repeats = append(repeats, r)
 		}
 	}
@@ -215,6 +240,7 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 			bodies      [][]byte
 		}
 		for i, r := range todo {
+			provisional := r.body
 			switch {
 			case errors.Is(errs[i], idempotency.ErrMismatch):
 				r.refuse(http.StatusUnprocessableEntity, "%s: job %q was already accepted with a different body", r.keyField, r.spec.Key)
@@ -230,8 +256,11 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 			if r.hk == "" {
 				continue
 			}
-			if r.code == 0 { // refused: its header row goes, as if never written
+			if r.refuseCode != 0 || r.failure != nil { // its header row goes, as if never written
 				forget.routes, forget.hks = append(forget.routes, r.route), append(forget.hks, r.hk)
+				continue
+			}
+			if bytes.Equal(r.body, provisional) {
 				continue
 			}
 			answer.routes, answer.hks = append(answer.routes, r.route), append(answer.hks, r.hk)

@@ -40,7 +40,7 @@ type IntentLookup interface {
 // commit; waker its optional wake-up of the relays, called instead when it cannot publish.
 type (
 	publisher interface {
-		Publish(ctx context.Context, key string) bool
+		Publish(ctx context.Context, spec outbox.Spec) bool
 	}
 	waker interface{ Wake(ctx context.Context) }
 )
@@ -238,20 +238,7 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	ctx := r.Context()
 	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
 
-	// The ledger's row, for a duplicate's answer, is read before the round.
-	rec, err := s.deps.Ledger.Get(ctx, spec.Key)
-	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
-		s.internal(w, r, "read the ledger", err)
-		return
-	}
-	// A key the ledger knows with another payload (published without the outbox, say)
-	// would only be archived as a mismatch by the worker: refuse it now.
-	if rec != nil && rec.Fingerprint != nil && !bytes.Equal(rec.Fingerprint, fp) {
-		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s: job %q was already accepted with a different body", keyField, spec.Key))
-		return
-	}
-
-	req := &acceptReq{ctx: ctx, route: r.Pattern, hk: hk, keyField: keyField, fp: fp, spec: spec, rec: rec}
+	req := &acceptReq{ctx: ctx, route: r.Pattern, hk: hk, keyField: keyField, fp: fp, spec: spec}
 	err = s.accepts.Run(ctx, 0, req)
 	var stage *stageError
 	switch {
@@ -275,7 +262,7 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 			w.Header().Set(HeaderReplayed, "true")
 		}
 		if req.isNew {
-			s.publish(spec.Key)
+			s.publish(spec)
 		}
 		writeRaw(w, req.code, req.body)
 	}
@@ -283,13 +270,13 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 
 // publish hands a newly accepted job to asynq without making its request wait: at once
 // when the Enqueuer can publish (*outbox.Client.Publish), else by waking the relays.
-func (s *Server) publish(key string) {
+func (s *Server) publish(spec outbox.Spec) {
 	ctx, cancel := context.WithTimeout(context.Background(), publishTimeout)
 	switch p := s.deps.Enqueuer.(type) {
 	case publisher:
 		go func() {
 			defer cancel()
-			p.Publish(ctx, key)
+			p.Publish(ctx, spec)
 		}()
 	case waker:
 		go func() {

@@ -8,6 +8,9 @@ const RecordColumns = `idempotency_key, task_type, status, fence, owner, generat
 
 const GetSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs WHERE idempotency_key = $1`
 
+// GetManySQL reads the rows of the keys in $1 (text[]).
+const GetManySQL = `SELECT ` + RecordColumns + ` FROM processed_jobs WHERE idempotency_key = ANY($1::text[])`
+
 const ListSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs
 WHERE $1 = '' OR status = $1 ORDER BY updated_at DESC, idempotency_key LIMIT $2`
 
