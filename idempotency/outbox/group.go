@@ -91,7 +91,7 @@ func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) error
 	if err := tx.QueryRow(ctx, xact.IDSQL).Scan(&id.Xid, &id.ServerStart); err != nil {
 		return err
 	}
-	res, errs, err := enqueueMany(ctx, tx, specs)
+	res, errs, err := enqueueMany(ctx, tx, specs, c.cfg.RelayHold)
 	if err != nil {
 		return err
 	}

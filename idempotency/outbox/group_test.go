@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -33,7 +34,7 @@ func TestEnqueueManyTxOutcomesPerSpec(t *testing.T) {
 	var errs []error
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		var err error
-		res, errs, err = c.EnqueueManyTx(ctx, tx, specs)
+		res, errs, err = c.EnqueueManyTx(ctx, tx, specs, false)
 		return err
 	})
 	if err != nil {
@@ -113,4 +114,43 @@ func TestConcurrentEnqueuesShareCommits(t *testing.T) {
 		t.Fatalf("%d calls took %d transactions: none shared", n, commits)
 	}
 	t.Logf("%d concurrent calls recorded in %d transactions", n, commits)
+}
+
+// An intent recorded for the caller to publish is left alone by the relays for RelayHold;
+// if the caller never publishes it, a relay does once the hold ends.
+func TestSelfPublishedIntentFallsBackToTheRelay(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	const hold = 700 * time.Millisecond
+	c := outbox.NewClient(pool, rdb, &outbox.Config{RelayHold: hold, RelayPoll: 50 * time.Millisecond})
+	ctx := testenv.Context(t, 30*time.Second)
+	relayCtx, stop := context.WithCancel(ctx)
+	relayDone := make(chan struct{})
+	go func() {
+		defer close(relayDone)
+		c.RunRelay(relayCtx)
+	}()
+	defer func() { stop(); <-relayDone }()
+
+	committed := time.Now()
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, errs, err := c.EnqueueManyTx(ctx, tx, []outbox.Spec{debitSpec(t, "held", 1)}, true)
+		if err == nil {
+			err = errs[0]
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Wake(ctx) // even woken, the relays leave it to its caller
+	for !taskExists(t, rdb, "debit:held") {
+		if time.Since(committed) > 10*time.Second {
+			t.Fatal("the relay never published an intent its caller did not")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if took := time.Since(committed); took < hold/2 {
+		t.Fatalf("a relay published the held intent after %s; the hold is %s", took, hold)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -12,10 +13,12 @@ import (
 )
 
 // insertIntentsSQL records many intents in one statement, in the order given (key order,
-// so that concurrent batches lock their rows in one order).
+// so that concurrent batches lock their rows in one order), held from the relays for $9
+// ms when $9 > 0.
 const insertIntentsSQL = `
-INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms)
-SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::text[], $6::int[], $7::bigint[], $8::bigint[])
+INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, relay_until)
+SELECT u.*, CASE WHEN $9::bigint > 0 THEN now() + $9::bigint * interval '1 millisecond' END
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::text[], $6::int[], $7::bigint[], $8::bigint[]) AS u
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING idempotency_key, state`
 
@@ -41,11 +44,19 @@ func checkSpec(spec Spec) error {
 // invalid spec, a *MismatchError), which does not affect the others. The error it
 // returns last is the statement's: then tx must be rolled back and nothing is recorded.
 // A key given twice is recorded once; the second is its duplicate.
-func (c *Client) EnqueueManyTx(ctx context.Context, tx pgx.Tx, specs []Spec) ([]EnqueueResult, []error, error) {
-	return enqueueMany(ctx, tx, specs)
+//
+// With selfPublish the caller publishes the new intents itself, with Publish once tx
+// committed: the relays leave them alone for Config.RelayHold, then publish whatever is
+// still pending (the caller crashed, say). Without it, call Wake after the commit.
+func (c *Client) EnqueueManyTx(ctx context.Context, tx pgx.Tx, specs []Spec, selfPublish bool) ([]EnqueueResult, []error, error) {
+	var hold time.Duration
+	if selfPublish {
+		hold = c.cfg.RelayHold
+	}
+	return enqueueMany(ctx, tx, specs, hold)
 }
 
-func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec) ([]EnqueueResult, []error, error) {
+func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duration) ([]EnqueueResult, []error, error) {
 	res, errs := make([]EnqueueResult, len(specs)), make([]error, len(specs))
 	var order []int // the valid specs, by key
 	for i, s := range specs {
@@ -67,7 +78,7 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec) ([]EnqueueResult,
 		fps[j] = idempotency.Fingerprint(s.Type, s.Payload)
 		maxRetry[j], timeouts[j], retentions[j] = int32(s.MaxRetry), s.Timeout.Milliseconds(), s.Retention.Milliseconds()
 	}
-	rows, err := tx.Query(ctx, insertIntentsSQL, keys, types, payloads, fps, queues, maxRetry, timeouts, retentions)
+	rows, err := tx.Query(ctx, insertIntentsSQL, keys, types, payloads, fps, queues, maxRetry, timeouts, retentions, hold.Milliseconds())
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: record intents: %w", err)
 	}

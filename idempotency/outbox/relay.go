@@ -33,15 +33,20 @@ RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, ret
 
 // markPublishedSQL records the publishes of keys $1, each under the generation at the same
 // index of $2 (a publish moves past TaskIDs that other tasks hold).
+//
+// It and markPublishFailedSQL find their rows by key only: "state IS NOT DISTINCT FROM
+// 'pending'" keeps the planner off job_intents_pending_idx, which statistics make look
+// small while, under load, it holds the entries of every intent published since the last
+// vacuum, and which it would otherwise scan whole on every call.
 const markPublishedSQL = `
 UPDATE job_intents i
 SET state = 'published', published_at = now(), publish_generation = p.gen, relay_until = NULL, last_error = NULL, updated_at = now()
 FROM unnest($1::text[], $2::int[]) AS p(key, gen)
-WHERE i.idempotency_key = p.key AND i.state = 'pending'`
+WHERE i.idempotency_key = p.key AND i.state IS NOT DISTINCT FROM 'pending'`
 
 const markPublishFailedSQL = `
 UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', last_error = $3, updated_at = now()
-WHERE idempotency_key = ANY($1::text[]) AND state = 'pending'`
+WHERE idempotency_key = ANY($1::text[]) AND state IS NOT DISTINCT FROM 'pending'`
 
 // intentRow is an intent taken for publishing (or republishing).
 type intentRow struct {

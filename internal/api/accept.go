@@ -229,7 +229,8 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 		}
 	}
 	if len(todo) > 0 {
-		res, errs, err := s.deps.Enqueuer.EnqueueManyTx(ctx, tx, specs)
+		_, selfPublish := s.deps.Enqueuer.(publisher)
+		res, errs, err := s.deps.Enqueuer.EnqueueManyTx(ctx, tx, specs, selfPublish)
 		if err != nil {
 			return &stageError{stageIntents, err}
 		}

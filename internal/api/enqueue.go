@@ -23,9 +23,10 @@ import (
 // Enqueuer records jobs' intents inside the caller's transaction: *outbox.Client.
 // EnqueueManyTx reports each spec's outcome at its index: an existing key with the same
 // fingerprint as a duplicate, one with another fingerprint as an error wrapping
-// idempotency.ErrMismatch; its last error is the statement's, which spoils tx.
+// idempotency.ErrMismatch; its last error is the statement's, which spoils tx. With
+// selfPublish, the relays leave the new intents to the caller's publish for a while.
 type Enqueuer interface {
-	EnqueueManyTx(ctx context.Context, tx pgx.Tx, specs []outbox.Spec) ([]EnqueueResult, []error, error)
+	EnqueueManyTx(ctx context.Context, tx pgx.Tx, specs []outbox.Spec, selfPublish bool) ([]EnqueueResult, []error, error)
 }
 
 // IntentLookup is what GET /v1/jobs/{key} uses, when the Enqueuer offers it
