@@ -75,7 +75,9 @@ func (l *Ledger) Get(ctx context.Context, key string) (*Record, error) {
 // GetMany returns the rows of keys the ledger holds, by key, in one statement; a key it
 // does not hold is absent from the map. Safe for concurrent use.
 func (l *Ledger) GetMany(ctx context.Context, keys []string) (map[string]*Record, error) {
-	rows, err := l.pool.Query(ctx, store.GetManySQL, keys)
+	// Planned for its keys each time: a generic plan made while the table was small
+	// would scan it whole.
+	rows, err := l.pool.Query(ctx, store.GetManySQL, pgx.QueryExecModeCacheDescribe, keys)
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: get: %w", err)
 	}

@@ -109,7 +109,7 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 		state string
 	}
 	known := make(map[string]stored, len(recorded))
-	rows, err = tx.Query(ctx, readIntentsSQL, recorded)
+	rows, err = tx.Query(ctx, readIntentsSQL, PlanEach, recorded)
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: read intents: %w", err)
 	}

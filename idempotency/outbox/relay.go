@@ -48,6 +48,12 @@ const markPublishFailedSQL = `
 UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', last_error = $3, updated_at = now()
 WHERE idempotency_key = ANY($1::text[]) AND state IS NOT DISTINCT FROM 'pending'`
 
+// PlanEach, as a statement's first argument, has Postgres plan the statement for its
+// arguments each time (an unnamed statement) instead of reusing a generic plan: a generic
+// plan made while job_intents was small (a new deployment, an emptied table) scans the
+// whole table for a few keys until the next ANALYZE, which under load comes minutes later.
+const PlanEach = pgx.QueryExecModeCacheDescribe
+
 // intentRow is an intent taken for publishing (or republishing).
 type intentRow struct {
 	spec        Spec
@@ -61,7 +67,7 @@ func (c *Client) takePending(ctx context.Context, keys []string) ([]intentRow, e
 	if keys != nil {
 		only = keys
 	}
-	rows, err := c.pool.Query(ctx, takePendingSQL, c.cfg.RelayBatch, c.cfg.RelayHold.Milliseconds(), only)
+	rows, err := c.pool.Query(ctx, takePendingSQL, PlanEach, c.cfg.RelayBatch, c.cfg.RelayHold.Milliseconds(), only)
 	if err != nil {
 		return nil, err
 	}
@@ -231,7 +237,7 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if len(done) > 0 {
-		if _, err := c.pool.Exec(wctx, markPublishedSQL, done, doneGens); err != nil {
+		if _, err := c.pool.Exec(wctx, markPublishedSQL, PlanEach, done, doneGens); err != nil {
 			// The intents come back after RelayHold and are published again: a TaskID
 			// conflict then, which counts as published.
 			clear(published)
@@ -239,7 +245,7 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 		}
 	}
 	if pubErr != nil {
-		if _, err := c.pool.Exec(wctx, markPublishFailedSQL, failed, time.Second.Milliseconds(), pgtext.Clean(pubErr.Error())); err != nil {
+		if _, err := c.pool.Exec(wctx, markPublishFailedSQL, PlanEach, failed, time.Second.Milliseconds(), pgtext.Clean(pubErr.Error())); err != nil {
 			c.log.Warn("record publish failure", "err", err)
 		}
 		return done, fmt.Errorf("outbox: publish: %w", pubErr)

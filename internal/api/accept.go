@@ -234,7 +234,6 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 		if err != nil {
 			return &stageError{stageIntents, err}
 		}
-		b := &pgx.Batch{}
 		var forget, answer struct {
 			routes, hks []string
 			codes       []int32
@@ -268,13 +267,12 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error 
 			answer.codes, answer.bodies = append(answer.codes, int32(r.code)), append(answer.bodies, r.body)
 		}
 		if len(forget.routes) > 0 {
-			b.Queue(forgetHeadersSQL, forget.routes, forget.hks)
+			if _, err := tx.Exec(ctx, forgetHeadersSQL, outbox.PlanEach, forget.routes, forget.hks); err != nil {
+				return fmt.Errorf("forget the refused Idempotency-Keys: %w", err)
+			}
 		}
 		if len(answer.routes) > 0 {
-			b.Queue(answerHeadersSQL, answer.routes, answer.hks, answer.codes, answer.bodies)
-		}
-		if b.Len() > 0 {
-			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			if _, err := tx.Exec(ctx, answerHeadersSQL, outbox.PlanEach, answer.routes, answer.hks, answer.codes, answer.bodies); err != nil {
 				return fmt.Errorf("record the answers: %w", err)
 			}
 		}
@@ -308,7 +306,7 @@ func (s *Server) replayAll(ctx context.Context, tx pgx.Tx, repeats []*acceptReq)
 		body []byte
 	}
 	got := map[headerID]stored{}
-	rows, err := tx.Query(ctx, getHeadersSQL, routes, hks)
+	rows, err := tx.Query(ctx, getHeadersSQL, outbox.PlanEach, routes, hks)
 	if err != nil {
 		return fmt.Errorf("read the Idempotency-Keys: %w", err)
 	}
