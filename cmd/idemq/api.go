@@ -79,7 +79,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 
 	// The API's relay publishes what it accepted at once (woken after each commit); the
 	// workers' replicas may run relays too, they take disjoint batches.
-	go h.PurgeKeysEvery(ctx, time.Hour, cfg.KeyRetention)
+	go h.PurgeKeysEvery(ctx, cfg.PurgeInterval, cfg.KeyRetention)
 
 	relayCtx, stopRelay := context.WithCancel(ctx)
 	defer stopRelay()

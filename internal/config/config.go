@@ -74,6 +74,7 @@ type API struct {
 	DashboardReadonly bool          `envconfig:"IDEMQ_DASHBOARD_READONLY" default:"true" desc:"forbid dashboard actions (run, delete, archive)"`
 	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for requests in flight"`
 	KeyRetention      time.Duration `envconfig:"IDEMQ_API_KEY_RETENTION" default:"24h" desc:"how long an Idempotency-Key header is remembered (its job key dedups for longer)"`
+	PurgeInterval     time.Duration `envconfig:"IDEMQ_API_PURGE_INTERVAL" default:"1h" desc:"how often the API deletes Idempotency-Key rows older than IDEMQ_API_KEY_RETENTION (also once at start)"`
 	PoolSize          int32         `envconfig:"IDEMQ_API_POOL_SIZE" default:"20" desc:"Postgres connections of the API (shared accept transactions, ledger reads, the relay); a pool_max_conns in DATABASE_URL wins"`
 	LogLevel          string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 }
