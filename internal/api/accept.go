@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
@@ -95,7 +96,7 @@ func (s *Server) newAcceptCommitter() *commit.Committer[*acceptReq] {
 		RoundOnly: true,
 		Send:      s.sendAccepts,
 		Refused:   outbox.Refused,
-		Retryable: func(error) bool { return false },
+		Retryable: pgconn.SafeToRetry, // nothing reached the server: a connection from before a restart
 	})
 }
 
