@@ -32,6 +32,11 @@ import (
 // Every repetition runs every path once, the order rotated each repetition, and the
 // throughput of each sample is divided by the insert floor's and asynq's of the same
 // repetition.
+//
+// With APIOptions.Sustain set, API mode is instead one sustained run per binary
+// (RunAPISustain): debits at a fixed rate through `idemq api` to three `idemq worker`
+// processes for minutes, the outbox, the ledger, the Idempotency-Key table and the
+// processes' memory sampled as it goes.
 
 // API mode's paths, in the order a run measures them.
 const (
@@ -73,6 +78,13 @@ type APIOptions struct {
 	E2ERate float64 `json:"e2e_rate"`
 	// E2ESeconds is how long the e2e path sends. Default 10.
 	E2ESeconds float64 `json:"e2e_seconds"`
+	// Sustain, when positive, makes API mode one sustained run per binary of this length
+	// instead of the paths (RunAPISustain). Default 0: the paths.
+	Sustain time.Duration `json:"-"`
+	// SustainRate is the sustained run's arrival rate, debits per second. Default 1500.
+	SustainRate float64 `json:"-"`
+	// SustainEvery is how often the sustained run takes a sample. Default 30s.
+	SustainEvery time.Duration `json:"-"`
 }
 
 func (a *APIOptions) defaults(binary string) {
@@ -93,6 +105,12 @@ func (a *APIOptions) defaults(binary string) {
 	}
 	if a.E2ESeconds <= 0 {
 		a.E2ESeconds = 10
+	}
+	if a.SustainRate <= 0 {
+		a.SustainRate = 1500
+	}
+	if a.SustainEvery <= 0 {
+		a.SustainEvery = 30 * time.Second
 	}
 }
 

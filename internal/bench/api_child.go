@@ -35,10 +35,14 @@ type apiLoadResult struct {
 	FirstError string  `json:"first_error,omitempty"`
 	P50ms      float64 `json:"p50_ms"` // of the successful calls
 	P99ms      float64 `json:"p99_ms"`
+	MaxMS      float64 `json:"max_ms"`
 	Seconds    float64 `json:"elapsed_s"` // from the first call's start to the last one's end
 	// Sends are the e2e path's accepted debits: each one's key and when its request was
 	// sent.
 	Sends []apiSend `json:"sends,omitempty"`
+	// Codes counts the sustained path's answers by HTTP status ("none" for a call that
+	// got no answer).
+	Codes map[string]int `json:"codes,omitempty"`
 }
 
 type apiSend struct {
@@ -52,10 +56,10 @@ type loadOp func(ctx context.Context, i int) (key string, err error)
 const insertFloorSQL = `INSERT INTO bench_floor (key, payload) VALUES ($1, $2)`
 
 // runAPIChild is API mode's load generator (bench -api-child), in a process of its own:
-// one path's load (APIPathNames) on REDIS_URL and DATABASE_URL or on the api at -url,
-// reported as one line of JSON (apiLoadResult) on stdout. The throughput paths keep -c
-// calls in flight for -seconds; the e2e path sends -rate debits per second for -seconds
-// without waiting for the answers.
+// one path's load (APIPathNames, or apiPathSustain) on REDIS_URL and DATABASE_URL or on
+// the api at -url, reported as one line of JSON (apiLoadResult) on stdout. The throughput
+// paths keep -c calls in flight for -seconds; the e2e and sustained paths send -rate
+// debits per second for -seconds without waiting for the answers.
 //
 // With -wait it sets up first (connections open, the relay running), writes "ready" and
 // starts on a line on its stdin; after the result it keeps everything open, its relay
@@ -64,11 +68,11 @@ const insertFloorSQL = `INSERT INTO bench_floor (key, payload) VALUES ($1, $2)`
 func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("bench "+apiChildFlag, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	path := fs.String("path", APIPathAPI, "the path: api, asynq, insert, enqueue, enqueuetx or e2e")
+	path := fs.String("path", APIPathAPI, "the path: api, asynq, insert, enqueue, enqueuetx, e2e or sustain")
 	conc := fs.Int("c", 50, "calls in flight (throughput paths)")
 	seconds := fs.Float64("seconds", 10, "how long the load runs")
-	baseURL := fs.String("url", "", "the api's base URL (api and e2e paths)")
-	rate := fs.Float64("rate", 20, "e2e: debits sent per second")
+	baseURL := fs.String("url", "", "the api's base URL (api, e2e and sustain paths)")
+	rate := fs.Float64("rate", 20, "e2e and sustain: debits sent per second")
 	prefix := fs.String("prefix", "", "start of every order id and reference (default: random)")
 	wait := fs.Bool("wait", false, `set up, write "ready", start on a line on stdin, and after the result keep everything open until stdin closes`)
 	if err := fs.Parse(args); err != nil {
@@ -82,21 +86,32 @@ func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []strin
 	}
 
 	var op loadOp
+	var sustain *sustainLoad
 	switch *path {
-	case APIPathAPI, APIPathE2E:
+	case APIPathAPI, APIPathE2E, apiPathSustain:
 		if *baseURL == "" {
 			return fmt.Errorf("bench: %s -path %s: -url is required", apiChildFlag, *path)
 		}
+		idle := *conc
+		if *path == apiPathSustain {
+			// An open loop has as many calls in flight as the api's latency makes it:
+			// keep their connections for the next calls.
+			idle = 1024
+		}
 		tr := http.DefaultTransport.(*http.Transport).Clone()
-		tr.MaxIdleConns, tr.MaxIdleConnsPerHost = max(*conc, 100), *conc
+		tr.MaxIdleConns, tr.MaxIdleConnsPerHost = max(idle, 100), idle
 		client := &http.Client{Transport: tr}
 		defer client.CloseIdleConnections()
-		if *path == APIPathAPI {
+		switch *path {
+		case apiPathSustain:
+			sustain = newSustainLoad(client, *baseURL, *prefix)
+			op = sustain.op
+		case APIPathAPI:
 			op = func(ctx context.Context, i int) (string, error) {
 				c := benchCharge(*prefix, i)
 				return c.Key(), postJob(ctx, client, *baseURL+"/v1/charges", c, randomHex(16))
 			}
-		} else {
+		default:
 			op = func(ctx context.Context, i int) (string, error) {
 				d := tasks.Debit{AccountID: "acct-" + strconv.Itoa(rand.IntN(13)), AmountCents: 100 + rand.Int64N(9901), Reference: *prefix + "-" + strconv.Itoa(i)}
 				return d.Key(), postJob(ctx, client, *baseURL+"/v1/wallet/debits", d, "")
@@ -195,9 +210,13 @@ func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []strin
 	}
 	d := time.Duration(*seconds * float64(time.Second))
 	var res apiLoadResult
-	if *path == APIPathE2E {
-		res = openLoop(ctx, *rate, d, op)
-	} else {
+	switch *path {
+	case APIPathE2E:
+		res = openLoop(ctx, *rate, d, op, true)
+	case apiPathSustain:
+		res = openLoop(ctx, *rate, d, op, false)
+		res.Codes = sustain.codes()
+	default:
 		res = closedLoop(ctx, *conc, d, op)
 	}
 	b, err := json.Marshal(res)
@@ -230,13 +249,20 @@ func benchCharge(prefix string, i int) tasks.Charge {
 // postJob POSTs body as JSON to url, with an Idempotency-Key header when key is set, and
 // wants 202 (a new job) back.
 func postJob(ctx context.Context, client *http.Client, url string, body any, key string) error {
+	_, err := post(ctx, client, url, body, key, http.StatusAccepted)
+	return err
+}
+
+// post POSTs body as JSON to url, with an Idempotency-Key header when key is set, and
+// returns the answer's status code (0 without an answer); an error unless it is want.
+func post(ctx context.Context, client *http.Client, url string, body any, key string, want int) (int, error) {
 	b, err := json.Marshal(body)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
 	if err != nil {
-		return err
+		return 0, err
 	}
 	req.Header.Set("Content-Type", "application/json")
 	if key != "" {
@@ -244,17 +270,91 @@ func postJob(ctx context.Context, client *http.Client, url string, body any, key
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer resp.Body.Close()
 	answer, err := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
 	if err != nil {
-		return err
+		return resp.StatusCode, err
 	}
-	if resp.StatusCode != http.StatusAccepted {
-		return fmt.Errorf("POST %s: %s: %s", url, resp.Status, bytes.TrimSpace(answer))
+	if resp.StatusCode != want {
+		return resp.StatusCode, fmt.Errorf("POST %s: %s (want %d): %s", url, resp.Status, want, bytes.TrimSpace(answer))
 	}
-	return nil
+	return resp.StatusCode, nil
+}
+
+// sustainLoad is the sustained run's calls: each a debit of a new reference on one of 13
+// accounts under a new Idempotency-Key, which wants 202; every twentieth instead repeats
+// the body of a debit accepted before, under a new Idempotency-Key, which wants 200 (its
+// job is a duplicate). Safe for concurrent use.
+type sustainLoad struct {
+	client *http.Client
+	url    string
+	prefix string
+
+	mu       sync.Mutex
+	accepted []tasks.Debit // the last sustainRecent debits answered 202, a ring
+	next     int           // where the ring's next debit goes
+	byCode   map[int]int
+}
+
+// sustainRecent is how many accepted debits the sustained load keeps to repeat.
+const sustainRecent = 4096
+
+func newSustainLoad(client *http.Client, baseURL, prefix string) *sustainLoad {
+	return &sustainLoad{client: client, url: baseURL + "/v1/wallet/debits", prefix: prefix, byCode: map[int]int{}}
+}
+
+// op is call i.
+func (s *sustainLoad) op(ctx context.Context, i int) (string, error) {
+	d, want := s.debit(i)
+	code, err := post(ctx, s.client, s.url, d, randomHex(16), want)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.byCode[code]++
+	if code == http.StatusAccepted {
+		if len(s.accepted) < sustainRecent {
+			s.accepted = append(s.accepted, d)
+		} else {
+			s.accepted[s.next] = d
+		}
+		s.next = (s.next + 1) % sustainRecent
+	}
+	return d.Key(), err
+}
+
+// debit is call i's debit and the status it wants: a repeat of an accepted one (200) for
+// every twentieth call once one was accepted, else a new one (202).
+func (s *sustainLoad) debit(i int) (tasks.Debit, int) {
+	if i%20 == 19 {
+		s.mu.Lock()
+		n := len(s.accepted)
+		var d tasks.Debit
+		if n > 0 {
+			d = s.accepted[rand.IntN(n)]
+		}
+		s.mu.Unlock()
+		if n > 0 {
+			return d, http.StatusOK
+		}
+	}
+	return tasks.Debit{AccountID: "acct-" + strconv.Itoa(rand.IntN(13)), AmountCents: 100 + rand.Int64N(9901),
+		Reference: s.prefix + "-" + strconv.Itoa(i)}, http.StatusAccepted
+}
+
+// codes returns the answers counted so far by status ("none" for no answer).
+func (s *sustainLoad) codes() map[string]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]int, len(s.byCode))
+	for c, n := range s.byCode {
+		k := strconv.Itoa(c)
+		if c == 0 {
+			k = "none"
+		}
+		out[k] = n
+	}
+	return out
 }
 
 // loadRecord gathers the calls' outcomes.
@@ -283,8 +383,12 @@ func (r *loadRecord) add(lat []time.Duration, errs int, first string, sends ...a
 
 func (r *loadRecord) result(elapsed time.Duration) apiLoadResult {
 	slices.Sort(r.lat)
-	return apiLoadResult{Requests: r.requests, Errors: r.errs, FirstError: r.firstErr,
+	res := apiLoadResult{Requests: r.requests, Errors: r.errs, FirstError: r.firstErr,
 		P50ms: millis(percentile(r.lat, 0.50)), P99ms: millis(percentile(r.lat, 0.99)), Seconds: elapsed.Seconds(), Sends: r.sends}
+	if len(r.lat) > 0 {
+		res.MaxMS = millis(r.lat[len(r.lat)-1])
+	}
+	return res
 }
 
 // call runs op within apiRequestTimeout.
@@ -328,36 +432,46 @@ func closedLoop(ctx context.Context, c int, d time.Duration, op loadOp) apiLoadR
 	return rec.result(time.Since(start))
 }
 
-// openLoop starts a call of op every 1/rate seconds for d, whether the earlier ones
-// answered or not, records when each was sent, and waits for them all.
-func openLoop(ctx context.Context, rate float64, d time.Duration, op loadOp) apiLoadResult {
+// openLoop starts call i of op at i/rate seconds after the start, for d, whether the
+// earlier ones answered or not (a late wake-up starts the calls it owes at once), and
+// waits for them all. With sends it records when each accepted call was sent.
+func openLoop(ctx context.Context, rate float64, d time.Duration, op loadOp, sends bool) apiLoadResult {
 	var rec loadRecord
 	var wg sync.WaitGroup
 	n := max(1, int(rate*d.Seconds()+0.5))
-	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
-	defer tick.Stop()
+	at := func(i int) time.Duration { return time.Duration(float64(i) / rate * float64(time.Second)) }
+	timer := time.NewTimer(0)
+	defer timer.Stop()
 	start := time.Now()
-	for i := range n {
-		if i > 0 {
-			select {
-			case <-tick.C:
-			case <-ctx.Done():
-			}
+	for i := 0; i < n; {
+		due := min(n, int(time.Since(start).Seconds()*rate)+1)
+		for ; i < due; i++ {
+			sent, k := time.Now(), i
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				key, took, err := call(ctx, op, k)
+				switch {
+				case err != nil:
+					rec.add(nil, 1, err.Error())
+				case sends:
+					rec.add([]time.Duration{took}, 0, "", apiSend{Key: key, SentNS: sent.UnixNano()})
+				default:
+					rec.add([]time.Duration{took}, 0, "")
+				}
+			}()
+		}
+		if i == n {
+			break
+		}
+		timer.Reset(time.Until(start.Add(at(i))))
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
 		}
 		if ctx.Err() != nil {
 			break
 		}
-		sent := time.Now()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			key, took, err := call(ctx, op, i)
-			if err != nil {
-				rec.add(nil, 1, err.Error())
-				return
-			}
-			rec.add([]time.Duration{took}, 0, "", apiSend{Key: key, SentNS: sent.UnixNano()})
-		}()
 	}
 	wg.Wait()
 	return rec.result(time.Since(start))

@@ -16,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/idemq/idemq/internal/localserver"
 )
 
 // Options configures a run. Main fills it from flags; the zero value of a field means
@@ -421,8 +423,12 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	apiPaths := fs.String("api-paths", strings.Join(APIPathNames, ","), "-workloads api: paths: api (POST /v1/charges to idemq api), asynq (asynq's client), insert (one INSERT per request), enqueue and enqueuetx (the outbox client from Go), e2e (debits through the api to a worker at -api-e2e-rate)")
 	fs.Float64Var(&opt.API.E2ERate, "api-e2e-rate", 20, "-workloads api: debits per second of the e2e path")
 	fs.Float64Var(&opt.API.E2ESeconds, "api-e2e-seconds", 10, "-workloads api: how long the e2e path sends")
+	fs.DurationVar(&opt.API.Sustain, "api-sustain", 0, "-workloads api: instead of the paths, one sustained run this long per binary of -api-binaries: debits at -api-sustain-rate through idemq api (Idempotency-Key rows kept 2m, purged every 1m) to 3 idemq workers, sampled every -api-sustain-every, then every job's completion and effect checked (10m for a soak; writes docs/bench-api-sustain.json with -write-docs)")
+	fs.Float64Var(&opt.API.SustainRate, "api-sustain-rate", 1500, "-workloads api -api-sustain: debits per second, sent open loop")
+	fs.DurationVar(&opt.API.SustainEvery, "api-sustain-every", 30*time.Second, "-workloads api -api-sustain: time between samples")
+	privatePG := fs.Bool("private-postgres", false, "run against a Postgres of its own (a fresh cluster on a free loopback port, Postgres's defaults but fsync on and shared_buffers 128MB, autovacuum on) instead of DATABASE_URL's")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq bench -workloads api -write-docs\n\nFlags:")
+		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq bench -workloads api -write-docs\nThe web side sustained (about 12 minutes): idemq bench -workloads api -api-sustain 10m -write-docs\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -435,6 +441,15 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	if *privatePG {
+		pg, err := localserver.StartPostgres("shared_buffers=128MB")
+		if err != nil {
+			return fmt.Errorf("bench: -private-postgres: %w", err)
+		}
+		defer pg.Close()
+		opt.DatabaseURL = pg.URL
+		fmt.Fprintf(stderr, "bench: a private Postgres on port %d\n", pg.Port())
 	}
 	opt.Workloads = strings.Split(*workloads, ",")
 	for _, c := range strings.Split(*configs, ",") {
@@ -478,6 +493,12 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		}
 		opt.API.Paths = splitList(*apiPaths)
 		opt.API.Binaries = splitList(*apiBinaries)
+		if opt.API.Sustain > 0 {
+			if *writeDocs && *jsonPath == "" {
+				*jsonPath = filepath.Join("docs", "bench-api-sustain.json")
+			}
+			return mainAPISustain(ctx, opt, *jsonPath, stdout, stderr)
+		}
 		if *writeDocs && *jsonPath == "" {
 			*jsonPath = filepath.Join("docs", "bench-api.json")
 		}

@@ -86,9 +86,9 @@ func (s *Postgres) StopImmediate() error {
 }
 
 // StartPostgres initialises a fresh cluster in a temporary directory and starts it on a
-// free loopback port. When run as root, the server runs as the postgres user (initdb and
-// postgres refuse root).
-func StartPostgres() (*Postgres, error) {
+// free loopback port, with settings ("name=value") over its own. When run as root, the
+// server runs as the postgres user (initdb and postgres refuse root).
+func StartPostgres(settings ...string) (*Postgres, error) {
 	initdb, err := pgBinary("initdb")
 	if err != nil {
 		return nil, err
@@ -127,6 +127,9 @@ func StartPostgres() (*Postgres, error) {
 		argv: []string{postgres, "-D", data, "-p", strconv.Itoa(port), "-k", root,
 			"-c", "listen_addresses=127.0.0.1", "-c", "fsync=on", "-c", "max_connections=100",
 			"-c", "shared_buffers=32MB", "-c", "logging_collector=off"},
+	}
+	for _, kv := range settings {
+		s.p.argv = append(s.p.argv, "-c", kv)
 	}
 	s.ready = func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
