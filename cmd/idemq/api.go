@@ -35,11 +35,11 @@ func apiCommand() command {
 }
 
 func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
-	connOpt, err := asynq.ParseRedisURI(cfg.RedisURL)
+	connOpt, err := dial.AsynqRedis(cfg.RedisURL, cfg.RedisCluster)
 	if err != nil {
-		return fmt.Errorf("REDIS_URL: %w", err)
+		return err
 	}
-	rdb, err := dial.Redis(ctx, cfg.RedisURL)
+	rdb, err := dial.Redis(ctx, cfg.RedisURL, cfg.RedisCluster)
 	if err != nil {
 		return err
 	}

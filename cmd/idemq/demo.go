@@ -134,7 +134,7 @@ func demoServers(ctx context.Context, out io.Writer) (redisURL, dbURL string, cl
 	}
 	pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	if rdb, err := dial.Redis(pctx, redisURL); err == nil {
+	if rdb, err := dial.RedisNode(pctx, redisURL); err == nil {
 		rdb.Close()
 	} else {
 		fmt.Fprintf(out, "Redis at %s does not answer (%v); starting a private redis-server\n", config.RedactURL(redisURL), err)
@@ -393,7 +393,7 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 		return nil, fmt.Errorf("demo: %w", err)
 	}
 	st.redisURL = st.redisDB.URL
-	if st.rdb, err = dial.Redis(ctx, st.redisURL); err != nil {
+	if st.rdb, err = dial.RedisNode(ctx, st.redisURL); err != nil {
 		return nil, err
 	}
 

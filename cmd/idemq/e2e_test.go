@@ -18,6 +18,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
@@ -127,9 +128,16 @@ func takeStackSlot(t *testing.T) {
 func startStack(t *testing.T, workers int, fakepayEnv, workerEnv []string) *stack {
 	t.Helper()
 	takeStackSlot(t)
-	s := &stack{dsn: testenv.PostgresURL(t), redisURL: testenv.RedisURL(t)}
+	redisURL := testenv.RedisURL(t)
+	return startStackOn(t, workers, redisURL, testenv.RedisClient(t, redisURL), fakepayEnv, workerEnv)
+}
+
+// startStackOn is startStack on the Redis at redisURL, which rdb is a client of (the
+// caller holds the stack slot).
+func startStackOn(t *testing.T, workers int, redisURL string, rdb redis.UniversalClient, fakepayEnv, workerEnv []string) *stack {
+	t.Helper()
+	s := &stack{dsn: testenv.PostgresURL(t), redisURL: redisURL}
 	s.pool = testenv.Pool(t, s.dsn)
-	rdb := testenv.RedisClient(t, s.redisURL)
 	s.client = asynq.NewClientFromRedisClient(rdb)
 	s.insp = asynq.NewInspectorFromRedisClient(rdb)
 

@@ -58,7 +58,7 @@ func enqueueCommand() command {
 			if fs.NArg() > 0 {
 				return fmt.Errorf("enqueue %s: unexpected arguments %q", args[0], fs.Args())
 			}
-			rdb, err := dial.Redis(ctx, cfg.RedisURL)
+			rdb, err := dial.Redis(ctx, cfg.RedisURL, cfg.RedisCluster)
 			if err != nil {
 				return err
 			}

@@ -152,16 +152,24 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 	}
 	var info *redis.StringCmd
 	gets := make([]*redis.StringCmd, len(recorded))
+	// On a cluster each node has a run_id of its own, and INFO goes to any of them: only
+	// the markers tell a node that lost its data there.
+	_, cluster := c.rdb.(*redis.ClusterClient)
 	// Errors are read per command: a missing marker answers redis.Nil, and a Redis that
 	// refuses INFO only hides its run_id.
 	c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-		info = p.Info(ctx, "server")
+		if !cluster {
+			info = p.Info(ctx, "server")
+		}
 		for i, r := range recorded {
 			gets[i] = p.Get(ctx, epochKey(r.queue))
 		}
 		return nil
 	})
-	runID := parseRunID(info.Val())
+	runID := ""
+	if info != nil {
+		runID = parseRunID(info.Val())
+	}
 	var lost []epochLoss
 	for i, r := range recorded {
 		switch cur := gets[i].Val(); {

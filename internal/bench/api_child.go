@@ -118,7 +118,7 @@ func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []strin
 			}
 		}
 	case APIPathAsynq:
-		rdb, err := dial.Redis(ctx, redisURL)
+		rdb, err := dial.Redis(ctx, redisURL, false)
 		if err != nil {
 			return fmt.Errorf("bench: %w", err)
 		}
@@ -158,7 +158,7 @@ func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []strin
 		if err := warmPool(ctx, pool); err != nil {
 			return err
 		}
-		rdb, err := dial.Redis(ctx, redisURL)
+		rdb, err := dial.Redis(ctx, redisURL, false)
 		if err != nil {
 			return fmt.Errorf("bench: %w", err)
 		}

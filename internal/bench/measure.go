@@ -118,7 +118,7 @@ func (e *env) openPool(ctx context.Context, maxConns int32) (*pgxpool.Pool, erro
 }
 
 func openRedis(ctx context.Context, u string) (*redis.Client, error) {
-	c, err := dial.Redis(ctx, u)
+	c, err := dial.RedisNode(ctx, u)
 	if err != nil {
 		return nil, fmt.Errorf("bench: %w", err)
 	}

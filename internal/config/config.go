@@ -20,7 +20,8 @@ import (
 
 // Redis is the Redis connection shared by asynq and the lock.
 type Redis struct {
-	RedisURL string `envconfig:"REDIS_URL" default:"redis://127.0.0.1:6379/0" desc:"Redis holding asynq's queues and the locks (redis:// or rediss://)"`
+	RedisURL     string `envconfig:"REDIS_URL" default:"redis://127.0.0.1:6379/0" desc:"Redis holding asynq's queues and the locks: redis://host:6379/0, a Sentinel master redis://sentinel:26379/0?master_name=NAME&addr=sentinel2:26379, or with IDEMQ_REDIS_CLUSTER a cluster redis://node:6379?addr=node2:6379 (rediss:// for TLS)"`
+	RedisCluster bool   `envconfig:"IDEMQ_REDIS_CLUSTER" default:"false" desc:"REDIS_URL names a Redis Cluster (its nodes as addr= parameters)"`
 }
 
 // Database is the Postgres database holding the ledger.
@@ -153,7 +154,7 @@ func checkField(key string, v any) error {
 	}
 	switch key {
 	case "REDIS_URL":
-		if _, err := redis.ParseURL(v.(string)); err != nil {
+		if err := checkRedisURL(v.(string)); err != nil {
 			return URLError(v.(string), err)
 		}
 	case "DATABASE_URL":
@@ -185,4 +186,22 @@ func Usage(w io.Writer, spec any) error {
 		return err
 	}
 	return tw.Flush()
+}
+
+// checkRedisURL parses u in the form it has: a Sentinel master (master_name=), a single
+// node, or a cluster's seeds (addr=, with options only a cluster takes).
+func checkRedisURL(u string) error {
+	q := url.Values{}
+	if pu, err := url.Parse(u); err == nil {
+		q = pu.Query()
+	}
+	if q.Has("master_name") {
+		_, err := redis.ParseFailoverURL(u)
+		return err
+	}
+	_, err := redis.ParseURL(u)
+	if err != nil && q.Has("addr") {
+		_, err = redis.ParseClusterURL(u)
+	}
+	return err
 }

@@ -4,27 +4,35 @@ package dial
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
 	"time"
 
+	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/internal/config"
 )
 
-// Redis connects to the Redis at url and pings it (within 10 s). Commands are bounded by
-// their contexts (ContextTimeoutEnabled), so a paused or partitioned Redis cannot hang a
-// caller past its deadline. Errors never show the URL's password.
-func Redis(ctx context.Context, url string) (*redis.Client, error) {
-	opt, err := redis.ParseURL(url)
+// Redis connects to the Redis that redisURL names and pings it (within 10 s):
+//   - a single node, redis://[user:pass@]host:port/db (redis.ParseURL);
+//   - a Sentinel-monitored master, redis://[user:pass@]sentinel:26379/db?master_name=NAME
+//     &addr=sentinel2:26379&addr=… (redis.ParseFailoverURL): the client asks the
+//     Sentinels for the master and follows it across a failover;
+//   - with cluster, a Redis Cluster, redis://[user:pass@]node:port?addr=node2:port&addr=…
+//     (redis.ParseClusterURL).
+//
+// Commands are bounded by their contexts (ContextTimeoutEnabled), so a paused or
+// partitioned Redis cannot hang a caller past its deadline. Errors never show the URL's
+// password.
+func Redis(ctx context.Context, redisURL string, cluster bool) (redis.UniversalClient, error) {
+	rdb, err := newRedis(redisURL, cluster)
 	if err != nil {
-		return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(url, err))
+		return nil, err
 	}
-	opt.ContextTimeoutEnabled = true
-	rdb := redis.NewClient(opt)
 	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if err := rdb.Ping(pctx).Err(); err != nil {
@@ -32,6 +40,78 @@ func Redis(ctx context.Context, url string) (*redis.Client, error) {
 		return nil, fmt.Errorf("connect to Redis (REDIS_URL): %w", err)
 	}
 	return rdb, nil
+}
+
+// RedisNode is Redis for a single node only, for the tools that need a *redis.Client.
+func RedisNode(ctx context.Context, redisURL string) (*redis.Client, error) {
+	if IsFailoverURL(redisURL) {
+		return nil, errors.New("REDIS_URL: a single node is needed here, not a Sentinel URL")
+	}
+	rdb, err := Redis(ctx, redisURL, false)
+	if err != nil {
+		return nil, err
+	}
+	return rdb.(*redis.Client), nil
+}
+
+func newRedis(redisURL string, cluster bool) (redis.UniversalClient, error) {
+	switch {
+	case cluster:
+		opt, err := redis.ParseClusterURL(redisURL)
+		if err != nil {
+			return nil, fmt.Errorf("REDIS_URL (IDEMQ_REDIS_CLUSTER=true): %w", config.URLError(redisURL, err))
+		}
+		opt.ContextTimeoutEnabled = true
+		return redis.NewClusterClient(opt), nil
+	case IsFailoverURL(redisURL):
+		opt, err := redis.ParseFailoverURL(redisURL)
+		if err != nil {
+			return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+		}
+		opt.ContextTimeoutEnabled = true
+		return redis.NewFailoverClient(opt), nil
+	}
+	opt, err := redis.ParseURL(redisURL)
+	if err != nil {
+		return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+	}
+	opt.ContextTimeoutEnabled = true
+	return redis.NewClient(opt), nil
+}
+
+// IsFailoverURL reports whether redisURL names a Sentinel-monitored master (a master_name
+// parameter).
+func IsFailoverURL(redisURL string) bool {
+	u, err := url.Parse(redisURL)
+	return err == nil && u.Query().Has("master_name")
+}
+
+// AsynqRedis is the asynq connection option for the same Redis as Redis(redisURL, cluster),
+// for what asynq builds its own clients from (the dashboard).
+func AsynqRedis(redisURL string, cluster bool) (asynq.RedisConnOpt, error) {
+	switch {
+	case cluster:
+		opt, err := redis.ParseClusterURL(redisURL)
+		if err != nil {
+			return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+		}
+		return asynq.RedisClusterClientOpt{Addrs: opt.Addrs, Username: opt.Username, Password: opt.Password,
+			TLSConfig: opt.TLSConfig, DialTimeout: opt.DialTimeout, ReadTimeout: opt.ReadTimeout, WriteTimeout: opt.WriteTimeout}, nil
+	case IsFailoverURL(redisURL):
+		opt, err := redis.ParseFailoverURL(redisURL)
+		if err != nil {
+			return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+		}
+		return asynq.RedisFailoverClientOpt{MasterName: opt.MasterName, SentinelAddrs: opt.SentinelAddrs,
+			SentinelPassword: opt.SentinelPassword, Username: opt.Username, Password: opt.Password, DB: opt.DB,
+			TLSConfig: opt.TLSConfig, DialTimeout: opt.DialTimeout, ReadTimeout: opt.ReadTimeout, WriteTimeout: opt.WriteTimeout}, nil
+	}
+	opt, err := redis.ParseURL(redisURL)
+	if err != nil {
+		return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+	}
+	return asynq.RedisClientOpt{Network: opt.Network, Addr: opt.Addr, Username: opt.Username, Password: opt.Password, DB: opt.DB,
+		TLSConfig: opt.TLSConfig, DialTimeout: opt.DialTimeout, ReadTimeout: opt.ReadTimeout, WriteTimeout: opt.WriteTimeout}, nil
 }
 
 // Postgres opens a pool on dsn of at most maxConns connections (0 keeps pgx's default;

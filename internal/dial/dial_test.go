@@ -13,10 +13,21 @@ import (
 func TestParseErrorsHideThePassword(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	for _, u := range []string{"redis://:S3cretPW@[::1", "redis://u:S3cretPW@host:notaport/0"} {
-		_, err := dial.Redis(ctx, u)
-		if err == nil || !strings.HasPrefix(err.Error(), "REDIS_URL: ") || strings.Contains(err.Error(), "S3cretPW") {
-			t.Errorf("dial.Redis(%q) = %v, want an error naming REDIS_URL without the password", u, err)
+	for _, tc := range []struct {
+		url     string
+		cluster bool
+	}{
+		{"redis://:S3cretPW@[::1", false},
+		{"redis://u:S3cretPW@host:notaport/0", false},
+		{"redis://u:S3cretPW@host:26379/0?master_name=m&bogus=1", false},
+		{"redis://u:S3cretPW@[::1?addr=h2:7001", true},
+	} {
+		_, err := dial.Redis(ctx, tc.url, tc.cluster)
+		if err == nil || !strings.HasPrefix(err.Error(), "REDIS_URL") || strings.Contains(err.Error(), "S3cretPW") {
+			t.Errorf("dial.Redis(%q, cluster %v) = %v, want an error naming REDIS_URL without the password", tc.url, tc.cluster, err)
+		}
+		if _, err := dial.AsynqRedis(tc.url, tc.cluster); err == nil || strings.Contains(err.Error(), "S3cretPW") {
+			t.Errorf("dial.AsynqRedis(%q, cluster %v) = %v, want an error without the password", tc.url, tc.cluster, err)
 		}
 	}
 	for _, u := range []string{"postgres://u:S3cretPW@[::1/db", "postgres://u:S3cretPW@h/db?pool_max_conns=x"} {

@@ -177,8 +177,8 @@ type Redis struct {
 }
 
 // StartRedis starts redis-server in a temporary directory on a free loopback port with the
-// given persistence.
-func StartRedis(mode Persistence) (*Redis, error) {
+// given persistence and extra arguments (such as "--replicaof", host, port).
+func StartRedis(mode Persistence, extra ...string) (*Redis, error) {
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		return nil, fmt.Errorf("redis-server not found on PATH (apt-get install -y redis-server)")
@@ -202,6 +202,7 @@ func StartRedis(mode Persistence) (*Redis, error) {
 	case PersistAOFAlways:
 		argv = append(argv, "--appendonly", "yes", "--appendfsync", "always")
 	}
+	argv = append(argv, extra...)
 	addr := fmt.Sprintf("127.0.0.1:%d", port)
 	s := &Redis{URL: "redis://" + addr + "/0", Addr: addr}
 	s.port, s.dir, s.stopSignal = port, dir, syscall.SIGTERM
