@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/internal/testenv"
@@ -54,6 +56,26 @@ func haLoad(ctx context.Context, base string, rate int) (debits, charges []strin
 	}
 }
 
+// startHAStack starts fakepay, two workers and `idemq api` on the Redis at redisURL (a
+// cluster's when cluster), and returns the stack, the API's base URL and process, and a
+// client of that Redis.
+func startHAStack(t *testing.T, ctx context.Context, redisURL string, cluster bool) (*stack, string, *proc, redis.UniversalClient) {
+	t.Helper()
+	rdb, err := dial.Redis(ctx, redisURL, cluster)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	env := []string{"REDIS_URL=" + redisURL, fmt.Sprintf("IDEMQ_REDIS_CLUSTER=%v", cluster)}
+	s := startStackOn(t, 2, redisURL, rdb, nil, env[1:])
+	port := testenv.FreePort(t)
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	api := startIdemq(t, "api", append(env, "DATABASE_URL="+s.dsn, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", port),
+		"IDEMQ_LOG_LEVEL=warn", "IDEMQ_DASHBOARD_USER=ops", "IDEMQ_DASHBOARD_PASSWORD=pw"), "api")
+	testenv.WaitHTTP(t, base+"/readyz", 30*time.Second)
+	return s, base, api, rdb
+}
+
 // TestSentinelFailoverUnderLoad runs `idemq api` and two `idemq worker` processes on a
 // Sentinel-monitored Redis (REDIS_URL in go-redis's failover form) and SIGKILLs the
 // master while debits and charges are posted through the API; the Sentinels promote the
@@ -73,17 +95,7 @@ func TestSentinelFailoverUnderLoad(t *testing.T) {
 	}
 	t.Cleanup(g.Close)
 	ctx := testenv.Context(t, 5*time.Minute)
-	rdb, err := dial.Redis(ctx, g.URL, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
-	s := startStackOn(t, 2, g.URL, rdb, nil, nil)
-	port := testenv.FreePort(t)
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	startIdemq(t, "api", []string{"DATABASE_URL=" + s.dsn, "REDIS_URL=" + g.URL,
-		fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", port), "IDEMQ_LOG_LEVEL=warn"}, "api")
-	testenv.WaitHTTP(t, base+"/readyz", 30*time.Second)
+	s, base, _, rdb := startHAStack(t, ctx, g.URL, false)
 
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	type loadResult struct {
@@ -124,7 +136,20 @@ func TestSentinelFailoverUnderLoad(t *testing.T) {
 			t.Fatalf("the Sentinels still name %q (%v) as the master; the dead one was %s", master, err, old)
 		}
 	}
-	time.Sleep(5 * time.Second)
+	// The new master has another run_id: the reconcilers check every published job at once.
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		noticed := false
+		for _, w := range s.workers {
+			noticed = noticed || strings.Contains(w.tail(1<<20), `reason="run_id changed"`)
+		}
+		if noticed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no reconciler noticed the failover (run_id changed) within 20 s")
+		}
+	}
+	time.Sleep(3 * time.Second)
 	stopLoad()
 	res := <-loaded
 	for _, err := range res.errs {
@@ -163,18 +188,7 @@ func TestRedisClusterEndToEnd(t *testing.T) {
 	}
 	t.Cleanup(c.Close)
 	ctx := testenv.Context(t, 3*time.Minute)
-	rdb, err := dial.Redis(ctx, c.URL, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
-	s := startStackOn(t, 2, c.URL, rdb, nil, []string{"IDEMQ_REDIS_CLUSTER=true"})
-	port := testenv.FreePort(t)
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	api := startIdemq(t, "api", []string{"DATABASE_URL=" + s.dsn, "REDIS_URL=" + c.URL, "IDEMQ_REDIS_CLUSTER=true",
-		"IDEMQ_DASHBOARD_USER=ops", "IDEMQ_DASHBOARD_PASSWORD=pw",
-		fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", port), "IDEMQ_LOG_LEVEL=warn"}, "api")
-	testenv.WaitHTTP(t, base+"/readyz", 30*time.Second)
+	s, base, api, _ := startHAStack(t, ctx, c.URL, true)
 
 	loadCtx, stop := context.WithTimeout(ctx, 5*time.Second)
 	defer stop()

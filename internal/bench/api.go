@@ -386,16 +386,11 @@ func (e *env) apiSample(ctx context.Context, exe string, a APIOptions, st apiSte
 		}
 	}
 
-	l, err := startLoad(exe, args, e.redisDB.URL, e.dsn)
+	l, err := e.startReadyLoad(ctx, exe, args)
 	if err != nil {
 		return s, err
 	}
 	defer l.kill()
-	if line, err := l.next(ctx, apiReadyTimeout); err != nil {
-		return s, err
-	} else if line != "ready" {
-		return s, fmt.Errorf("bench: load generator said %q, want ready", line)
-	}
 	cpu0, api0, load0 := e.probe.snap(ctx), api.cpu(), l.cpu()
 	var commits0, commits1 int64
 	if err := e.admin.QueryRow(ctx, xactCommitSQL).Scan(&commits0); err != nil {
@@ -826,4 +821,22 @@ func collectAPI(ss []APISample, f func(APISample) float64) []float64 {
 		out[i] = f(s)
 	}
 	return out
+}
+
+// startReadyLoad starts the load generator (with -wait among args) and waits for its
+// "ready".
+func (e *env) startReadyLoad(ctx context.Context, exe string, args []string) (*load, error) {
+	l, err := startLoad(exe, args, e.redisDB.URL, e.dsn)
+	if err != nil {
+		return nil, err
+	}
+	line, err := l.next(ctx, apiReadyTimeout)
+	if err == nil && line != "ready" {
+		err = fmt.Errorf("bench: load generator said %q, want ready", line)
+	}
+	if err != nil {
+		l.kill()
+		return nil, err
+	}
+	return l, nil
 }

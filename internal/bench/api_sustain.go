@@ -269,16 +269,11 @@ func (e *env) apiSustain(ctx context.Context, exe string, a APIOptions, binary, 
 
 	args := []string{"bench", apiChildFlag, "-wait", "-path", apiPathSustain, "-prefix", "s" + randomHex(4), "-url", "http://" + addr,
 		"-rate", strconv.FormatFloat(a.SustainRate, 'g', -1, 64), "-seconds", strconv.FormatFloat(a.Sustain.Seconds(), 'g', -1, 64)}
-	l, err := startLoad(exe, args, e.redisDB.URL, e.dsn)
+	l, err := e.startReadyLoad(ctx, exe, args)
 	if err != nil {
 		return run, err
 	}
 	defer l.kill()
-	if line, err := l.next(ctx, apiReadyTimeout); err != nil {
-		return run, err
-	} else if line != "ready" {
-		return run, fmt.Errorf("bench: load generator said %q, want ready", line)
-	}
 	run.APIRSSIdleMiB = rssMiB(api)
 	if err := l.start(); err != nil {
 		return run, err

@@ -207,12 +207,17 @@ func StartRedis(mode Persistence, extra ...string) (*Redis, error) {
 	s := &Redis{URL: "redis://" + addr + "/0", Addr: addr}
 	s.port, s.dir, s.stopSignal = port, dir, syscall.SIGTERM
 	s.p = &process{name: "private redis", dir: dir, log: filepath.Join(dir, "redis.log"), argv: argv}
-	s.ready = func() error {
+	s.ready = pinged(addr)
+	return s, s.startOrClose()
+}
+
+// pinged is a readiness check: the Redis server (or Sentinel) at addr answers PING.
+func pinged(addr string) func() error {
+	return func() error {
 		c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: time.Second})
 		defer c.Close()
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		return c.Ping(ctx).Err()
 	}
-	return s, s.startOrClose()
 }

@@ -96,14 +96,7 @@ sentinel parallel-syncs %s 1
 	}
 	s := &Server{port: port, dir: dir, stopSignal: syscall.SIGTERM}
 	s.p = &process{name: "private sentinel", dir: dir, log: filepath.Join(dir, "sentinel.log"), argv: []string{bin, conf, "--sentinel"}}
-	addr := fmt.Sprintf("127.0.0.1:%d", port)
-	s.ready = func() error {
-		c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: time.Second})
-		defer c.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		return c.Ping(ctx).Err()
-	}
+	s.ready = pinged(fmt.Sprintf("127.0.0.1:%d", port))
 	return s, s.startOrClose()
 }
 
