@@ -195,7 +195,8 @@ type cluster struct {
 	t       *testing.T
 	dir     string
 	pg      *localserver.Postgres
-	rd      *localserver.Redis
+	rd      *localserver.Redis     // the master, the node a Redis fault kills
+	sg      *localserver.Sentinels // with sentinel: rd is its master now
 	pool    *pgxpool.Pool
 	rdb     *redis.Client
 	client  *asynq.Client
@@ -214,7 +215,11 @@ type cluster struct {
 
 // clusterConfig chooses what differs between runs.
 type clusterConfig struct {
-	mode      localserver.Persistence
+	mode localserver.Persistence
+	// sentinel runs Redis as a master, a replica and three Sentinels (mode is then
+	// ignored: each keeps nothing across a restart); REDIS_URL names them, and a Redis
+	// fault is a failover.
+	sentinel  bool
 	workers   int
 	honorKeys bool
 	workerEnv []string // added after the defaults (later values win)
@@ -236,10 +241,24 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 		t.Fatalf("private postgres: %v", err)
 	}
 	t.Cleanup(func() { c.pg.Close() })
-	if c.rd, err = localserver.StartRedis(cfg.mode); err != nil {
-		t.Fatalf("private redis: %v", err)
+	redisURL := ""
+	if cfg.sentinel {
+		if c.sg, err = localserver.StartSentinels(); err != nil {
+			t.Fatalf("private sentinels: %v", err)
+		}
+		t.Cleanup(c.sg.Close)
+		c.rd, redisURL = c.sg.Master, c.sg.URL
+		c.rdb = redis.NewFailoverClient(&redis.FailoverOptions{MasterName: localserver.MasterName, SentinelAddrs: c.sg.Addrs,
+			DialTimeout: time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second})
+	} else {
+		if c.rd, err = localserver.StartRedis(cfg.mode); err != nil {
+			t.Fatalf("private redis: %v", err)
+		}
+		t.Cleanup(func() { c.rd.Close() })
+		redisURL = c.rd.URL
+		c.rdb = redis.NewClient(&redis.Options{Addr: c.rd.Addr, DialTimeout: time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second})
 	}
-	t.Cleanup(func() { c.rd.Close() })
+	t.Cleanup(func() { c.rdb.Close() })
 	c.redisUp.Store(true)
 	c.pgUp.Store(true)
 
@@ -257,8 +276,6 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	if _, err := c.pool.Exec(ctx, createExpected); err != nil {
 		t.Fatalf("create the suite's table: %v", err)
 	}
-	c.rdb = redis.NewClient(&redis.Options{Addr: c.rd.Addr, DialTimeout: time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second})
-	t.Cleanup(func() { c.rdb.Close() })
 	c.client = asynq.NewClientFromRedisClient(c.rdb)
 	c.insp = asynq.NewInspectorFromRedisClient(c.rdb)
 
@@ -270,7 +287,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	apiPort, _ := localserver.FreePort()
 	c.apiURL = fmt.Sprintf("http://127.0.0.1:%d", apiPort)
 	c.api = &proc{name: "api", args: []string{"api"}, log: filepath.Join(c.dir, "api.log"), env: []string{
-		"DATABASE_URL=" + c.pg.URL, "REDIS_URL=" + c.rd.URL, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort),
+		"DATABASE_URL=" + c.pg.URL, "REDIS_URL=" + redisURL, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort),
 		"IDEMQ_RECONCILE_GRACE=20s"}}
 	for _, p := range []*proc{c.fakepay, c.api} {
 		if err := p.start(); err != nil {
@@ -283,7 +300,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	workerEnv := append([]string{
 		// application_name lets the nemesis terminate the workers' connections only.
 		"DATABASE_URL=" + c.pg.URL + "&application_name=idemq-worker",
-		"REDIS_URL=" + c.rd.URL, "IDEMQ_FAKEPAY_URL=" + fakepayURL,
+		"REDIS_URL=" + redisURL, "IDEMQ_FAKEPAY_URL=" + fakepayURL,
 		"IDEMQ_CONCURRENCY=4", "IDEMQ_LEASE=" + lease.String(), "IDEMQ_LOCK_TTL=5s", "IDEMQ_SHUTDOWN_TIMEOUT=8s",
 		"IDEMQ_RECONCILE_GRACE=20s", "IDEMQ_LOG_LEVEL=info",
 	}, cfg.workerEnv...)

@@ -8,6 +8,8 @@ import (
 	"math/rand/v2"
 	"syscall"
 	"time"
+
+	"github.com/idemq/idemq/internal/localserver"
 )
 
 // The nemesis' fault kinds.
@@ -118,6 +120,10 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		c.startWorker(w)
 
 	case faultKillRedis:
+		if c.sg != nil {
+			c.failover(ctx, kind, pause(time.Second, 3*time.Second))
+			return
+		}
 		c.redisUp.Store(false)
 		if err := c.rd.Kill(); err != nil {
 			c.t.Logf("kill redis: %v", err)
@@ -140,7 +146,9 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 				dones = append(dones, done)
 			}
 		}
-		if err := c.rd.Kill(); err != nil {
+		if c.sg != nil {
+			c.failover(ctx, "failover", 0)
+		} else if err := c.rd.Kill(); err != nil {
 			c.t.Logf("kill redis: %v", err)
 		}
 		for _, done := range dones {
@@ -150,11 +158,13 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		c.hist.nemesis(kind, "redis and every worker")
 		go c.trackHeld(t0)
 		time.Sleep(pause(time.Second, 3*time.Second))
-		if err := c.rd.Start(); err != nil {
-			c.t.Errorf("restart redis: %v", err)
-			return
+		if !c.redisUp.Load() {
+			if err := c.rd.Start(); err != nil {
+				c.t.Errorf("restart redis: %v", err)
+				return
+			}
+			c.redisUp.Store(true)
 		}
-		c.redisUp.Store(true)
 		for _, w := range c.workers {
 			c.startWorker(w)
 		}
@@ -202,6 +212,45 @@ func (c *cluster) trackLost(ctx context.Context, since time.Time) {
 		time.Sleep(250 * time.Millisecond)
 	}
 	c.hist.add(func(h *history) { h.lost = append(h.lost, lostTasks{n: most, back: -1}) })
+}
+
+// failover SIGKILLs the Sentinels' master, waits until they promote the replica, and
+// after down (when > 0) starts the dead node again, which the Sentinels make a replica of
+// the new master; with down 0 it leaves the node dead (the caller or heal starts it).
+func (c *cluster) failover(ctx context.Context, kind string, down time.Duration) {
+	old, err := c.sg.CurrentMaster(ctx)
+	if err != nil {
+		c.hist.note(kind, "redis", "no master known: "+err.Error())
+		return
+	}
+	for _, r := range []*localserver.Redis{c.sg.Master, c.sg.Replica} {
+		if r.Addr == old {
+			c.rd = r
+		}
+	}
+	c.redisUp.Store(false)
+	t0 := time.Now()
+	if err := c.rd.Kill(); err != nil {
+		c.t.Logf("kill redis master: %v", err)
+	}
+	note := "no replica promoted within 30 s"
+	for time.Since(t0) < 30*time.Second && ctx.Err() == nil {
+		if m, err := c.sg.CurrentMaster(ctx); err == nil && m != old {
+			note = fmt.Sprintf("master %s killed; %s promoted after %s", old, m, time.Since(t0).Round(10*time.Millisecond))
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	c.hist.note(kind, "redis master", note)
+	if down == 0 {
+		return
+	}
+	time.Sleep(down)
+	if err := c.rd.Start(); err != nil {
+		c.t.Errorf("restart the old master: %v", err)
+		return
+	}
+	c.redisUp.Store(true)
 }
 
 // heal makes sure every server and worker runs (none stopped).

@@ -123,13 +123,10 @@ func TestProof(t *testing.T) {
 		if only == "controls" {
 			t.Skip("IDEMQ_FAULTS_ONLY=controls")
 		}
-		for _, m := range []struct {
-			name string
-			mode localserver.Persistence
-		}{{"none", localserver.PersistNone}, {"aof-always", localserver.PersistAOFAlways}} {
+		for _, m := range modes(p) {
 			t.Run("redis="+m.name, func(t *testing.T) {
 				t.Parallel()
-				r := runMain(t, p, seed, m.name, m.mode)
+				r := runMain(t, p, seed, m)
 				mu.Lock()
 				rep.Runs = append(rep.Runs, r)
 				mu.Unlock()
@@ -158,7 +155,7 @@ func TestProof(t *testing.T) {
 	sort.Slice(rep.Runs, func(i, j int) bool { return rep.Runs[i].Mode > rep.Runs[j].Mode })
 	sort.Slice(rep.Controls, func(i, j int) bool { return rep.Controls[i].Name < rep.Controls[j].Name })
 	rep.WallSeconds = time.Since(start).Seconds()
-	rep.Pass = !t.Failed() && (len(rep.Runs) == 2 || only == "controls")
+	rep.Pass = !t.Failed() && (len(rep.Runs) == len(modes(p)) || only == "controls")
 	reruns := 0.0
 	for _, r := range rep.Runs {
 		rep.Pass = rep.Pass && r.Pass
@@ -190,10 +187,29 @@ func TestProof(t *testing.T) {
 	}
 }
 
-func runMain(t *testing.T, p profile, seed uint64, modeName string, mode localserver.Persistence) runReport {
+// redisMode is how a run's Redis is deployed.
+type redisMode struct {
+	name     string
+	mode     localserver.Persistence
+	sentinel bool
+}
+
+// modes are the Redis deployments a profile runs the nemesis on: one node without and
+// with persistence, and, in the long profile (or with IDEMQ_FAULTS_SENTINEL=1), a
+// Sentinel-monitored master whose Redis faults are failovers.
+func modes(p profile) []redisMode {
+	ms := []redisMode{{"none", localserver.PersistNone, false}, {"aof-always", localserver.PersistAOFAlways, false}}
+	if p.name == "long" || os.Getenv("IDEMQ_FAULTS_SENTINEL") == "1" {
+		ms = append(ms, redisMode{"sentinel", localserver.PersistNone, true})
+	}
+	return ms
+}
+
+func runMain(t *testing.T, p profile, seed uint64, m redisMode) runReport {
+	modeName := m.name
 	began := time.Now()
 	hist := newHistory()
-	c := startCluster(t, clusterConfig{mode: mode, workers: 4, honorKeys: true,
+	c := startCluster(t, clusterConfig{mode: m.mode, sentinel: m.sentinel, workers: 4, honorKeys: true,
 		workerEnv:   []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints},
 		workerEnvAt: map[int][]string{0: {"IDEMQ_UNSAFE_FAULTS=" + quickFaultPoints, "IDEMQ_CONCURRENCY=8"}}}, hist)
 	ctx, cancel := context.WithTimeout(context.Background(), p.nemesis+p.drain+5*time.Minute)
