@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/migrations"
 )
 
@@ -28,11 +29,11 @@ func requireSchema(ctx context.Context, pool *pgxpool.Pool) error {
 	defer db.Close()
 	p, err := migrations.NewProvider(ctx, db)
 	if err != nil {
-		return err
+		return dial.PoolerHint(err)
 	}
 	pending, err := p.HasPending(ctx)
 	if err != nil {
-		return fmt.Errorf("check schema version: %w", err)
+		return dial.PoolerHint(fmt.Errorf("check schema version: %w", err))
 	}
 	if pending {
 		return fmt.Errorf("the database schema is not current: run `idemq migrate` first")

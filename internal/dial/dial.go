@@ -11,10 +11,12 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // Redis connects to the Redis that redisURL names and pings it (within 10 s):
@@ -136,6 +138,18 @@ func Postgres(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, e
 		return nil, fmt.Errorf("connect to Postgres (DATABASE_URL): %w", err)
 	}
 	return pool, nil
+}
+
+// PoolerHint adds to err, when it is what named prepared statements meet behind a
+// transaction-mode pooler (PgBouncer's pool_mode=transaction), how to run there: pgx's
+// default caches named prepared statements per connection, and the pooler hands each
+// transaction another server connection.
+func PoolerHint(err error) error {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && (pe.Code == pgcode.DuplicatePreparedStatement || pe.Code == pgcode.InvalidSQLStatementName) {
+		return fmt.Errorf("%w (DATABASE_URL looks like a transaction-mode pooler such as PgBouncer: add default_query_exec_mode=cache_describe to it, or point it at Postgres)", err)
+	}
+	return err
 }
 
 // setsMaxConns reports whether dsn, a URL or a key=value DSN, sets pool_max_conns.

@@ -2,9 +2,13 @@ package dial_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/testenv"
@@ -56,5 +60,22 @@ func TestExplicitPoolSizeWins(t *testing.T) {
 			t.Errorf("pool size %d, want %d (DSN sets it: %t)", got, tc.want, tc.want == 3)
 		}
 		pool.Close()
+	}
+}
+
+// Behind a transaction-mode pooler, pgx's named prepared statements fail with 42P05 or
+// 26000: the error then says what to put in DATABASE_URL; any other error is unchanged.
+func TestPoolerHint(t *testing.T) {
+	t.Parallel()
+	for _, code := range []string{"42P05", "26000"} {
+		err := fmt.Errorf("check schema version: %w", &pgconn.PgError{Code: code, Message: "prepared statement"})
+		got := dial.PoolerHint(err)
+		if !strings.Contains(got.Error(), "default_query_exec_mode=cache_describe") || !errors.Is(got, err) {
+			t.Errorf("%s: %v, want the pooler hint wrapping the error", code, got)
+		}
+	}
+	other := &pgconn.PgError{Code: "42P01", Message: "relation does not exist"}
+	if got := dial.PoolerHint(other); got != error(other) {
+		t.Errorf("42P01: %v, want it unchanged", got)
 	}
 }

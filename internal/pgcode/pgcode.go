@@ -15,4 +15,9 @@ const (
 	LockNotAvailable     = "55P03"
 	// QueryCanceled is a statement cancelled, e.g. at its statement_timeout.
 	QueryCanceled = "57014"
+	// DuplicatePreparedStatement and InvalidSQLStatementName are what named prepared
+	// statements meet behind a transaction-mode pooler, whose server connections change
+	// from one transaction to the next.
+	DuplicatePreparedStatement = "42P05"
+	InvalidSQLStatementName    = "26000"
 )
