@@ -242,14 +242,11 @@ func RunAPI(ctx context.Context, opt Options, progress io.Writer) (*APIReport, e
 	if err != nil {
 		return nil, err
 	}
-	e, err := setup(ctx, opt)
+	e, err := setupAPI(ctx, opt)
 	if err != nil {
 		return nil, err
 	}
 	defer e.close()
-	if _, err := e.admin.Exec(ctx, createFloorSQL); err != nil {
-		return nil, fmt.Errorf("bench: create bench_floor: %w", err)
-	}
 	// Open the admin pool's every connection now: a sample waits for the backends that
 	// appeared during it to exit, and one of this pool's would not.
 	if err := warmPool(ctx, e.admin); err != nil {
@@ -839,4 +836,17 @@ func (e *env) startReadyLoad(ctx context.Context, exe string, args []string) (*l
 		return nil, err
 	}
 	return l, nil
+}
+
+// setupAPI is setup with the insert floor's table.
+func setupAPI(ctx context.Context, opt Options) (*env, error) {
+	e, err := setup(ctx, opt)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := e.admin.Exec(ctx, createFloorSQL); err != nil {
+		e.close()
+		return nil, fmt.Errorf("bench: create bench_floor: %w", err)
+	}
+	return e, nil
 }

@@ -165,14 +165,11 @@ func RunAPISustain(ctx context.Context, opt Options, progress io.Writer) (*APISu
 		KeyRetentionSeconds: sustainKeyRetention.Seconds(), PurgeIntervalSeconds: sustainPurgeInterval.Seconds(),
 		Workers: sustainWorkers, Binaries: a.Binaries,
 	}}
-	e, err := setup(ctx, opt)
+	e, err := setupAPI(ctx, opt)
 	if err != nil {
 		return nil, err
 	}
 	defer e.close()
-	if _, err := e.admin.Exec(ctx, createFloorSQL); err != nil {
-		return nil, fmt.Errorf("bench: create bench_floor: %w", err)
-	}
 	if err := e.admin.QueryRow(ctx, `SELECT current_setting('autovacuum')`).Scan(&rep.Autovacuum); err != nil {
 		return nil, fmt.Errorf("bench: read autovacuum: %w", err)
 	}

@@ -183,13 +183,8 @@ func StartRedis(mode Persistence, extra ...string) (*Redis, error) {
 	if err != nil {
 		return nil, fmt.Errorf("redis-server not found on PATH (apt-get install -y redis-server)")
 	}
-	dir, err := os.MkdirTemp("", "idemq-redis-")
+	dir, port, err := dirAndPort("idemq-redis-")
 	if err != nil {
-		return nil, err
-	}
-	port, err := FreePort()
-	if err != nil {
-		os.RemoveAll(dir)
 		return nil, err
 	}
 	argv := []string{bin, "--bind", "127.0.0.1", "--port", strconv.Itoa(port), "--dir", dir,
@@ -209,6 +204,21 @@ func StartRedis(mode Persistence, extra ...string) (*Redis, error) {
 	s.p = &process{name: "private redis", dir: dir, log: filepath.Join(dir, "redis.log"), argv: argv}
 	s.ready = pinged(addr)
 	return s, s.startOrClose()
+}
+
+// dirAndPort makes a temporary directory named after prefix and finds a free loopback
+// port for a server to run there.
+func dirAndPort(prefix string) (string, int, error) {
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		return "", 0, err
+	}
+	port, err := FreePort()
+	if err != nil {
+		os.RemoveAll(dir)
+		return "", 0, err
+	}
+	return dir, port, nil
 }
 
 // pinged is a readiness check: the Redis server (or Sentinel) at addr answers PING.

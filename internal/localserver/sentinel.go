@@ -72,13 +72,8 @@ func StartSentinels() (_ *Sentinels, err error) {
 
 // startSentinel starts one Sentinel monitoring the master on masterPort.
 func startSentinel(bin string, masterPort int) (*Server, error) {
-	dir, err := os.MkdirTemp("", "idemq-sentinel-")
+	dir, port, err := dirAndPort("idemq-sentinel-")
 	if err != nil {
-		return nil, err
-	}
-	port, err := FreePort()
-	if err != nil {
-		os.RemoveAll(dir)
 		return nil, err
 	}
 	conf := filepath.Join(dir, "sentinel.conf")
