@@ -1027,7 +1027,7 @@ func jsonEqualText(a, b string) bool {
 // TestDoTxSlowTurnsKeepTheirPlaces: members whose turns are slow only because their
 // queries are (as every query is on a saturated machine) are not given back when the
 // transaction runs past its budget: only the handlers' time outside the database spends
-// it, or several budgets of wall time. Six handlers of 4 ms in the database, with a 10 ms
+// it, or several budgets of wall time. Six handlers of 10 ms in the database, with a 40 ms
 // budget, all share one transaction, each claimed once.
 func TestDoTxSlowTurnsKeepTheirPlaces(t *testing.T) {
 	t.Parallel()
@@ -1037,7 +1037,9 @@ func TestDoTxSlowTurnsKeepTheirPlaces(t *testing.T) {
 	givenBack, claimed := events.of(EventGivenBack), events.of(EventClaimed)
 	l := New(pool, &Config{Committers: 1, Observe: events.observe})
 	defer l.Close()
-	l.tx.Budget, l.tx.Slow = 10*time.Millisecond, time.Hour
+	// 40 ms: six 10 ms queries in a row exceed the budget (the old wall-time rule gave them
+	// back) and stay well inside 5 × budget of wall time on a loaded machine.
+	l.tx.Budget, l.tx.Slow = 40*time.Millisecond, time.Hour
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL, xid text NOT NULL)`)
 	release, waitHolder := holdExecutor(t, l, "0-holder")
 	const n = 6
@@ -1046,7 +1048,7 @@ func TestDoTxSlowTurnsKeepTheirPlaces(t *testing.T) {
 		wg.Go(func() {
 			key := fmt.Sprintf("turn-%d", i)
 			_, err := l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
-				_, err := tx.Exec(ctx, `INSERT INTO effects SELECT $1, pg_current_xact_id()::text FROM pg_sleep(0.004)`, key)
+				_, err := tx.Exec(ctx, `INSERT INTO effects SELECT $1, pg_current_xact_id()::text FROM pg_sleep(0.010)`, key)
 				return nil, err
 			})
 			if err != nil {
