@@ -44,11 +44,12 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 		return err
 	}
 	defer rdb.Close()
-	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, cfg.PoolSize)
+	db, err := dial.OpenDatabase(ctx, cfg.DatabaseURL, cfg.DirectDatabaseURL, cfg.PoolSize, log)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
+	pool := db.Pool
 	if err := requireSchema(ctx, pool); err != nil {
 		return err
 	}
@@ -57,7 +58,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	// The API only reads the ledger: no heartbeats, so no pool of their own.
 	ledger := idempotency.New(pool, &idempotency.Config{Logger: log, HeartbeatPool: pool})
 	defer ledger.Close()
-	client := outbox.NewClient(pool, rdb, &outbox.Config{Logger: log})
+	client := outbox.NewClient(pool, rdb, &outbox.Config{Listen: db.Session, Logger: log})
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
 
 	h := api.New(api.Deps{Pool: pool, Redis: rdb, Ledger: ledger, Enqueuer: client, Metrics: m}, &api.Options{

@@ -136,14 +136,22 @@ func startStack(t *testing.T, workers int, fakepayEnv, workerEnv []string) *stac
 // caller holds the stack slot).
 func startStackOn(t *testing.T, workers int, redisURL string, rdb redis.UniversalClient, fakepayEnv, workerEnv []string) *stack {
 	t.Helper()
-	s := &stack{dsn: testenv.PostgresURL(t), redisURL: redisURL}
+	dsn := testenv.PostgresURL(t)
+	return startStackDB(t, workers, redisURL, rdb, dsn, dsn, fakepayEnv, workerEnv)
+}
+
+// startStackDB is startStackOn with the workers on the migrated database dsn and fakepay
+// on fakepayDSN (a provider keeps its own database).
+func startStackDB(t *testing.T, workers int, redisURL string, rdb redis.UniversalClient, dsn, fakepayDSN string, fakepayEnv, workerEnv []string) *stack {
+	t.Helper()
+	s := &stack{dsn: dsn, redisURL: redisURL}
 	s.pool = testenv.Pool(t, s.dsn)
 	s.client = asynq.NewClientFromRedisClient(rdb)
 	s.insp = asynq.NewInspectorFromRedisClient(rdb)
 
 	fp := testenv.FreePort(t)
 	s.fakepayURL = fmt.Sprintf("http://127.0.0.1:%d", fp)
-	startIdemq(t, "fakepay", append([]string{"DATABASE_URL=" + s.dsn, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp)}, fakepayEnv...), "fakepay")
+	startIdemq(t, "fakepay", append([]string{"DATABASE_URL=" + fakepayDSN, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp)}, fakepayEnv...), "fakepay")
 	testenv.WaitHTTP(t, s.fakepayURL+"/healthz", 20*time.Second)
 
 	s.workerEnv = append([]string{

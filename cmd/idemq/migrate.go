@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"text/tabwriter"
@@ -11,6 +12,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/migrations"
 )
 
@@ -25,9 +27,22 @@ func migrateCommand() command {
 			if len(args) > 1 || (len(args) == 1 && args[0] != "status") {
 				return fmt.Errorf("migrate: unexpected arguments %q (usage: idemq migrate [status])", args)
 			}
-			pc, err := pgx.ParseConfig(cfg.DatabaseURL)
+			// goose serialises concurrent migrations with a session advisory lock, which a
+			// transaction-mode pooler does not keep: migrate needs Postgres itself.
+			dsn, name := cfg.DatabaseURL, "DATABASE_URL"
+			if cfg.DirectDatabaseURL != "" {
+				dsn, name = cfg.DirectDatabaseURL, "IDEMQ_DIRECT_DATABASE_URL"
+			}
+			pc, err := pgx.ParseConfig(dsn)
 			if err != nil {
-				return fmt.Errorf("DATABASE_URL: %w", config.URLError(cfg.DatabaseURL, err))
+				return fmt.Errorf("%s: %w", name, config.URLError(dsn, err))
+			}
+			if err := dial.RequireSession(ctx, pc, name); err != nil {
+				if errors.Is(err, dial.ErrTransactionPooler) {
+					return fmt.Errorf("migrate: %w, where the migration lock (a session advisory lock) holds nothing: "+
+						"set IDEMQ_DIRECT_DATABASE_URL to Postgres itself", err)
+				}
+				return err
 			}
 			db := stdlib.OpenDB(*pc)
 			defer db.Close()

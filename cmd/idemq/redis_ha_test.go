@@ -19,6 +19,19 @@ import (
 // haLoad posts debits and charges through the API at about rate per second until ctx
 // ends, and returns the orders it got 202 for, and any other answer as an error.
 func haLoad(ctx context.Context, base string, rate int) (debits, charges []string, errs []error) {
+	r := haLoadRefusing(ctx, base, rate)
+	return r.debits, r.charges, append(r.errs, r.refused...)
+}
+
+// haResult is what haLoadRefusing posted.
+type haResult struct {
+	debits, charges []string // references and orders answered 202
+	refused         []error  // 503 answers: not accepted, to be retried by the client
+	errs            []error  // anything else
+}
+
+// haLoadRefusing is haLoad that keeps 503 answers (the API's "try again") apart.
+func haLoadRefusing(ctx context.Context, base string, rate int) (r haResult) {
 	client := &http.Client{Timeout: 15 * time.Second}
 	tick := time.NewTicker(time.Second / time.Duration(rate))
 	defer tick.Stop()
@@ -28,7 +41,7 @@ func haLoad(ctx context.Context, base string, rate int) (debits, charges []strin
 		select {
 		case <-ctx.Done():
 			wg.Wait()
-			return debits, charges, errs
+			return r
 		case <-tick.C:
 		}
 		wg.Add(1)
@@ -43,14 +56,16 @@ func haLoad(ctx context.Context, base string, rate int) (debits, charges []strin
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
+			case code == 503:
+				r.refused = append(r.refused, err)
 			case err != nil:
-				errs = append(errs, err)
+				r.errs = append(r.errs, err)
 			case code == 202 && i%2 == 0:
-				debits = append(debits, ref)
+				r.debits = append(r.debits, ref)
 			case code == 202:
-				charges = append(charges, ref)
+				r.charges = append(r.charges, ref)
 			default:
-				errs = append(errs, fmt.Errorf("POST %s: %d", path, code))
+				r.errs = append(r.errs, fmt.Errorf("POST %s: %d", path, code))
 			}
 		}()
 	}

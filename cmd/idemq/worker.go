@@ -22,6 +22,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/internal/workerconf"
 	"github.com/idemq/idemq/lock"
@@ -62,11 +63,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		return err
 	}
 	defer rdb.Close()
-	pool, err := dial.Postgres(ctx, cfg.DatabaseURL, workerconf.PoolSize(cfg.Concurrency, runtime.GOMAXPROCS(0)))
+	db, err := dial.OpenDatabase(ctx, cfg.DatabaseURL, cfg.DirectDatabaseURL, workerconf.PoolSize(cfg.Concurrency, runtime.GOMAXPROCS(0)), log)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
+	pool := db.Pool
 	if err := requireSchema(ctx, pool); err != nil {
 		return err
 	}
@@ -78,6 +80,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	ledger := idempotency.New(pool, &idempotency.Config{
 		Lease:           cfg.Lease,
 		MaxAge:          cfg.MaxAge,
+		HeartbeatPool:   db.Heartbeats,
 		UnsafeNoFencing: cfg.UnsafeNoFencing,
 		Logger:          log,
 		Observe: func(ev idempotency.Event, taskType string) {
@@ -130,9 +133,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	acfg.Logger = asynqLogger{log.With("component", "asynq")}
 	acfg.LogLevel = asynqLevel(cfg.LogLevel)
 	acfg.ErrorHandler = asynq.ErrorHandlerFunc(func(ctx context.Context, t *asynq.Task, err error) {
-		if asynqmw.IsFailure(err) {
+		switch {
+		case asynqmw.IsFailure(err):
 			log.Warn("task failed", "task_type", t.Type(), "err", err)
-		} else {
+		case pgcode.Unavailable(err):
+			log.Warn("Postgres unavailable; retrying the task soon", "task_type", t.Type(), "err", err)
+		default:
 			log.Debug("task busy; retrying soon", "task_type", t.Type(), "err", err)
 		}
 	})
@@ -164,6 +170,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	// Every replica runs the outbox relay and reconciler: they take disjoint batches.
 	client := outbox.NewClient(pool, rdb, &outbox.Config{
 		Grace:  cfg.ReconcileGrace,
+		Listen: db.Session,
 		Logger: log.With("component", "outbox"),
 		Observe: func(ev outbox.Event, taskType string) {
 			m.OutboxEvents.WithLabelValues(string(ev), taskType).Inc()

@@ -61,6 +61,13 @@ type Config struct {
 	MaxBatch int
 	// WriteTimeout bounds each round of Enqueue calls. Default 10s.
 	WriteTimeout time.Duration
+	// Listen configures the connection RunRelay LISTENs on for the wake-ups other
+	// processes' Wake send. Default: the pool's configuration. It must reach Postgres
+	// itself or a session pooler: behind a transaction-mode pooler (PgBouncer's
+	// pool_mode=transaction) a LISTEN hears nothing and pins a server connection, so
+	// RunRelay checks, and finding one it does not listen: relays then wake on this
+	// Client's own Wake calls and poll every RelayPoll.
+	Listen *pgx.ConnConfig
 	// Logger receives relay and reconciler lines. Default: discard.
 	Logger *slog.Logger
 	// Observe, if set, is called for each outbox event (EventPublished, EventRepublished,
@@ -101,6 +108,7 @@ type Client struct {
 	cfg   Config
 	log   *slog.Logger
 
+	wake      chan struct{} // this process's relays, woken by Wake and by notifications
 	wakeMu    sync.Mutex
 	lastWake  time.Time
 	wakeLater bool // a wake-up is due at the end of the window
@@ -114,7 +122,8 @@ type Client struct {
 // NewClient returns a Client recording intents in pool's database and publishing through
 // rdb (which it does not close). cfg may be nil.
 func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) *Client {
-	c := &Client{pool: pool, rdb: rdb, asynq: asynq.NewClientFromRedisClient(rdb), insp: asynq.NewInspectorFromRedisClient(rdb)}
+	c := &Client{pool: pool, rdb: rdb, asynq: asynq.NewClientFromRedisClient(rdb), insp: asynq.NewInspectorFromRedisClient(rdb),
+		wake: make(chan struct{}, 1)}
 	if cfg != nil {
 		c.cfg = *cfg
 	}
@@ -272,11 +281,12 @@ func (i *IntentInfo) zeroEpochs() {
 	}
 }
 
-// Wake asks every relay to look for pending intents now (a NOTIFY outside any
-// transaction); call it after committing EnqueueTx. A Client sends at most one per 20 ms:
+// Wake asks every relay to look for pending intents now (this Client's at once, the others
+// by a NOTIFY outside any transaction); call it after committing EnqueueTx. A Client sends at most one per 20 ms:
 // a call inside that window is folded into one sent at its end, so no commit waits for a
 // relay's poll. Errors are only logged: the relays poll anyway.
 func (c *Client) Wake(ctx context.Context) {
+	c.signal()
 	c.wakeMu.Lock()
 	if wait := wakeEvery - time.Since(c.lastWake); wait > 0 {
 		if !c.wakeLater {
@@ -296,6 +306,14 @@ func (c *Client) Wake(ctx context.Context) {
 	c.lastWake = time.Now()
 	c.wakeMu.Unlock()
 	c.notify(ctx)
+}
+
+// signal wakes this Client's relays.
+func (c *Client) signal() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
 }
 
 // wakeEvery is the shortest time between two wake-ups a Client sends.

@@ -57,7 +57,8 @@ type ReconcileStats struct {
 
 // Reconcile settles intents the ledger has finished, then republishes published intents
 // older than grace whose task Redis no longer has (or holds another task under its
-// TaskID), under TaskID key#r<generation> (never colliding with an orphaned or archived
+// TaskID, or holds as completed although the ledger has not finished the key: a
+// completion Postgres lost), under TaskID key#r<generation> (never colliding with an orphaned or archived
 // task; the ledger dedups across generations). With a grace period it checks the 1000
 // oldest such intents; with none (grace 0, as after Redis lost data) it checks them all.
 // It republishes at most Config.RepublishPerSecond per second. If Redis loses data
@@ -226,6 +227,10 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 		if err != nil {
 			return nil, fmt.Errorf("outbox: look up tasks in Redis: %w", err)
 		}
+		// A task asynq completed while the ledger has not finished its key (the round
+		// settled finished keys first) lost its completion: idemq's handlers return only
+		// after the ledger commits, so the commit was lost with the database, as when
+		// Postgres fails over to an asynchronous standby. It runs again.
 		out[i] = match == taskIsThisJob
 	}
 	return out, nil

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
+	"github.com/idemq/idemq/internal/pgpooler"
 )
 
 // wakeChannel is the LISTEN/NOTIFY channel relays wait on.
@@ -108,7 +109,7 @@ func (c *Client) publish(ctx context.Context, r intentRow) (int, error) {
 		switch {
 		case err != nil:
 			return r.gen, err
-		case match == taskIsThisJob:
+		case match == taskIsThisJob || match == taskIsThisJobDone:
 			return gen, nil
 		case match == taskIsOther:
 			c.log.Warn("TaskID held by another task; publishing under the next one",
@@ -124,9 +125,10 @@ func (c *Client) publish(ctx context.Context, r intentRow) (int, error) {
 type taskMatch int
 
 const (
-	taskMissing   taskMatch = iota // no task, no queue, or a hash without a message
-	taskIsThisJob                  // the intent's task: the same type and payload
-	taskIsOther                    // another task under the same TaskID
+	taskMissing       taskMatch = iota // no task, no queue, or a hash without a message
+	taskIsThisJob                      // the intent's task: the same type and payload
+	taskIsThisJobDone                  // the intent's task, which asynq completed
+	taskIsOther                        // another task under the same TaskID
 )
 
 // holdsTask reports what Redis holds under TaskID id in r's queue.
@@ -137,10 +139,12 @@ func (c *Client) holdsTask(ctx context.Context, r intentRow, id string) (taskMat
 		return taskMissing, nil
 	case err != nil:
 		return taskMissing, fmt.Errorf("look up task %s: %w", id, err)
-	case info.Type == r.spec.Type && bytes.Equal(idempotency.Fingerprint(info.Type, info.Payload), idempotency.Fingerprint(r.spec.Type, r.spec.Payload)):
-		return taskIsThisJob, nil
-	default:
+	case info.Type != r.spec.Type || !bytes.Equal(idempotency.Fingerprint(info.Type, info.Payload), idempotency.Fingerprint(r.spec.Type, r.spec.Payload)):
 		return taskIsOther, nil
+	case info.State == asynq.TaskStateCompleted:
+		return taskIsThisJobDone, nil
+	default:
+		return taskIsThisJob, nil
 	}
 }
 
@@ -270,14 +274,13 @@ func firstError(errs []error) error {
 // (up to 5 s) and drops nothing. Every replica may run a relay: rounds take disjoint
 // batches. It returns nil when ctx ends.
 func (c *Client) RunRelay(ctx context.Context) error {
-	wake := make(chan struct{}, 1)
-	go c.listen(ctx, wake)
+	go c.listen(ctx)
 	var wg sync.WaitGroup
 	for i := range c.cfg.Relays {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c.relayLoop(ctx, wake, i == 0)
+			c.relayLoop(ctx, c.wake, i == 0)
 		}()
 	}
 	wg.Wait()
@@ -325,12 +328,21 @@ func (c *Client) relayLoop(ctx context.Context, wake chan struct{}, polling bool
 	}
 }
 
-// listen holds a dedicated connection LISTENing on wakeChannel and signals wake for each
-// notification, reconnecting with a pause after errors, until ctx ends.
-func (c *Client) listen(ctx context.Context, wake chan<- struct{}) {
+// errPooledListen: the LISTEN connection reaches a transaction-mode pooler.
+var errPooledListen = errors.New("the relay's LISTEN connection reaches a transaction-mode pooler, where a LISTEN hears nothing and pins a server connection")
+
+// listen holds a dedicated connection LISTENing on wakeChannel and wakes the relays for
+// each notification, reconnecting with a pause after errors, until ctx ends or the
+// connection turns out to reach a transaction-mode pooler.
+func (c *Client) listen(ctx context.Context) {
 	for ctx.Err() == nil {
-		err := c.listenOnce(ctx, wake)
+		err := c.listenOnce(ctx)
 		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errPooledListen) {
+			c.log.Warn("relay: not listening for wake-ups: "+err.Error()+"; relays poll instead (give the outbox a direct connection: IDEMQ_DIRECT_DATABASE_URL)",
+				"poll", c.cfg.RelayPoll)
 			return
 		}
 		c.log.Debug("relay wake-up connection", "err", err)
@@ -341,12 +353,25 @@ func (c *Client) listen(ctx context.Context, wake chan<- struct{}) {
 	}
 }
 
-func (c *Client) listenOnce(ctx context.Context, wake chan<- struct{}) error {
-	conn, err := pgx.ConnectConfig(ctx, c.pool.Config().ConnConfig.Copy())
+func (c *Client) listenOnce(ctx context.Context) error {
+	cfg := c.cfg.Listen
+	if cfg == nil {
+		cfg = c.pool.Config().ConnConfig
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg.Copy())
 	if err != nil {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	if pooled, err := pgpooler.IsPooled(ctx, conn); err != nil {
+		return err
+	} else if pooled {
+		if kind, err := pgpooler.Detect(ctx, cfg); err != nil {
+			return err
+		} else if kind == pgpooler.TransactionPooler {
+			return errPooledListen
+		}
+	}
 	if _, err := conn.Exec(ctx, "LISTEN "+wakeChannel); err != nil {
 		return err
 	}
@@ -354,9 +379,6 @@ func (c *Client) listenOnce(ctx context.Context, wake chan<- struct{}) error {
 		if _, err := conn.WaitForNotification(ctx); err != nil {
 			return err
 		}
-		select {
-		case wake <- struct{}{}:
-		default:
-		}
+		c.signal()
 	}
 }

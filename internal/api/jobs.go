@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // jobAccepted is a job known to the API but not yet to the ledger: its intent is recorded
@@ -78,7 +79,8 @@ const intentByHeaderSQL = `SELECT task_type FROM api_idempotency_keys WHERE job_
 
 // internal answers an error of the API's own (Postgres, Redis), which it logs but never
 // sends: 503 with Retry-After when the request ran out of time (its deadline passed, or
-// Postgres cancelled a statement at the statement_timeout set below it), 500 otherwise.
+// Postgres cancelled a statement at the statement_timeout set below it) or the database
+// is unavailable (a lost connection, a failover under way), 500 otherwise.
 // When the client went away it writes nothing: ServeHTTP records the request as 499.
 func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, err error) {
 	ctx := r.Context()
@@ -88,6 +90,9 @@ func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, e
 	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || isQueryCanceled(err):
 		s.log.Warn("api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": timed out; retry later")
+	case pgcode.Unavailable(err):
+		s.log.Warn("api: "+what+": database unavailable", "method", r.Method, "path", r.URL.Path, "err", err)
+		unavailable(w, what+": the database is unavailable; retry later")
 	default:
 		s.log.Error("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
 		writeError(w, http.StatusInternalServerError, what+": internal error")

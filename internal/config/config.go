@@ -29,9 +29,16 @@ type Database struct {
 	DatabaseURL string `envconfig:"DATABASE_URL" default:"postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable" desc:"Postgres holding the ledger (postgres:// URL or key=value DSN)"`
 }
 
+// Direct is a connection to Postgres itself, for what a transaction-mode pooler cannot
+// serve.
+type Direct struct {
+	DirectDatabaseURL string `envconfig:"IDEMQ_DIRECT_DATABASE_URL" desc:"Postgres itself, bypassing a transaction-mode pooler in DATABASE_URL, for what needs a session or must not starve: migrate, the relays' LISTEN, heartbeats; default DATABASE_URL"`
+}
+
 // Migrate configures `idemq migrate`.
 type Migrate struct {
 	Database
+	Direct
 }
 
 // Enqueue configures `idemq enqueue`.
@@ -49,6 +56,7 @@ type Ledger struct {
 type Worker struct {
 	Redis
 	Database
+	Direct
 	Concurrency     int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" desc:"tasks one worker runs at once"`
 	Queues          []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, optionally weighted as name:weight"`
 	Lease           time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
@@ -69,6 +77,7 @@ type Worker struct {
 type API struct {
 	Redis
 	Database
+	Direct
 	HTTPAddr          string        `envconfig:"IDEMQ_HTTP_ADDR" default:":8080" desc:"address of the enqueue API, the dashboard, /metrics, /healthz and /readyz"`
 	DashboardUser     string        `envconfig:"IDEMQ_DASHBOARD_USER" desc:"basic-auth user for /monitoring/ and /ledger/"`
 	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password for /monitoring/ and /ledger/; unset (or change-me), they answer 403 unless IDEMQ_HTTP_ADDR is loopback"`
@@ -157,7 +166,10 @@ func checkField(key string, v any) error {
 		if err := checkRedisURL(v.(string)); err != nil {
 			return URLError(v.(string), err)
 		}
-	case "DATABASE_URL":
+	case "DATABASE_URL", "IDEMQ_DIRECT_DATABASE_URL":
+		if v.(string) == "" && key != "DATABASE_URL" {
+			return nil
+		}
 		if _, err := pgx.ParseConfig(v.(string)); err != nil {
 			return fmt.Errorf("not a valid Postgres URL or DSN: %w", URLError(v.(string), err))
 		}

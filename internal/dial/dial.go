@@ -11,12 +11,14 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/pgcode"
+	"github.com/idemq/idemq/internal/pgpooler"
 )
 
 // Redis connects to the Redis that redisURL names and pings it (within 10 s):
@@ -117,27 +119,42 @@ func AsynqRedis(redisURL string, cluster bool) (asynq.RedisConnOpt, error) {
 }
 
 // Postgres opens a pool on dsn of at most maxConns connections (0 keeps pgx's default;
-// a pool_max_conns the DSN sets wins over both) and pings it (within 10 s). Errors never
-// show the DSN's password.
+// a pool_max_conns the DSN sets wins over both) and pings it (within 10 s). When dsn
+// reaches a transaction-mode pooler (see pgpooler.Detect) and sets no
+// default_query_exec_mode, the pool uses cache_describe: unnamed statements, which such a
+// pooler serves, with their descriptions cached per connection. Errors never show the
+// DSN's password.
 func Postgres(ctx context.Context, dsn string, maxConns int32) (*pgxpool.Pool, error) {
+	pool, _, err := postgres(ctx, "DATABASE_URL", dsn, maxConns)
+	return pool, err
+}
+
+func postgres(ctx context.Context, name, dsn string, maxConns int32) (*pgxpool.Pool, pgpooler.Kind, error) {
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", config.URLError(dsn, err))
+		return nil, 0, fmt.Errorf("%s: %w", name, config.URLError(dsn, err))
 	}
-	if maxConns > 0 && !setsMaxConns(dsn) {
+	if maxConns > 0 && !setsParam(dsn, "pool_max_conns") {
 		cfg.MaxConns = maxConns
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect to Postgres: %w", err)
 	}
 	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
+	kind, err := pgpooler.Detect(pctx, cfg.ConnConfig)
+	if err != nil {
+		return nil, 0, fmt.Errorf("connect to Postgres (%s): %w", name, err)
+	}
+	if kind == pgpooler.TransactionPooler && !setsParam(dsn, "default_query_exec_mode") {
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, 0, fmt.Errorf("connect to Postgres (%s): %w", name, err)
+	}
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("connect to Postgres (DATABASE_URL): %w", err)
+		return nil, 0, fmt.Errorf("connect to Postgres (%s): %w", name, err)
 	}
-	return pool, nil
+	return pool, kind, nil
 }
 
 // PoolerHint adds to err, when it is what named prepared statements meet behind a
@@ -152,13 +169,16 @@ func PoolerHint(err error) error {
 	return err
 }
 
-// setsMaxConns reports whether dsn, a URL or a key=value DSN, sets pool_max_conns.
-func setsMaxConns(dsn string) bool {
-	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		return u.Query().Has("pool_max_conns")
+// setsParam reports whether dsn, a URL or a key=value DSN, sets the parameter name.
+func setsParam(dsn, name string) bool {
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		// Not url.Parse: it refuses the host list of a multi-host URL.
+		_, query, _ := strings.Cut(dsn, "?")
+		q, _ := url.ParseQuery(query)
+		return q.Has(name)
 	}
 	for _, f := range strings.Fields(dsn) {
-		if strings.HasPrefix(f, "pool_max_conns=") {
+		if strings.HasPrefix(f, name+"=") {
 			return true
 		}
 	}

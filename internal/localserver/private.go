@@ -72,11 +72,14 @@ func (s *Server) startOrClose() error {
 	return nil
 }
 
-// Postgres is a private Postgres server (fsync on).
+// Postgres is a private Postgres server (fsync on). Its cluster is in data/ under the
+// server's directory.
 type Postgres struct {
 	Server
 	// URL connects as the superuser "postgres" to database "postgres", with no password.
 	URL string
+
+	settings []string // "name=value" over the defaults; a standby inherits them
 }
 
 // StopImmediate stops Postgres with an immediate shutdown (pg_ctl stop -m immediate):
@@ -87,13 +90,12 @@ func (s *Postgres) StopImmediate() error {
 
 // StartPostgres initialises a fresh cluster in a temporary directory and starts it on a
 // free loopback port, with settings ("name=value") over its own. When run as root, the
-// server runs as the postgres user (initdb and postgres refuse root).
+// server runs as the postgres user (initdb and postgres refuse root). The server can be
+// the primary of StartStandby as it is: Postgres's defaults stream WAL (wal_level=replica,
+// max_wal_senders=10), and initdb --auth=trust lets any local user replicate over
+// 127.0.0.1.
 func StartPostgres(settings ...string) (*Postgres, error) {
 	initdb, err := pgBinary("initdb")
-	if err != nil {
-		return nil, err
-	}
-	postgres, err := pgBinary("postgres")
 	if err != nil {
 		return nil, err
 	}
@@ -105,26 +107,37 @@ func StartPostgres(settings ...string) (*Postgres, error) {
 	if err != nil {
 		return nil, err
 	}
-	data := filepath.Join(root, "data")
-
-	cmd := exec.Command(initdb, "-D", data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
+	cmd := exec.Command(initdb, "-D", filepath.Join(root, "data"), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
 		os.RemoveAll(root)
 		return nil, fmt.Errorf("initdb: %w\n%s", err, out)
 	}
-
-	port, err := FreePort()
+	s, err := newPostgres(root, cred, settings)
 	if err != nil {
 		os.RemoveAll(root)
 		return nil, err
 	}
-	s := &Postgres{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
+	return s, s.startOrClose()
+}
+
+// newPostgres prepares, without starting it, a server for the cluster in root/data on a
+// free loopback port.
+func newPostgres(root string, cred *syscall.Credential, settings []string) (*Postgres, error) {
+	postgres, err := pgBinary("postgres")
+	if err != nil {
+		return nil, err
+	}
+	port, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	s := &Postgres{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port), settings: settings}
 	s.port, s.dir, s.stopSignal = port, root, syscall.SIGINT
 	s.p = &process{
 		name: "private postgres", dir: root, log: filepath.Join(root, "postgres.log"), cred: cred,
-		argv: []string{postgres, "-D", data, "-p", strconv.Itoa(port), "-k", root,
+		argv: []string{postgres, "-D", s.dataDir(), "-p", strconv.Itoa(port), "-k", root,
 			"-c", "listen_addresses=127.0.0.1", "-c", "fsync=on", "-c", "max_connections=100",
 			"-c", "shared_buffers=32MB", "-c", "logging_collector=off"},
 	}
@@ -140,8 +153,11 @@ func StartPostgres(settings ...string) (*Postgres, error) {
 		}
 		return conn.Close(ctx)
 	}
-	return s, s.startOrClose()
+	return s, nil
 }
+
+// dataDir is the server's cluster directory.
+func (s *Postgres) dataDir() string { return filepath.Join(s.dir, "data") }
 
 // pgBinary finds a Postgres server binary on PATH or in Debian's versioned directories.
 func pgBinary(name string) (string, error) {

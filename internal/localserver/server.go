@@ -1,6 +1,7 @@
-// Package localserver starts private Postgres and Redis servers from the installed
-// binaries, in a temporary directory on a free loopback port, and can kill, stop, pause and
-// restart them. The tests' fault injection and `idemq demo` use it.
+// Package localserver starts private Postgres (primaries and streaming standbys), PgBouncer
+// and Redis servers from the installed binaries, in a temporary directory on a free loopback
+// port, and can kill, stop, pause and restart them. The tests' fault injection and `idemq demo`
+// use it.
 package localserver
 
 import (

@@ -1,5 +1,14 @@
-// Package pgcode names the Postgres SQLSTATEs idemq acts on, once.
+// Package pgcode names the Postgres SQLSTATEs idemq acts on, once, and tells errors that
+// mean "the database is unavailable" from the others.
 package pgcode
+
+import (
+	"errors"
+	"io"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
 
 // SQLSTATEs (Appendix A of the PostgreSQL manual).
 const (
@@ -20,4 +29,32 @@ const (
 	// from one transaction to the next.
 	DuplicatePreparedStatement = "42P05"
 	InvalidSQLStatementName    = "26000"
+	// ReadOnlySQLTransaction is a write refused by a standby (one not yet promoted).
+	ReadOnlySQLTransaction = "25006"
+	TooManyConnections     = "53300"
+	AdminShutdown          = "57P01"
+	CrashShutdown          = "57P02"
+	CannotConnectNow       = "57P03"
+	// ConnectionExceptionClass is the class of lost and refused connections (also what
+	// PgBouncer answers when it runs out of server connections or waits too long).
+	ConnectionExceptionClass = "08"
 )
+
+// Unavailable reports whether err, from pgx, says that the database cannot be reached or
+// is not taking writes right now: a connection refused or lost, a server shutting down,
+// crashing or starting, a standby not promoted yet, no connection slot free. A later retry
+// may succeed; nothing in err says the request itself is wrong. Network errors count only
+// as pgx reports them (a connect error, a connection that ended mid-answer), so an HTTP
+// call's failure does not.
+func Unavailable(err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		switch pe.Code {
+		case ReadOnlySQLTransaction, TooManyConnections, AdminShutdown, CrashShutdown, CannotConnectNow:
+			return true
+		}
+		return strings.HasPrefix(pe.Code, ConnectionExceptionClass)
+	}
+	var ce *pgconn.ConnectError
+	return errors.As(err, &ce) || errors.Is(err, io.ErrUnexpectedEOF) || pgconn.SafeToRetry(err)
+}

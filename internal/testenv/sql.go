@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -29,4 +30,21 @@ func Count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
 		t.Fatalf("%s: %v", sql, err)
 	}
 	return n
+}
+
+// Strings runs sql, a query of one text column, on pool and returns its values, failing
+// the test on an error.
+func Strings(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rows, err := pool.Query(ctx, sql, args...)
+	if err == nil {
+		var out []string
+		if out, err = pgx.CollectRows(rows, pgx.RowTo[string]); err == nil {
+			return out
+		}
+	}
+	t.Fatalf("%s: %v", sql, err)
+	return nil
 }

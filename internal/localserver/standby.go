@@ -1,0 +1,162 @@
+package localserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// StartStandby copies primary with pg_basebackup into a temporary directory and starts the
+// copy as a hot standby streaming from it, on a free loopback port, with
+// wal_retrieve_retry_interval=100ms, the primary's settings and then settings over its own. It returns once the primary reports the standby
+// streaming. With synchronous, it also names the standby in the primary's
+// synchronous_standby_names (ALTER SYSTEM, reloaded) and returns once the primary reports it
+// sync: from then on a commit on the primary returns only after the standby has flushed it
+// (synchronous_commit stays on). Kill the primary and Promote the standby to fail over.
+//
+// The standby's application_name is "standby_<port>". It never inherits the primary's
+// synchronous_standby_names, so that once promoted it does not wait for a standby it has
+// not got.
+func StartStandby(primary *Postgres, synchronous bool, settings ...string) (*Postgres, error) {
+	basebackup, err := pgBinary("pg_basebackup")
+	if err != nil {
+		return nil, err
+	}
+	root, err := ownedTempDir("idemq-pg-standby-", primary.p.cred)
+	if err != nil {
+		return nil, err
+	}
+	// A standby that has lost its primary retries the stream every
+	// wal_retrieve_retry_interval, and a promotion asked for meanwhile waits for the retry:
+	// 100 ms instead of the default 5 s.
+	settings = append(append([]string{"wal_retrieve_retry_interval=100ms"}, primary.settings...), settings...)
+	s, err := newPostgres(root, primary.p.cred, settings)
+	if err != nil {
+		os.RemoveAll(root)
+		return nil, err
+	}
+	s.p.name = "private postgres standby"
+	name := fmt.Sprintf("standby_%d", s.port)
+
+	// -R writes standby.signal and a primary_conninfo made of these connection options
+	// (application_name included); -c fast checkpoints at once instead of spreading it.
+	conninfo := fmt.Sprintf("host=127.0.0.1 port=%d user=postgres application_name=%s", primary.port, name)
+	cmd := exec.Command(basebackup, "-D", s.dataDir(), "-d", conninfo, "-R", "-X", "stream", "-c", "fast", "--no-sync")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: primary.p.cred}
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		os.RemoveAll(root)
+		return nil, fmt.Errorf("pg_basebackup: %w\n%s", err, out)
+	}
+	if err := dropSetting(filepath.Join(s.dataDir(), "postgresql.auto.conf"), "synchronous_standby_names"); err != nil {
+		os.RemoveAll(root)
+		return nil, err
+	}
+	if err := s.startOrClose(); err != nil {
+		return nil, err
+	}
+
+	if synchronous {
+		err = withConn(primary.URL, 10*time.Second, func(ctx context.Context, conn *pgx.Conn) error {
+			if _, err := conn.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = '"+name+"'"); err != nil {
+				return err
+			}
+			_, err := conn.Exec(ctx, "SELECT pg_reload_conf()")
+			return err
+		})
+		if err != nil {
+			s.Close()
+			return nil, fmt.Errorf("make %s synchronous: %w", name, err)
+		}
+	}
+	want := "async"
+	if synchronous {
+		want = "sync"
+	}
+	err = waitFor(30*time.Second, func() error { return replicating(primary.URL, name, want) })
+	if err != nil {
+		s.Close()
+		return nil, fmt.Errorf("standby %s: %w\n%s", name, err, s.Log())
+	}
+	return s, nil
+}
+
+// Promote ends the standby's recovery (pg_promote, waiting up to 60 s) and returns once it
+// accepts writes. It fails on a server that is not a standby.
+func (s *Postgres) Promote() error {
+	return withConn(s.URL, 70*time.Second, func(ctx context.Context, conn *pgx.Conn) error {
+		var promoted bool
+		if err := conn.QueryRow(ctx, "SELECT pg_promote(true, 60)").Scan(&promoted); err != nil {
+			return fmt.Errorf("promote: %w", err)
+		}
+		if !promoted {
+			return errors.New("promote: still in recovery after 60 s")
+		}
+		return nil
+	})
+}
+
+// MultiHostURL names the servers in one URL (postgres://postgres@h1:p1,h2:p2/postgres)
+// with target_session_attrs=read-write: pgx tries them in order and connects to the first
+// that accepts writes, the primary.
+func MultiHostURL(servers ...*Postgres) string {
+	hosts := make([]string, len(servers))
+	for i, s := range servers {
+		hosts[i] = fmt.Sprintf("127.0.0.1:%d", s.port)
+	}
+	return "postgres://postgres@" + strings.Join(hosts, ",") + "/postgres?sslmode=disable&target_session_attrs=read-write"
+}
+
+// replicating reports nil once the primary at url shows the standby name streaming with
+// sync_state want ("async" or "sync").
+func replicating(url, name, want string) error {
+	return withConn(url, time.Second, func(ctx context.Context, conn *pgx.Conn) error {
+		var state, sync string
+		err := conn.QueryRow(ctx, "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = $1", name).Scan(&state, &sync)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return errors.New("not connected to the primary yet")
+		}
+		if err != nil {
+			return err
+		}
+		if state != "streaming" || sync != want {
+			return fmt.Errorf("state %s, sync_state %s; want streaming, %s", state, sync, want)
+		}
+		return nil
+	})
+}
+
+// withConn runs f on a connection to url, all within d.
+func withConn(url string, d time.Duration, f func(context.Context, *pgx.Conn) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	return f(ctx, conn)
+}
+
+// dropSetting removes the lines that set name from a postgresql.auto.conf.
+func dropSetting(path, name string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var kept []string
+	for _, line := range strings.SplitAfter(string(b), "\n") {
+		if !strings.HasPrefix(strings.TrimSpace(line), name) {
+			kept = append(kept, line)
+		}
+	}
+	return os.WriteFile(path, []byte(strings.Join(kept, "")), 0o600)
+}

@@ -1,0 +1,168 @@
+package localserver_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/internal/localserver"
+)
+
+// needBinary skips the test when the named program is not installed, except under CI
+// (CI=true), where a missing program fails it.
+func needBinary(t *testing.T, name, hint string) {
+	t.Helper()
+	if _, err := exec.LookPath(name); err == nil {
+		return
+	}
+	for _, dir := range []string{"/usr/lib/postgresql/*/bin/", "/usr/sbin/"} {
+		if m, _ := filepath.Glob(dir + name); len(m) > 0 {
+			return
+		}
+	}
+	if os.Getenv("CI") == "true" {
+		t.Fatalf("%s not found; under CI it must be installed (%s)", name, hint)
+	}
+	t.Skipf("%s not found: %s to run this test", name, hint)
+}
+
+// TestStandbyFailover: a row committed on the primary is on the standby; after the primary
+// is killed and the standby promoted, a multi-host URL naming both connects to the standby
+// and writes there. Once with a synchronous standby, once with an asynchronous one.
+func TestStandbyFailover(t *testing.T) {
+	needBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	for _, synchronous := range []bool{true, false} {
+		name := "async"
+		if synchronous {
+			name = "sync"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			primary, err := localserver.StartPostgres()
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { primary.Close() })
+			start := time.Now()
+			standby, err := localserver.StartStandby(primary, synchronous)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { standby.Close() })
+			t.Logf("standby streaming after %s", time.Since(start).Round(time.Millisecond))
+
+			execSQL(t, ctx, primary.URL, "CREATE TABLE t (v text)")
+			execSQL(t, ctx, primary.URL, "INSERT INTO t VALUES ('seen')")
+			waitRows(t, ctx, standby.URL, 1)
+			want := 1
+			if synchronous {
+				// Committed, so flushed on the standby: it survives the primary's death
+				// even though nobody waited for the standby to replay it.
+				execSQL(t, ctx, primary.URL, "INSERT INTO t VALUES ('committed')")
+				want = 2
+			}
+
+			if err := primary.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			start = time.Now()
+			if err := standby.Promote(); err != nil {
+				t.Fatalf("%v\n%s", err, standby.Log())
+			}
+			t.Logf("promoted in %s", time.Since(start).Round(time.Millisecond))
+
+			url := localserver.MultiHostURL(primary, standby)
+			execSQL(t, ctx, url, "INSERT INTO t VALUES ('after')")
+			if got := count(t, ctx, standby.URL); got != want+1 {
+				t.Fatalf("promoted standby has %d rows, want %d", got, want+1)
+			}
+		})
+	}
+}
+
+// TestMultiHostURLPicksThePrimary: with both servers up, the standby named first, a
+// multi-host URL connects to the primary.
+func TestMultiHostURLPicksThePrimary(t *testing.T) {
+	needBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	primary, err := localserver.StartPostgres()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { primary.Close() })
+	standby, err := localserver.StartStandby(primary, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Close() })
+
+	conn, err := pgx.Connect(ctx, localserver.MultiHostURL(standby, primary))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var recovering bool
+	var port int
+	if err := conn.QueryRow(ctx, "SELECT pg_is_in_recovery(), current_setting('port')::int").Scan(&recovering, &port); err != nil {
+		t.Fatal(err)
+	}
+	if recovering || port != primary.Port() {
+		t.Fatalf("connected to port %d (in recovery: %v), want the primary's %d", port, recovering, primary.Port())
+	}
+}
+
+func execSQL(t *testing.T, ctx context.Context, url, sql string) {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, sql); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+func count(t *testing.T, ctx context.Context, url string) int {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var n int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM t").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func waitRows(t *testing.T, ctx context.Context, url string, want int) {
+	t.Helper()
+	for {
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		err = conn.QueryRow(ctx, "SELECT count(*) FROM t").Scan(&n)
+		conn.Close(ctx)
+		if err == nil && n >= want {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("standby has %d rows (%v), want %d", n, err, want)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
