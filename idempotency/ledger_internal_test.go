@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -142,4 +144,115 @@ func TestOperatorErrorsOnClosedPool(t *testing.T) {
 		}
 	}
 	l.markStuckOne(ctx, Request{Key: "k", TaskType: "t"}, 1) // logs, does not panic
+}
+
+// TestResolveAcrossPromotion: a COMMIT whose answer was lost when the primary died is
+// resolved on the promoted standby by the fenced row, never by its transaction id, which
+// the new primary may already have handed to another transaction. One write reached the
+// standby before the crash (committed), one did not (an asynchronous standby's lost
+// window: not committed), and the new primary's first transaction takes the lost one's
+// id and commits.
+func TestResolveAcrossPromotion(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts two Postgres servers")
+	}
+	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	t.Parallel()
+	ctx := testenv.Context(t, 2*time.Minute)
+	primary, err := localserver.StartPostgres()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { primary.Close() })
+	if err := testenv.Migrate(ctx, primary.URL); err != nil {
+		t.Fatal(err)
+	}
+	standby, err := localserver.StartStandby(primary, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Close() })
+	pool := testenv.Pool(t, localserver.MultiHostURL(primary, standby))
+	onStandby := testenv.Pool(t, standby.URL)
+	l := New(pool, nil)
+	defer l.Close()
+
+	// write commits a completed row for key in a transaction of its own and returns the
+	// claim that made it, carrying the transaction's id.
+	write := func(key string) *Claim {
+		t.Helper()
+		c := &Claim{Key: key, Fence: 1, TaskType: "t", owner: pgtype.UUID{Bytes: [16]byte{1}, Valid: true}}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text`).Scan(&c.xid, &c.serverStart); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, completed_at)
+			VALUES ($1, 't', 'completed', 1, $2, now())`, key, c.owner); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	kept := write("kept")
+	for testenv.Count(t, onStandby, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = 'kept'`) == 0 {
+		time.Sleep(10 * time.Millisecond)
+	}
+	var sender int
+	if err := pool.QueryRow(ctx, `SELECT pid FROM pg_stat_replication`).Scan(&sender); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(sender, syscall.SIGSTOP); err != nil { // the standby hears no more
+		t.Fatal(err)
+	}
+	lost := write("lost")
+	if err := primary.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := standby.Promote(); err != nil {
+		t.Fatal(err)
+	}
+
+	// The new primary's first transaction: the id the lost one had, or the next.
+	var reused string
+	for {
+		err := func() error {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback(ctx)
+			if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&reused); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}()
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("no transaction on the promoted standby: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	var status string
+	if err := pool.QueryRow(ctx, `SELECT coalesce(pg_xact_status($1::text::xid8), 'unknown')`, lost.xid).Scan(&status); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("lost transaction %s; the promoted standby's first transaction %s; pg_xact_status(%s) there: %s", lost.xid, reused, lost.xid, status)
+	if reused != lost.xid || status != "committed" {
+		t.Fatalf("the promoted standby did not hand the lost id to its first transaction (%s, %s): the case this test is for did not happen", reused, status)
+	}
+
+	if ok, err := l.resolveXact(ctx, kept); err != nil || !ok {
+		t.Errorf("the write the standby received: committed %t, %v; want committed", ok, err)
+	}
+	if ok, err := l.resolveXact(ctx, lost); err != nil || ok {
+		t.Errorf("the write the standby never received (its id now %s on the new primary): committed %t, %v; want not committed", status, ok, err)
+	}
 }

@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/internal/dial"
+	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -78,4 +81,66 @@ func TestPoolerHint(t *testing.T) {
 	if got := dial.PoolerHint(other); got != error(other) {
 		t.Errorf("42P01: %v, want it unchanged", got)
 	}
+}
+
+// OpenDatabase on a transaction-mode PgBouncer: the pool sends unnamed statements unless
+// the URL chose a mode; with a direct URL, sessions and heartbeats go to Postgres itself;
+// without one there is no session; a direct URL that is itself the pooler is refused; on
+// Postgres itself nothing changes.
+func TestOpenDatabaseBehindAPooler(t *testing.T) {
+	testenv.NeedBinary(t, "pgbouncer", "apt-get install -y pgbouncer")
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	server := testenv.ServerURL()
+	pgb, err := localserver.StartPgBouncer(server, "transaction", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pgb.Close() })
+	log := slog.New(slog.DiscardHandler)
+	serverPort := func(cfg *pgx.ConnConfig) uint16 { return cfg.Port }
+	direct, err := pgx.ParseConfig(server)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	db, err := dial.OpenDatabase(ctx, pgb.URL, server, 4, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !db.Pooled || db.Pool.Config().ConnConfig.DefaultQueryExecMode != pgx.QueryExecModeCacheDescribe {
+		t.Errorf("pooled %t, exec mode %v; want pooled, cache_describe", db.Pooled, db.Pool.Config().ConnConfig.DefaultQueryExecMode)
+	}
+	if db.Session == nil || serverPort(db.Session) != direct.Port || db.Heartbeats == nil || serverPort(db.Heartbeats.Config().ConnConfig) != direct.Port {
+		t.Errorf("session %v, heartbeats %v: want both on Postgres itself (port %d)", db.Session, db.Heartbeats, direct.Port)
+	}
+	if err := db.Heartbeats.Ping(ctx); err != nil {
+		t.Error(err)
+	}
+	db.Close()
+
+	db, err = dial.OpenDatabase(ctx, pgb.URL+"&default_query_exec_mode=exec", "", 4, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if db.Session != nil || db.Heartbeats != nil || db.Pool.Config().ConnConfig.DefaultQueryExecMode != pgx.QueryExecModeExec {
+		t.Errorf("without a direct URL: session %v, heartbeats %v, exec mode %v; want none, none, the URL's exec", db.Session, db.Heartbeats,
+			db.Pool.Config().ConnConfig.DefaultQueryExecMode)
+	}
+	db.Close()
+
+	if _, err := dial.OpenDatabase(ctx, pgb.URL, pgb.URL, 4, log); !errors.Is(err, dial.ErrTransactionPooler) ||
+		!strings.Contains(err.Error(), "IDEMQ_DIRECT_DATABASE_URL") {
+		t.Errorf("a direct URL on the pooler: %v, want a refusal naming IDEMQ_DIRECT_DATABASE_URL", err)
+	}
+
+	db, err = dial.OpenDatabase(ctx, server, "", 4, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if db.Pooled || db.Session == nil || db.Heartbeats != nil || db.Pool.Config().ConnConfig.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		t.Errorf("on Postgres: pooled %t, session %v, heartbeats %v, exec mode %v; want not pooled, the pool's, none (the ledger's own), cache_statement",
+			db.Pooled, db.Session, db.Heartbeats, db.Pool.Config().ConnConfig.DefaultQueryExecMode)
+	}
+	db.Close()
 }

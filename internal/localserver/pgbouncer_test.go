@@ -8,16 +8,17 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/internal/localserver"
+	"github.com/idemq/idemq/internal/testenv"
 )
 
 // sharedPostgres is the machine's Postgres, which the tests only read from.
-const sharedPostgres = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+var sharedPostgres = testenv.ServerURL()
 
 // TestPgBouncerTransactionPool: through a transaction-mode pool of 2 in front of the
 // shared Postgres, four clients' transactions run on at most two server backends; while
 // two clients hold a transaction open, a third waits, as SHOW POOLS tells.
 func TestPgBouncerTransactionPool(t *testing.T) {
-	needBinary(t, "pgbouncer", "apt-get install -y pgbouncer")
+	testenv.NeedBinary(t, "pgbouncer", "apt-get install -y pgbouncer")
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -2,40 +2,20 @@ package localserver_test
 
 import (
 	"context"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/internal/localserver"
+	"github.com/idemq/idemq/internal/testenv"
 )
-
-// needBinary skips the test when the named program is not installed, except under CI
-// (CI=true), where a missing program fails it.
-func needBinary(t *testing.T, name, hint string) {
-	t.Helper()
-	if _, err := exec.LookPath(name); err == nil {
-		return
-	}
-	for _, dir := range []string{"/usr/lib/postgresql/*/bin/", "/usr/sbin/"} {
-		if m, _ := filepath.Glob(dir + name); len(m) > 0 {
-			return
-		}
-	}
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("%s not found; under CI it must be installed (%s)", name, hint)
-	}
-	t.Skipf("%s not found: %s to run this test", name, hint)
-}
 
 // TestStandbyFailover: a row committed on the primary is on the standby; after the primary
 // is killed and the standby promoted, a multi-host URL naming both connects to the standby
 // and writes there. Once with a synchronous standby, once with an asynchronous one.
 func TestStandbyFailover(t *testing.T) {
-	needBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
 	for _, synchronous := range []bool{true, false} {
 		name := "async"
 		if synchronous {
@@ -90,7 +70,7 @@ func TestStandbyFailover(t *testing.T) {
 // TestMultiHostURLPicksThePrimary: with both servers up, the standby named first, a
 // multi-host URL connects to the primary.
 func TestMultiHostURLPicksThePrimary(t *testing.T) {
-	needBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -108,3 +108,10 @@ func truncate(s string, n int) string {
 	}
 	return s
 }
+
+// ServerURL is the URL of the shared test server's database itself (no schema of its
+// own): TEST_DATABASE_URL, then DATABASE_URL, then DefaultDatabaseURL. Only for what
+// connects to the server without writing, such as a pooler in front of it.
+func ServerURL() string {
+	return firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL")
+}
