@@ -18,6 +18,7 @@ func TestMalformedURLDoesNotPrintItsPassword(t *testing.T) {
 		{"api", "REDIS_URL=redis://user:" + pw + "@host:notaport", `REDIS_URL: parse "redis://user:xxxxx@host:notaport": invalid port ":notaport" after host`},
 		{"migrate", "DATABASE_URL=postgres://user:" + pw + "@host:notaport/db", "DATABASE_URL: not a valid Postgres URL or DSN: "},
 		{"fakepay", "DATABASE_URL=postgres://user:" + pw + "@[::1/db", "DATABASE_URL: not a valid Postgres URL or DSN: "},
+		{"worker", "IDEMQ_DIRECT_DATABASE_URL=postgres://user:" + pw + "@host:notaport/db", "IDEMQ_DIRECT_DATABASE_URL: not a valid Postgres URL or DSN: "},
 	} {
 		_, stderr, err := idemq(t, []string{tc.env}, tc.cmd)
 		if err == nil {
