@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
@@ -392,6 +395,33 @@ func TestRetryDelayDefersOtherErrors(t *testing.T) {
 	}
 	if !asynqmw.IsFailure(errors.New("x")) || asynqmw.IsFailure(&idempotency.BusyError{Key: "k"}) {
 		t.Fatal("IsFailure: an ordinary error must count, a busy key must not")
+	}
+}
+
+// TestPostgresUnavailableIsRetriedSoon: a delivery that met Postgres unreachable (a
+// refused connection, a server shutting down, a standby not yet promoted) is retried within
+// 1.5 s and burns no retry; a provider that does not answer is an ordinary failure.
+func TestPostgresUnavailableIsRetriedSoon(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 10*time.Second)
+	port := testenv.FreePort(t) // nothing listens there
+	_, refused := pgx.Connect(ctx, fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?connect_timeout=2", port))
+	_, httpErr := http.Get(fmt.Sprintf("http://127.0.0.1:%d/", port))
+	next := func(int, error, *asynq.Task) time.Duration { return time.Hour }
+	for _, err := range []error{
+		fmt.Errorf("wallet:debit: key debit:1: idempotency: claim debit:1: %w", refused),
+		fmt.Errorf("idempotency: commit: %w", &pgconn.PgError{Severity: "FATAL", Code: "57P01", Message: "terminating connection due to unexpected postmaster exit"}),
+		fmt.Errorf("idempotency: claim: %w", &pgconn.PgError{Severity: "ERROR", Code: "25006", Message: "cannot execute INSERT in a read-only transaction"}),
+	} {
+		if err == nil || asynqmw.IsFailure(err) {
+			t.Errorf("%v: IsFailure true, want false", err)
+		}
+		if d := asynqmw.RetryDelay(next)(5, err, nil); d < 500*time.Millisecond || d > 1500*time.Millisecond {
+			t.Errorf("%v: retry in %s, want within 0.5-1.5 s", err, d)
+		}
+	}
+	if err := fmt.Errorf("charge: %w", httpErr); httpErr == nil || !asynqmw.IsFailure(err) || asynqmw.RetryDelay(next)(5, err, nil) != time.Hour {
+		t.Errorf("%v: want an ordinary failure, retried by next", err)
 	}
 }
 

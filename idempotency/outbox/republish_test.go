@@ -247,3 +247,61 @@ func TestReconcilerNoticesARestartItDidNotSee(t *testing.T) {
 	stop()
 	<-done
 }
+
+// A task asynq completed while the ledger never finished its key lost its completion (as
+// when Postgres fails over to an asynchronous standby): the reconciler runs it again. A
+// completed task whose key the ledger did finish is settled, not republished.
+func TestReconcileRepublishesACompletionPostgresLost(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := outbox.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, time.Minute)
+	lost, kept := debitSpec(t, "lost-completion", 5), debitSpec(t, "kept-completion", 6)
+	for _, s := range []outbox.Spec{lost, kept} {
+		if _, err := c.Enqueue(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// asynq runs both tasks to completion with a handler that leaves no ledger row.
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{Concurrency: 2, Queues: map[string]int{tasks.Queue: 1},
+		Logger: quietLogger{}})
+	if err := srv.Start(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil })); err != nil {
+		t.Fatal(err)
+	}
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	for _, key := range []string{lost.Key, kept.Key} {
+		for {
+			info, err := insp.GetTaskInfo(tasks.Queue, key)
+			if err == nil && info.State == asynq.TaskStateCompleted {
+				break
+			}
+			if ctx.Err() != nil {
+				t.Fatalf("task %s never completed: %v %v", key, info, err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	srv.Shutdown()
+	mustExec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, completed_at)
+		VALUES ($1, $2, 'completed', 1, now())`, kept.Key, kept.Type)
+
+	st, err := c.Reconcile(ctx, 0)
+	if err != nil || st.Finished != 1 || st.Checked != 1 || st.Missing != 1 || st.Republished != 1 {
+		t.Fatalf("reconcile: %+v %v; want the finished key settled and the lost completion republished", st, err)
+	}
+	if got := taskPayload(t, rdb, lost.Key+"#r1"); !bytes.Equal(got, lost.Payload) {
+		t.Fatalf("%s#r1 holds %s, want %s", lost.Key, got, lost.Payload)
+	}
+	if _, err := insp.GetTaskInfo(tasks.Queue, kept.Key+"#r1"); !errors.Is(err, asynq.ErrTaskNotFound) {
+		t.Fatalf("the finished key was republished: %v", err)
+	}
+}
+
+// quietLogger discards asynq's log lines.
+type quietLogger struct{}
+
+func (quietLogger) Debug(...any) {}
+func (quietLogger) Info(...any)  {}
+func (quietLogger) Warn(...any)  {}
+func (quietLogger) Error(...any) {}
+func (quietLogger) Fatal(...any) {}
