@@ -103,12 +103,7 @@ func TestBehindPgBouncer(t *testing.T) {
 		t.FailNow()
 	}
 	s.waitCompleted(t, len(debits)+len(charges), 2*time.Minute)
-	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM wallet_entries WHERE reference = ANY($1)`, debits); n != len(debits) {
-		t.Fatalf("%d wallet entries for %d accepted debits", n, len(debits))
-	}
-	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM fakepay_charges WHERE order_id = ANY($1)`, charges); n != len(charges) {
-		t.Fatalf("%d provider charges for %d accepted charges", n, len(charges))
-	}
+	s.checkEachOnce(t, debits, charges)
 	// A claim that waited at the stalled pooler for most of its lease may self-fence (the
 	// worker cannot know when the lease began) and run again: counted, not a failure.
 	fenced := s.sum(t, "idemq_ledger_events_total", `event="self_fenced"`) + s.sum(t, "idemq_ledger_events_total", `event="lease_lost"`)

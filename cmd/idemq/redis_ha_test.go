@@ -71,6 +71,18 @@ func haLoadRefusing(ctx context.Context, base string, rate int) (r haResult) {
 	}
 }
 
+// checkEachOnce fails unless each of the debits (references) has one wallet entry and each
+// of the charges (orders) one provider charge.
+func (s *stack) checkEachOnce(t *testing.T, debits, charges []string) {
+	t.Helper()
+	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM wallet_entries WHERE reference = ANY($1)`, debits); n != len(debits) {
+		t.Fatalf("%d wallet entries for %d accepted debits", n, len(debits))
+	}
+	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM fakepay_charges WHERE order_id = ANY($1)`, charges); n != len(charges) {
+		t.Fatalf("%d provider charges for %d accepted charges", n, len(charges))
+	}
+}
+
 // startHAStack starts fakepay, two workers and `idemq api` on the Redis at redisURL (a
 // cluster's when cluster), and returns the stack, the API's base URL and process, and a
 // client of that Redis.
@@ -176,12 +188,7 @@ func TestSentinelFailoverUnderLoad(t *testing.T) {
 	accepted := len(res.debits) + len(res.charges)
 	s.waitCompleted(t, accepted, 3*time.Minute)
 	done := time.Since(killed)
-	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM wallet_entries WHERE reference = ANY($1)`, res.debits); n != len(res.debits) {
-		t.Fatalf("%d wallet entries for %d accepted debits", n, len(res.debits))
-	}
-	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM fakepay_charges WHERE order_id = ANY($1)`, res.charges); n != len(res.charges) {
-		t.Fatalf("%d provider charges for %d accepted charges", n, len(res.charges))
-	}
+	s.checkEachOnce(t, res.debits, res.charges)
 	republished := s.sum(t, "idemq_outbox_events_total", `event="republished"`)
 	t.Logf("master %s SIGKILLed under load; %s promoted; Redis writable again after %s; %d debits and %d charges accepted, each took effect once, all completed %s after the kill; %v republished by the outbox",
 		old, master, writable.Round(time.Millisecond), len(res.debits), len(res.charges), done.Round(time.Millisecond), republished)
@@ -215,12 +222,7 @@ func TestRedisClusterEndToEnd(t *testing.T) {
 		t.FailNow()
 	}
 	s.waitCompleted(t, len(debits)+len(charges), 2*time.Minute)
-	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM wallet_entries WHERE reference = ANY($1)`, debits); n != len(debits) {
-		t.Fatalf("%d wallet entries for %d accepted debits", n, len(debits))
-	}
-	if n := testenv.Count(t, s.pool, `SELECT count(*) FROM fakepay_charges WHERE order_id = ANY($1)`, charges); n != len(charges) {
-		t.Fatalf("%d provider charges for %d accepted charges", n, len(charges))
-	}
+	s.checkEachOnce(t, debits, charges)
 	req, _ := http.NewRequestWithContext(ctx, "GET", base+"/monitoring/api/queues", nil)
 	req.SetBasicAuth("ops", "pw")
 	resp, err := http.DefaultClient.Do(req)

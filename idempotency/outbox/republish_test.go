@@ -264,7 +264,7 @@ func TestReconcileRepublishesACompletionPostgresLost(t *testing.T) {
 	}
 	// asynq runs both tasks to completion with a handler that leaves no ledger row.
 	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{Concurrency: 2, Queues: map[string]int{tasks.Queue: 1},
-		Logger: quietLogger{}})
+		LogLevel: asynq.FatalLevel})
 	if err := srv.Start(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil })); err != nil {
 		t.Fatal(err)
 	}
@@ -296,12 +296,3 @@ func TestReconcileRepublishesACompletionPostgresLost(t *testing.T) {
 		t.Fatalf("the finished key was republished: %v", err)
 	}
 }
-
-// quietLogger discards asynq's log lines.
-type quietLogger struct{}
-
-func (quietLogger) Debug(...any) {}
-func (quietLogger) Info(...any)  {}
-func (quietLogger) Warn(...any)  {}
-func (quietLogger) Error(...any) {}
-func (quietLogger) Fatal(...any) {}
