@@ -192,9 +192,15 @@ func (w *worker) counters() map[string]float64 {
 
 // cluster is one private stack: Postgres, Redis, fakepay, the API and the workers.
 type cluster struct {
-	t       *testing.T
-	dir     string
+	t   *testing.T
+	dir string
+	// pg is the Postgres primary; with a standby, standby is the other node, and a
+	// promotion swaps the two. Only the nemesis and then heal (after it) change or read
+	// them, one after the other: no lock. dbURL is every process's DATABASE_URL and
+	// pool's: pg's URL, or with a standby the multi-host URL naming both nodes.
 	pg      *localserver.Postgres
+	standby *localserver.Postgres
+	dbURL   string
 	rd      *localserver.Redis     // the master, the node a Redis fault kills
 	sg      *localserver.Sentinels // with sentinel: rd is its master now
 	pool    *pgxpool.Pool
@@ -207,10 +213,11 @@ type cluster struct {
 	workers []*worker
 	hist    *history
 
-	closing  atomic.Bool
-	redisUp  atomic.Bool
-	pgUp     atomic.Bool
-	scrapeWG sync.WaitGroup
+	closing   atomic.Bool
+	redisUp   atomic.Bool
+	pgUp      atomic.Bool
+	standbyUp atomic.Bool // standby streams from pg, synchronously
+	scrapeWG  sync.WaitGroup
 }
 
 // clusterConfig chooses what differs between runs.
@@ -219,7 +226,11 @@ type clusterConfig struct {
 	// sentinel runs Redis as a master, a replica and three Sentinels (mode is then
 	// ignored: each keeps nothing across a restart); REDIS_URL names them, and a Redis
 	// fault is a failover.
-	sentinel  bool
+	sentinel bool
+	// pgStandby runs Postgres as a primary and a synchronous streaming standby; every
+	// process reaches the primary through a multi-host URL naming both, and the nemesis
+	// adds promotions.
+	pgStandby bool
 	workers   int
 	honorKeys bool
 	workerEnv []string // added after the defaults (later values win)
@@ -240,7 +251,19 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	if c.pg, err = localserver.StartPostgres(); err != nil {
 		t.Fatalf("private postgres: %v", err)
 	}
-	t.Cleanup(func() { c.pg.Close() })
+	// Each node is closed, whichever is primary by then.
+	pg := c.pg
+	t.Cleanup(func() { pg.Close() })
+	c.dbURL = c.pg.URL
+	if cfg.pgStandby {
+		if c.standby, err = localserver.StartStandby(c.pg, true); err != nil {
+			t.Fatalf("private postgres standby: %v", err)
+		}
+		standby := c.standby
+		t.Cleanup(func() { standby.Close() })
+		c.dbURL = localserver.MultiHostURL(c.pg, c.standby)
+		c.standbyUp.Store(true)
+	}
 	redisURL := ""
 	if cfg.sentinel {
 		if c.sg, err = localserver.StartSentinels(); err != nil {
@@ -262,12 +285,12 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	c.redisUp.Store(true)
 	c.pgUp.Store(true)
 
-	if out, err := runIdemq([]string{"DATABASE_URL=" + c.pg.URL}, "migrate"); err != nil {
+	if out, err := runIdemq([]string{"DATABASE_URL=" + c.dbURL}, "migrate"); err != nil {
 		t.Fatalf("idemq migrate: %v\n%s", err, out)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	pcfg, _ := pgxpool.ParseConfig(c.pg.URL)
+	pcfg, _ := pgxpool.ParseConfig(c.dbURL)
 	pcfg.MaxConns = 12
 	if c.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 		t.Fatal(err)
@@ -282,12 +305,12 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	fpPort, _ := localserver.FreePort()
 	fakepayURL := fmt.Sprintf("http://127.0.0.1:%d", fpPort)
 	c.fakepay = &proc{name: "fakepay", args: []string{"fakepay"}, log: filepath.Join(c.dir, "fakepay.log"), env: []string{
-		"DATABASE_URL=" + c.pg.URL, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fpPort),
+		"DATABASE_URL=" + c.dbURL, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fpPort),
 		fmt.Sprintf("IDEMQ_FAKEPAY_HONOR_KEYS=%t", cfg.honorKeys), "IDEMQ_FAKEPAY_DELAY=" + fakepayMax.String()}}
 	apiPort, _ := localserver.FreePort()
 	c.apiURL = fmt.Sprintf("http://127.0.0.1:%d", apiPort)
 	c.api = &proc{name: "api", args: []string{"api"}, log: filepath.Join(c.dir, "api.log"), env: []string{
-		"DATABASE_URL=" + c.pg.URL, "REDIS_URL=" + redisURL, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort),
+		"DATABASE_URL=" + c.dbURL, "REDIS_URL=" + redisURL, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort),
 		"IDEMQ_RECONCILE_GRACE=20s"}}
 	for _, p := range []*proc{c.fakepay, c.api} {
 		if err := p.start(); err != nil {
@@ -299,7 +322,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 
 	workerEnv := append([]string{
 		// application_name lets the nemesis terminate the workers' connections only.
-		"DATABASE_URL=" + c.pg.URL + "&application_name=idemq-worker",
+		"DATABASE_URL=" + withParam(c.dbURL, "application_name=idemq-worker"),
 		"REDIS_URL=" + redisURL, "IDEMQ_FAKEPAY_URL=" + fakepayURL,
 		"IDEMQ_CONCURRENCY=4", "IDEMQ_LEASE=" + lease.String(), "IDEMQ_LOCK_TTL=5s", "IDEMQ_SHUTDOWN_TIMEOUT=8s",
 		"IDEMQ_RECONCILE_GRACE=20s", "IDEMQ_LOG_LEVEL=info",
@@ -408,4 +431,12 @@ func runIdemq(env []string, args ...string) (string, error) {
 	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
+}
+
+// withParam adds the query parameter kv ("name=value") to the URL u.
+func withParam(u, kv string) string {
+	if strings.Contains(u, "?") {
+		return u + "&" + kv
+	}
+	return u + "?" + kv
 }

@@ -1,8 +1,9 @@
 // Package faults is idemq's fault-injection proof suite, in the manner of Jepsen sized to
 // one machine: a workload of charges and debits with duplicate deliveries, a seeded
 // nemesis (worker SIGKILL/SIGSTOP/SIGTERM, Redis SIGKILL, Postgres immediate shutdown,
-// terminated backends, handler fault points), a recorded history and an offline checker,
-// plus negative controls that must find duplicates when a guard is switched off.
+// terminated backends, handler fault points; with a synchronous standby, promotions), a
+// recorded history and an offline checker, plus negative controls that must find
+// duplicates when a guard is switched off.
 //
 // The tests sit behind the faults build tag and start their own Postgres and Redis on
 // loopback (internal/localserver) and the real idemq binary:
@@ -10,6 +11,7 @@
 //	go test -tags faults -count=1 -run TestProof -timeout 15m ./internal/faults/ -v
 //
 // IDEMQ_FAULTS_PROFILE (short or long), IDEMQ_FAULTS_SEED (replay a run) and
-// IDEMQ_FAULTS_REPORT (where the JSON report goes) tune a run. docs/proof.md explains the
-// failure model and the report.
+// IDEMQ_FAULTS_REPORT (where the JSON report goes) tune a run; IDEMQ_FAULTS_SENTINEL=1 and
+// IDEMQ_FAULTS_STANDBY=1 add the long profile's Sentinel and Postgres-standby runs to a
+// short one. docs/proof.md explains the failure model and the report.
 package faults

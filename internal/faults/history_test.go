@@ -24,6 +24,13 @@ type history struct {
 	// resultOnly are asynq task hashes without a message (id → field names).
 	resultOnly map[string]string
 	lost       []lostTasks // per reboot: the tasks Redis lost, and when they were back
+	promotions []promotion
+}
+
+// promotion is one Postgres failover: how long after the primary's SIGKILL the standby
+// was promoted, and a write through the multi-host URL first committed (-1: not within 30 s).
+type promotion struct {
+	promoted, writable time.Duration
 }
 
 // lostTasks are the accepted keys whose tasks one reboot lost, and how long after Redis

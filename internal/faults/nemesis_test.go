@@ -6,8 +6,11 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"syscall"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/internal/localserver"
 )
@@ -21,15 +24,30 @@ const (
 	faultStopPostgres = "stop_postgres"      // immediate shutdown of Postgres, restart it
 	faultTerminate    = "terminate_backends" // pg_terminate_backend on the workers' connections
 	faultReboot       = "reboot"             // SIGKILL Redis and every worker at once (a node's reboot), restart them
+	// faultPromote SIGKILLs the Postgres primary, promotes its synchronous standby, and
+	// 1-3 s later rebuilds the dead node as the new primary's synchronous standby (with a
+	// standby only).
+	faultPromote = "promote_postgres"
 )
 
 var allFaults = []string{faultKillWorker, faultStopWorker, faultTermWorker, faultKillRedis, faultStopPostgres, faultTerminate, faultReboot}
+
+// faultKinds are the kinds the nemesis draws from: allFaults, and promotions when Postgres
+// has a standby. Without one the list is allFaults itself, so that a seed replays the runs
+// it made before promotions existed.
+func (c *cluster) faultKinds() []string {
+	if c.standby == nil {
+		return allFaults
+	}
+	return append(slices.Clone(allFaults), faultPromote)
+}
 
 // runNemesis injects faults for d: first every kind once in a seeded order, then kinds at
 // random, with random gaps. It leaves everything running.
 func (c *cluster) runNemesis(ctx context.Context, seed uint64, d time.Duration) {
 	rng := rand.New(rand.NewPCG(seed, 2))
-	order := append([]string(nil), allFaults...)
+	kinds := c.faultKinds()
+	order := slices.Clone(kinds)
 	rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
 	end := time.Now().Add(d)
 	for n := 0; time.Now().Before(end) && ctx.Err() == nil; n++ {
@@ -39,7 +57,7 @@ func (c *cluster) runNemesis(ctx context.Context, seed uint64, d time.Duration) 
 		case <-ctx.Done():
 			return
 		}
-		kind := allFaults[rng.IntN(len(allFaults))]
+		kind := kinds[rng.IntN(len(kinds))]
 		if n < len(order) {
 			kind = order[n]
 		}
@@ -171,6 +189,7 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		go c.trackLost(ctx, time.Now())
 
 	case faultStopPostgres:
+		// With a standby: the primary stops, and the standby keeps retrying its stream.
 		c.pgUp.Store(false)
 		if err := c.pg.StopImmediate(); err != nil {
 			c.t.Logf("stop postgres: %v", err)
@@ -182,6 +201,9 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 			return
 		}
 		c.pgUp.Store(true)
+
+	case faultPromote:
+		c.promote(ctx, kind, pause(time.Second, 3*time.Second))
 
 	case faultTerminate:
 		var n int
@@ -253,7 +275,79 @@ func (c *cluster) failover(ctx context.Context, kind string, down time.Duration)
 	c.redisUp.Store(true)
 }
 
-// heal makes sure every server and worker runs (none stopped).
+// promote SIGKILLs the Postgres primary, promotes the standby in its place and notes how
+// long after the kill the standby was promoted and a write through the multi-host URL
+// first succeeded; after down it rebuilds the dead node, at its own port, as a synchronous
+// standby of the new primary (which commits locally only until then).
+func (c *cluster) promote(ctx context.Context, kind string, down time.Duration) {
+	if !c.standbyUp.Load() {
+		c.hist.note(kind, "postgres", "no standby to promote; nothing done")
+		return
+	}
+	old, next := c.pg, c.standby
+	c.pgUp.Store(false)
+	c.standbyUp.Store(false)
+	t0 := time.Now()
+	if err := old.Kill(); err != nil {
+		c.t.Logf("kill postgres primary: %v", err)
+	}
+	if err := next.Promote(); err != nil {
+		c.t.Errorf("promote the postgres standby: %v\n%s", err, next.Log())
+		if err := old.Start(); err != nil { // the standby follows it again
+			c.t.Errorf("restart the postgres primary: %v", err)
+			return
+		}
+		c.pgUp.Store(true)
+		c.standbyUp.Store(true)
+		return
+	}
+	promoted := time.Since(t0)
+	c.pg, c.standby = next, old
+	c.pgUp.Store(true)
+	writable := c.firstWrite(ctx, t0, 30*time.Second)
+	c.hist.add(func(h *history) {
+		h.promotions = append(h.promotions, promotion{promoted: promoted, writable: writable})
+	})
+	c.hist.note(kind, "postgres primary", fmt.Sprintf("primary :%d killed; standby :%d promoted after %s, writable through the multi-host URL after %s",
+		old.Port(), next.Port(), promoted.Round(time.Millisecond), writable.Round(time.Millisecond)))
+
+	time.Sleep(down)
+	t1 := time.Now()
+	if err := old.RebuildAsStandby(c.pg, true); err != nil {
+		c.t.Errorf("rebuild the old postgres primary as a standby: %v", err)
+		return
+	}
+	c.standbyUp.Store(true)
+	c.hist.note("standby_rebuilt", "postgres standby", fmt.Sprintf(":%d a synchronous standby of :%d again after %s (down %s)",
+		old.Port(), c.pg.Port(), time.Since(t1).Round(time.Millisecond), down.Round(100*time.Millisecond)))
+}
+
+// firstWrite returns how long after t0 a write transaction through the cluster's DATABASE_URL
+// first committed, trying every 20 ms for d (-1: not within d).
+func (c *cluster) firstWrite(ctx context.Context, t0 time.Time, d time.Duration) time.Duration {
+	write := func() error {
+		ctx, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, c.dbURL)
+		if err != nil {
+			return err
+		}
+		defer conn.Close(context.WithoutCancel(ctx))
+		// A transaction id cannot be assigned on a standby; its commit is written to WAL.
+		_, err = conn.Exec(ctx, "SELECT pg_current_xact_id()")
+		return err
+	}
+	for time.Since(t0) < d && ctx.Err() == nil {
+		if write() == nil {
+			return time.Since(t0)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return -1
+}
+
+// heal makes sure every server and worker runs (none stopped), with a standby: a primary
+// and a synchronous standby.
 func (c *cluster) heal() {
 	if !c.redisUp.Load() {
 		if err := c.rd.Start(); err != nil {
@@ -266,6 +360,13 @@ func (c *cluster) heal() {
 			c.t.Errorf("heal: start postgres: %v", err)
 		}
 		c.pgUp.Store(true)
+	}
+	if c.standby != nil && !c.standbyUp.Load() {
+		if err := c.standby.RebuildAsStandby(c.pg, true); err != nil {
+			c.t.Errorf("heal: rebuild the postgres standby: %v", err)
+		} else {
+			c.standbyUp.Store(true)
+		}
 	}
 	for _, w := range c.workers {
 		w.signal(syscall.SIGCONT, false)

@@ -58,7 +58,7 @@ type report struct {
 }
 
 type runReport struct {
-	Mode       string             `json:"redis_mode"`
+	Mode       string             `json:"redis_mode"` // the run's name: see Postgres
 	DurationS  float64            `json:"duration_s"`
 	NemesisS   float64            `json:"nemesis_s"`
 	DrainS     float64            `json:"drain_s"`
@@ -85,9 +85,28 @@ type runReport struct {
 	// ResultOnly are asynq hashes holding no task message, only fields such as "result"
 	// (id → fields): not a task, never run, but left in Redis for ever (docs/proof.md).
 	ResultOnly map[string]string `json:"asynq_hashes_without_message,omitempty"`
+	// Postgres is the run's Postgres deployment: pgSingle, with Mode naming the Redis
+	// deployment ("none", "aof-always", "sentinel"), or pgSyncStandby, with Mode
+	// "pg-standby" and Redis as in "none".
+	Postgres string `json:"postgres"`
+	// Promotions are the Postgres failovers (pgSyncStandby only): seconds from the
+	// primary's SIGKILL to the standby promoted, and to the first write committed through
+	// the multi-host URL (-1: not within 30 s).
+	Promotions []promotionReport `json:"postgres_promotions,omitempty"`
 	Pass       bool              `json:"pass"`
 	Failures   []string          `json:"failures,omitempty"`
 }
+
+type promotionReport struct {
+	PromotedS float64 `json:"promoted_s"`
+	WritableS float64 `json:"writable_s"`
+}
+
+// The Postgres deployments of runReport.Postgres.
+const (
+	pgSingle      = "single"               // one server
+	pgSyncStandby = "primary+sync-standby" // a primary and a synchronous standby, a multi-host URL
+)
 
 type controlReport struct {
 	Name     string             `json:"name"`
@@ -124,7 +143,7 @@ func TestProof(t *testing.T) {
 			t.Skip("IDEMQ_FAULTS_ONLY=controls")
 		}
 		for _, m := range modes(p) {
-			t.Run("redis="+m.name, func(t *testing.T) {
+			t.Run(m.label(), func(t *testing.T) {
 				t.Parallel()
 				r := runMain(t, p, seed, m)
 				mu.Lock()
@@ -187,29 +206,44 @@ func TestProof(t *testing.T) {
 	}
 }
 
-// redisMode is how a run's Redis is deployed.
-type redisMode struct {
-	name     string
-	mode     localserver.Persistence
-	sentinel bool
+// deployment is how a run's Redis and Postgres are deployed.
+type deployment struct {
+	name      string
+	mode      localserver.Persistence
+	sentinel  bool
+	pgStandby bool
 }
 
-// modes are the Redis deployments a profile runs the nemesis on: one node without and
-// with persistence, and, in the long profile (or with IDEMQ_FAULTS_SENTINEL=1), a
-// Sentinel-monitored master whose Redis faults are failovers.
-func modes(p profile) []redisMode {
-	ms := []redisMode{{"none", localserver.PersistNone, false}, {"aof-always", localserver.PersistAOFAlways, false}}
+// label names the run in subtests, logs and the table: "redis=<name>", or the name alone
+// for a run that differs in its Postgres.
+func (m deployment) label() string {
+	if m.pgStandby {
+		return m.name
+	}
+	return "redis=" + m.name
+}
+
+// modes are the deployments a profile runs the nemesis on: Redis as one node without and
+// with persistence; in the long profile (or with IDEMQ_FAULTS_SENTINEL=1), a
+// Sentinel-monitored Redis master whose Redis faults are failovers; and in the long
+// profile (or with IDEMQ_FAULTS_STANDBY=1), "pg-standby": Redis as in "none", Postgres as
+// a primary and a synchronous standby that the nemesis promotes.
+func modes(p profile) []deployment {
+	ms := []deployment{{name: "none", mode: localserver.PersistNone}, {name: "aof-always", mode: localserver.PersistAOFAlways}}
 	if p.name == "long" || os.Getenv("IDEMQ_FAULTS_SENTINEL") == "1" {
-		ms = append(ms, redisMode{"sentinel", localserver.PersistNone, true})
+		ms = append(ms, deployment{name: "sentinel", mode: localserver.PersistNone, sentinel: true})
+	}
+	if p.name == "long" || os.Getenv("IDEMQ_FAULTS_STANDBY") == "1" {
+		ms = append(ms, deployment{name: "pg-standby", mode: localserver.PersistNone, pgStandby: true})
 	}
 	return ms
 }
 
-func runMain(t *testing.T, p profile, seed uint64, m redisMode) runReport {
-	modeName := m.name
+func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
+	modeName := m.label()
 	began := time.Now()
 	hist := newHistory()
-	c := startCluster(t, clusterConfig{mode: m.mode, sentinel: m.sentinel, workers: 4, honorKeys: true,
+	c := startCluster(t, clusterConfig{mode: m.mode, sentinel: m.sentinel, pgStandby: m.pgStandby, workers: 4, honorKeys: true,
 		workerEnv:   []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints},
 		workerEnvAt: map[int][]string{0: {"IDEMQ_UNSAFE_FAULTS=" + quickFaultPoints, "IDEMQ_CONCURRENCY=8"}}}, hist)
 	ctx, cancel := context.WithTimeout(context.Background(), p.nemesis+p.drain+5*time.Minute)
@@ -225,9 +259,12 @@ func runMain(t *testing.T, p profile, seed uint64, m redisMode) runReport {
 	<-nemesisDone
 	c.heal()
 	hist.note("heal", "", "")
-	t.Logf("redis=%s: nemesis over after %s; healed", modeName, time.Since(began).Round(time.Second))
+	t.Logf("%s: nemesis over after %s; healed", modeName, time.Since(began).Round(time.Second))
 	healed := time.Now()
-	r := runReport{Mode: modeName, NemesisS: p.nemesis.Seconds()}
+	r := runReport{Mode: m.name, Postgres: pgSingle, NemesisS: p.nemesis.Seconds()}
+	if m.pgStandby {
+		r.Postgres = pgSyncStandby
+	}
 	if err := c.enqueueBad(ctx); err != nil {
 		r.Failures = append(r.Failures, err.Error())
 	}
@@ -255,6 +292,9 @@ func runMain(t *testing.T, p profile, seed uint64, m redisMode) runReport {
 	for _, h := range hist.held {
 		r.HeldKilled += len(h.keys)
 	}
+	for _, pr := range hist.promotions {
+		r.Promotions = append(r.Promotions, promotionReport{PromotedS: pr.promoted.Seconds(), WritableS: pr.writable.Seconds()})
+	}
 	hist.mu.Unlock()
 
 	fail := func(ok bool, format string, args ...any) {
@@ -280,12 +320,15 @@ func runMain(t *testing.T, p profile, seed uint64, m redisMode) runReport {
 	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
 	fail(len(r.ResultOnly) == 0, "%d asynq hashes without a task message (a result written after Redis lost the task): %v", len(r.ResultOnly), r.ResultOnly)
 	fail(v.BadArchived == len(badPayloads), "%d of %d bad payloads archived with a reason: %v", v.BadArchived, len(badPayloads), v.BadProblems)
-	for _, k := range allFaults {
+	for _, k := range c.faultKinds() {
 		fail(r.Nemesis[k] > 0, "fault %s never injected", k)
+	}
+	for i, pr := range r.Promotions {
+		fail(pr.WritableS >= 0, "postgres promotion %d: no write through the multi-host URL within 30 s", i+1)
 	}
 	r.Pass = len(r.Failures) == 0
 	if !r.Pass {
-		t.Errorf("redis=%s: %s; examples: %v", modeName, strings.Join(r.Failures, "; "), v.Examples)
+		t.Errorf("%s: %s; examples: %v", modeName, strings.Join(r.Failures, "; "), v.Examples)
 	}
 	return r
 }
@@ -537,7 +580,7 @@ func table(rep *report) string {
 	tw := tabwriter.NewWriter(&b, 0, 4, 2, ' ', 0)
 	head := "metric"
 	for _, r := range rep.Runs {
-		head += "\tredis=" + r.Mode
+		head += "\t" + r.label()
 	}
 	fmt.Fprintln(tw, head+"\t")
 	row := func(name string, f func(r runReport) any) {
@@ -576,6 +619,22 @@ func table(rep *report) string {
 		return fmt.Sprintf("%d (%d)", r.Verdict.KeyReuses, r.Verdict.ReusedRequests)
 	})
 	row("nemesis events", func(r runReport) any { return kinds(r.Nemesis) })
+	row("postgres (promotions: promoted / writable after, max)", func(r runReport) any {
+		if r.Postgres != pgSyncStandby {
+			return r.Postgres
+		}
+		var promoted, writable float64
+		for _, pr := range r.Promotions {
+			promoted = max(promoted, pr.PromotedS)
+			if writable >= 0 {
+				writable = max(writable, pr.WritableS)
+			}
+			if pr.WritableS < 0 {
+				writable = -1 // not within 30 s
+			}
+		}
+		return fmt.Sprintf("sync standby (%d: %.2fs / %.2fs)", len(r.Promotions), promoted, writable)
+	})
 	row("recovery after kill/stop p50/p95/max (n)", func(r runReport) any {
 		return fmt.Sprintf("%.1f/%.1f/%.1fs (%d)", r.Verdict.RecoveryP50, r.Verdict.RecoveryP95, r.Verdict.RecoveryMax, r.Verdict.RecoveryN)
 	})
@@ -606,10 +665,10 @@ func table(rep *report) string {
 	}
 	for _, r := range rep.Runs {
 		for id, f := range r.ResultOnly {
-			fmt.Fprintf(&b, "redis=%s: asynq hash %q has no message, only fields %s\n", r.Mode, id, f)
+			fmt.Fprintf(&b, "%s: asynq hash %q has no message, only fields %s\n", r.label(), id, f)
 		}
 		for _, f := range r.Failures {
-			fmt.Fprintf(&b, "redis=%s FAILURE: %s\n", r.Mode, f)
+			fmt.Fprintf(&b, "%s FAILURE: %s\n", r.label(), f)
 		}
 	}
 	for _, f := range rep.Failures {
@@ -617,6 +676,14 @@ func table(rep *report) string {
 	}
 	fmt.Fprintf(&b, "overall: %s\n", passFail(rep.Pass))
 	return b.String()
+}
+
+// label names the run as its deployment's label does.
+func (r runReport) label() string {
+	if r.Postgres == pgSyncStandby {
+		return r.Mode
+	}
+	return "redis=" + r.Mode
 }
 
 func histogram(m map[string]int) string {

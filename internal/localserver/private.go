@@ -139,7 +139,12 @@ func newPostgres(root string, cred *syscall.Credential, settings []string) (*Pos
 		name: "private postgres", dir: root, log: filepath.Join(root, "postgres.log"), cred: cred,
 		argv: []string{postgres, "-D", s.dataDir(), "-p", strconv.Itoa(port), "-k", root,
 			"-c", "listen_addresses=127.0.0.1", "-c", "fsync=on", "-c", "max_connections=100",
-			"-c", "shared_buffers=32MB", "-c", "logging_collector=off"},
+			"-c", "shared_buffers=32MB", "-c", "logging_collector=off",
+			// A standby that has lost its primary retries the stream every
+			// wal_retrieve_retry_interval, and a promotion asked for meanwhile waits for
+			// the retry: 100 ms instead of the default 5 s. Any server may become a
+			// standby (RebuildAsStandby); a primary ignores it.
+			"-c", "wal_retrieve_retry_interval=100ms"},
 	}
 	for _, kv := range settings {
 		s.p.argv = append(s.p.argv, "-c", kv)

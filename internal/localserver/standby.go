@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -15,8 +16,8 @@ import (
 )
 
 // StartStandby copies primary with pg_basebackup into a temporary directory and starts the
-// copy as a hot standby streaming from it, on a free loopback port, with
-// wal_retrieve_retry_interval=100ms, the primary's settings and then settings over its own. It returns once the primary reports the standby
+// copy as a hot standby streaming from it, on a free loopback port, with the primary's
+// settings and then settings over its own. It returns once the primary reports the standby
 // streaming. With synchronous, it also names the standby in the primary's
 // synchronous_standby_names (ALTER SYSTEM, reloaded) and returns once the primary reports it
 // sync: from then on a commit on the primary returns only after the standby has flushed it
@@ -26,45 +27,73 @@ import (
 // synchronous_standby_names, so that once promoted it does not wait for a standby it has
 // not got.
 func StartStandby(primary *Postgres, synchronous bool, settings ...string) (*Postgres, error) {
-	basebackup, err := pgBinary("pg_basebackup")
-	if err != nil {
-		return nil, err
-	}
 	root, err := ownedTempDir("idemq-pg-standby-", primary.p.cred)
 	if err != nil {
 		return nil, err
 	}
-	// A standby that has lost its primary retries the stream every
-	// wal_retrieve_retry_interval, and a promotion asked for meanwhile waits for the retry:
-	// 100 ms instead of the default 5 s.
-	settings = append(append([]string{"wal_retrieve_retry_interval=100ms"}, primary.settings...), settings...)
-	s, err := newPostgres(root, primary.p.cred, settings)
+	s, err := newPostgres(root, primary.p.cred, append(slices.Clone(primary.settings), settings...))
 	if err != nil {
 		os.RemoveAll(root)
 		return nil, err
 	}
 	s.p.name = "private postgres standby"
-	name := fmt.Sprintf("standby_%d", s.port)
+	if err := s.follow(primary, synchronous); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s, nil
+}
 
+// RebuildAsStandby makes s a new standby of primary on its own port, URL and settings, as
+// StartStandby makes one (synchronous too): it kills s if it runs, removes its cluster,
+// copies primary into its place with pg_basebackup, starts it and waits until the primary
+// reports it streaming (and sync). It brings a primary that was failed over back as the
+// standby of the server promoted in its place, so that a multi-host URL naming both stays
+// valid. On error s is left stopped. Do not call it while another goroutine starts or
+// stops s.
+func (s *Postgres) RebuildAsStandby(primary *Postgres, synchronous bool) error {
+	if err := s.Kill(); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(s.dataDir()); err != nil {
+		return err
+	}
+	if err := s.follow(primary, synchronous); err != nil {
+		s.Kill()
+		return err
+	}
+	return nil
+}
+
+// follow copies primary into s's (absent) cluster directory with pg_basebackup, starts s
+// as a standby streaming from it under application_name "standby_<port>", and waits until
+// the primary reports it streaming; with synchronous, it first names it in the primary's
+// synchronous_standby_names and waits until it is sync.
+func (s *Postgres) follow(primary *Postgres, synchronous bool) error {
+	basebackup, err := pgBinary("pg_basebackup")
+	if err != nil {
+		return err
+	}
+	name := fmt.Sprintf("standby_%d", s.port)
 	// -R writes standby.signal and a primary_conninfo made of these connection options
 	// (application_name included); -c fast checkpoints at once instead of spreading it.
 	conninfo := fmt.Sprintf("host=127.0.0.1 port=%d user=postgres application_name=%s", primary.port, name)
 	cmd := exec.Command(basebackup, "-D", s.dataDir(), "-d", conninfo, "-R", "-X", "stream", "-c", "fast", "--no-sync")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: primary.p.cred}
-	cmd.Dir = root
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.p.cred}
+	cmd.Dir = s.dir
 	if out, err := cmd.CombinedOutput(); err != nil {
-		os.RemoveAll(root)
-		return nil, fmt.Errorf("pg_basebackup: %w\n%s", err, out)
+		return fmt.Errorf("pg_basebackup: %w\n%s", err, out)
 	}
 	if err := dropSetting(filepath.Join(s.dataDir(), "postgresql.auto.conf"), "synchronous_standby_names"); err != nil {
-		os.RemoveAll(root)
-		return nil, err
+		return err
 	}
-	if err := s.startOrClose(); err != nil {
-		return nil, err
+	if err := s.Start(); err != nil {
+		return err
 	}
 
+	want := "async"
 	if synchronous {
+		want = "sync"
 		err = withConn(primary.URL, 10*time.Second, func(ctx context.Context, conn *pgx.Conn) error {
 			if _, err := conn.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = '"+name+"'"); err != nil {
 				return err
@@ -73,20 +102,14 @@ func StartStandby(primary *Postgres, synchronous bool, settings ...string) (*Pos
 			return err
 		})
 		if err != nil {
-			s.Close()
-			return nil, fmt.Errorf("make %s synchronous: %w", name, err)
+			return fmt.Errorf("make %s synchronous: %w", name, err)
 		}
-	}
-	want := "async"
-	if synchronous {
-		want = "sync"
 	}
 	err = waitFor(30*time.Second, func() error { return replicating(primary.URL, name, want) })
 	if err != nil {
-		s.Close()
-		return nil, fmt.Errorf("standby %s: %w\n%s", name, err, s.Log())
+		return fmt.Errorf("standby %s: %w\n%s", name, err, s.Log())
 	}
-	return s, nil
+	return nil
 }
 
 // Promote ends the standby's recovery (pg_promote, waiting up to 60 s) and returns once it

@@ -67,6 +67,61 @@ func TestStandbyFailover(t *testing.T) {
 	}
 }
 
+// TestRebuildAsStandby: after a failover the old primary comes back, at its own port, as a
+// synchronous standby of the promoted one; a write through the multi-host URL lands on the
+// new primary and on the rebuilt standby; after a failover back, a multi-host write lands
+// on the old primary, now primary again.
+func TestRebuildAsStandby(t *testing.T) {
+	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	a, err := localserver.StartPostgres()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	b, err := localserver.StartStandby(a, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	url := localserver.MultiHostURL(a, b)
+	execSQL(t, ctx, url, "CREATE TABLE t (v text)")
+	execSQL(t, ctx, url, "INSERT INTO t VALUES ('on a')")
+
+	if err := a.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Promote(); err != nil {
+		t.Fatalf("%v\n%s", err, b.Log())
+	}
+	port := a.Port()
+	start := time.Now()
+	if err := a.RebuildAsStandby(b, true); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("old primary a sync standby again after %s", time.Since(start).Round(time.Millisecond))
+	if a.Port() != port {
+		t.Fatalf("rebuilt on port %d, want %d", a.Port(), port)
+	}
+	// Synchronous: the commit returns once a has flushed it, and a hot standby shows it
+	// once replayed.
+	execSQL(t, ctx, url, "INSERT INTO t VALUES ('on b')")
+	waitRows(t, ctx, a.URL, 2)
+
+	if err := b.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Promote(); err != nil {
+		t.Fatalf("%v\n%s", err, a.Log())
+	}
+	execSQL(t, ctx, url, "INSERT INTO t VALUES ('on a again')")
+	if got := count(t, ctx, a.URL); got != 3 {
+		t.Fatalf("a has %d rows, want 3", got)
+	}
+}
+
 // TestMultiHostURLPicksThePrimary: with both servers up, the standby named first, a
 // multi-host URL connects to the primary.
 func TestMultiHostURLPicksThePrimary(t *testing.T) {
