@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
 
 	"github.com/idemq/idemq/tasks"
 )
@@ -48,7 +49,9 @@ func NewCharger(baseURL string, client *http.Client) *Charger {
 		// more charges at once would open and close a connection for most calls.
 		tr := http.DefaultTransport.(*http.Transport).Clone()
 		tr.MaxIdleConns, tr.MaxIdleConnsPerHost = idleConns, idleConns
-		client = &http.Client{Timeout: 30 * time.Second, Transport: tr}
+		// A client span per call, whose traceparent the provider receives, under the
+		// delivery's span (a no-op unless a tracer provider is installed).
+		client = &http.Client{Timeout: 30 * time.Second, Transport: otelhttp.NewTransport(tr)}
 	}
 	return &Charger{url: strings.TrimRight(baseURL, "/") + "/v1/charges", http: client}
 }

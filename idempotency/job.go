@@ -21,6 +21,11 @@ const MaxPayloadBytes = 64 << 10
 // the payload's fingerprint.
 const HeaderFirstEnqueued = "idemq-first-enqueued"
 
+// HeaderTraceParent is the task header carrying a job's W3C traceparent: the outbox puts
+// the one recorded with the intent on every publish of the job (the first and each
+// republish), and asynqmw starts each delivery's span as its child.
+const HeaderTraceParent = "traceparent"
+
 // FirstEnqueued returns the time a task was first enqueued, from its headers; ok is false
 // when the header is missing or unreadable.
 func FirstEnqueued(headers map[string]string) (t time.Time, ok bool) {

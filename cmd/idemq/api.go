@@ -16,6 +16,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/internal/tracing"
 )
 
 func apiCommand() command {
@@ -35,6 +36,11 @@ func apiCommand() command {
 }
 
 func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
+	stopTracing, err := startTracing(ctx, "idemq-api", log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	connOpt, err := dial.AsynqRedis(cfg.RedisURL, cfg.RedisCluster)
 	if err != nil {
 		return err
@@ -87,7 +93,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- client.RunRelay(relayCtx) }()
 
-	err = httpserver.Serve(ctx, cfg.HTTPAddr, h, log, &httpserver.Options{ShutdownTimeout: cfg.ShutdownTimeout})
+	err = httpserver.Serve(ctx, cfg.HTTPAddr, tracing.Handler(h, "idemq-api"), log, &httpserver.Options{ShutdownTimeout: cfg.ShutdownTimeout})
 	stopRelay()
 	if err != nil {
 		err = fmt.Errorf("api: %w", err)

@@ -9,6 +9,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/httpserver"
+	"github.com/idemq/idemq/internal/tracing"
 )
 
 func fakepayCommand() command {
@@ -23,6 +24,11 @@ func fakepayCommand() command {
 				return fmt.Errorf("fakepay: unexpected arguments %q", args)
 			}
 			log := newLogger(stderr, cfg.LogLevel).With("cmd", "fakepay")
+			stopTracing, err := startTracing(ctx, "idemq-fakepay", log)
+			if err != nil {
+				return err
+			}
+			defer stopTracing()
 			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 0)
 			if err != nil {
 				return err
@@ -34,7 +40,7 @@ func fakepayCommand() command {
 			srv := fakepay.New(pool, fakepay.Config{HonorKeys: cfg.HonorKeys, Delay: cfg.Delay, Logger: log})
 			log.Info("fakepay starting", "honor_keys", cfg.HonorKeys, "delay", cfg.Delay)
 			// A request may sleep up to cfg.Delay before it answers.
-			return httpserver.Serve(ctx, cfg.Addr, srv, log, &httpserver.Options{
+			return httpserver.Serve(ctx, cfg.Addr, tracing.Handler(srv, "idemq-fakepay"), log, &httpserver.Options{
 				ShutdownTimeout: defaultShutdown, WriteTimeout: cfg.Delay + httpserver.DefaultWriteTimeout})
 		},
 	}

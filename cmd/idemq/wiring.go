@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemq/idemq/internal/dial"
+	"github.com/idemq/idemq/internal/tracing"
 	"github.com/idemq/idemq/migrations"
 )
 
@@ -20,6 +21,25 @@ func newLogger(w io.Writer, level string) *slog.Logger {
 	var l slog.Level
 	l.UnmarshalText([]byte(level)) // checked by config.Load
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l}))
+}
+
+// startTracing turns tracing on when the environment asks for it (internal/tracing) and
+// returns what flushes and stops it, within 5 s.
+func startTracing(ctx context.Context, service string, log *slog.Logger) (func(), error) {
+	shutdown, err := tracing.Setup(ctx, service)
+	if err != nil {
+		return nil, err
+	}
+	if tracing.Enabled() {
+		log.Info("tracing to OTLP", "service", service)
+	}
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := shutdown(ctx); err != nil {
+			log.Warn("tracing: flush the last spans", "err", err)
+		}
+	}, nil
 }
 
 // requireSchema refuses to start on a database that `idemq migrate` has not brought up to

@@ -58,6 +58,11 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		return fmt.Errorf("IDEMQ_RETENTION=%s is shorter than asynq's task retention plus the longest retry horizon (%s): a retried task could run again after its key was purged", cfg.Retention, min.Round(time.Hour))
 	}
 
+	stopTracing, err := startTracing(ctx, "idemq-worker", log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	rdb, err := dial.Redis(ctx, cfg.RedisURL, cfg.RedisCluster)
 	if err != nil {
 		return err

@@ -13,6 +13,8 @@ import (
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
@@ -89,6 +91,11 @@ type Config struct {
 	// (OutcomeCompleted, OutcomeCached, OutcomeBusy, OutcomeError, OutcomeRejected) and how
 	// long it took. It must be fast and safe for concurrent use.
 	ObserveHandler func(taskType, outcome string, d time.Duration)
+
+	// TracerProvider makes each delivery's span (see Leased): a consumer span "process
+	// <task type>", the child of the traceparent in the task's headers. Default: the
+	// global one (otel.GetTracerProvider), a no-op unless the program installed one.
+	TracerProvider trace.TracerProvider
 }
 
 // LockEvent is a lock outcome, for counters (see Config.ObserveLock).
@@ -122,6 +129,7 @@ type Worker struct {
 	cfg    Config
 	log    *slog.Logger
 	gate   *gate
+	tracer trace.Tracer
 }
 
 // NewWorker returns a Worker using ledger and locker (locker may be nil: no Redis lock,
@@ -153,6 +161,11 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 	if w.log == nil {
 		w.log = slog.New(slog.DiscardHandler)
 	}
+	tp := w.cfg.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	w.tracer = tp.Tracer(tracerName)
 	w.gate = newGate(w)
 	return w
 }
@@ -223,10 +236,12 @@ type handler[T idempotency.Job] struct {
 
 var _ asynq.Handler = (*handler[idempotency.Job])(nil)
 
-// ProcessTask handles one delivery.
+// ProcessTask handles one delivery, in a span of its own (see startSpan).
 func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
 	start := time.Now()
+	ctx, span := h.w.startSpan(ctx, h.taskType, t)
 	outcome, err := h.process(ctx, t)
+	endSpan(span, outcome, err)
 	if h.w.cfg.ObserveHandler != nil {
 		h.w.cfg.ObserveHandler(h.taskType, outcome, time.Since(start))
 	}
@@ -245,6 +260,8 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	if err := idempotency.ValidateKey(key); err != nil {
 		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %.64q: %v: %w", h.taskType, key, err, asynq.SkipRetry)
 	}
+	span := trace.SpanFromContext(ctx)
+	span.SetAttributes(attrKey.String(key))
 	canonical, err := json.Marshal(job)
 	if err != nil {
 		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %s: encode: %v: %w", h.taskType, key, err, asynq.SkipRetry)
@@ -305,6 +322,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 				hook.Answered(ctx, res)
 			}
 			h.writeResult(ctx, t, res.Result, log)
+			span.SetAttributes(attrFence.Int64(res.Fence)) // a cached answer names the run that did the work
 			if res.Cached {
 				return OutcomeCached, nil
 			}

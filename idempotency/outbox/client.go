@@ -179,8 +179,8 @@ func (c *Client) observe(ev Event, taskType string) {
 }
 
 const insertIntentSQL = `
-INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, trace_parent)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, nullif($9, ''))
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING state`
 
@@ -188,7 +188,9 @@ const readIntentSQL = `SELECT task_type, payload_sha256, state FROM job_intents 
 
 // EnqueueTx records spec's intent inside tx, the caller's own transaction: the job is
 // accepted exactly when tx commits, together with the caller's other writes, and a relay
-// publishes it after the commit (call Wake after committing to publish at once).
+// publishes it after the commit (call Wake after committing to publish at once). The
+// traceparent of ctx's span (or spec.TraceParent) is recorded with the intent: every
+// delivery of the job continues that trace.
 //
 // Recording a key that exists already changes nothing: with the same payload it reports
 // Duplicate and the intent's state; with another payload (or task type) it returns a
@@ -198,10 +200,11 @@ func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueRe
 	if err := checkSpec(spec); err != nil {
 		return EnqueueResult{}, err
 	}
+	spec = withTrace(ctx, spec)
 	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
 	var state string
 	err := tx.QueryRow(ctx, insertIntentSQL, spec.Key, spec.Type, spec.Payload, fp, spec.Queue,
-		spec.MaxRetry, spec.Timeout.Milliseconds(), spec.Retention.Milliseconds()).Scan(&state)
+		spec.MaxRetry, spec.Timeout.Milliseconds(), spec.Retention.Milliseconds(), spec.TraceParent).Scan(&state)
 	if err == nil {
 		return EnqueueResult{Key: spec.Key, State: state}, nil
 	}

@@ -135,6 +135,7 @@ func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) 
 	if err := checkSpec(spec); err != nil {
 		return EnqueueResult{}, err
 	}
+	spec = withTrace(ctx, spec)
 	op := &enqueueOp{spec: spec}
 	if err := c.enq.Run(ctx, 0, op); err != nil {
 		return EnqueueResult{}, fmt.Errorf("outbox: record intent %s: %w", spec.Key, err)

@@ -13,12 +13,12 @@ import (
 )
 
 // insertIntentsSQL records many intents in one statement, in the order given (key order,
-// so that concurrent batches lock their rows in one order), held from the relays for $9
-// ms when $9 > 0.
+// so that concurrent batches lock their rows in one order), held from the relays for $10
+// ms when $10 > 0.
 const insertIntentsSQL = `
-INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, relay_until)
-SELECT u.*, CASE WHEN $9::bigint > 0 THEN now() + $9::bigint * interval '1 millisecond' END
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::text[], $6::int[], $7::bigint[], $8::bigint[]) AS u
+INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, trace_parent, relay_until)
+SELECT u.k, u.t, u.p, u.f, u.q, u.m, u.o, u.r, nullif(u.tp, ''), CASE WHEN $10::bigint > 0 THEN now() + $10::bigint * interval '1 millisecond' END
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::text[], $6::int[], $7::bigint[], $8::bigint[], $9::text[]) AS u(k, t, p, f, q, m, o, r, tp)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING idempotency_key, state`
 
@@ -43,7 +43,9 @@ func checkSpec(spec Spec) error {
 // It returns each spec's outcome at the spec's index: its result, or its own error (an
 // invalid spec, a *MismatchError), which does not affect the others. The error it
 // returns last is the statement's: then tx must be rolled back and nothing is recorded.
-// A key given twice is recorded once; the second is its duplicate.
+// A key given twice is recorded once; the second is its duplicate. Each spec's
+// TraceParent is recorded as it is (ctx's span is not used: the specs may come from
+// several requests).
 //
 // With selfPublish the caller publishes the new intents itself, with Publish once tx
 // committed: the relays leave them alone for Config.RelayHold, then publish whatever is
@@ -70,15 +72,15 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(specs[a].Key, specs[b].Key) })
 	n := len(order)
 	keys, types, queues := make([]string, n), make([]string, n), make([]string, n)
-	payloads, fps := make([][]byte, n), make([][]byte, n)
+	payloads, fps, traces := make([][]byte, n), make([][]byte, n), make([]string, n)
 	maxRetry, timeouts, retentions := make([]int32, n), make([]int64, n), make([]int64, n)
 	for j, i := range order {
 		s := specs[i]
-		keys[j], types[j], queues[j], payloads[j] = s.Key, s.Type, s.Queue, s.Payload
+		keys[j], types[j], queues[j], payloads[j], traces[j] = s.Key, s.Type, s.Queue, s.Payload, s.TraceParent
 		fps[j] = idempotency.Fingerprint(s.Type, s.Payload)
 		maxRetry[j], timeouts[j], retentions[j] = int32(s.MaxRetry), s.Timeout.Milliseconds(), s.Retention.Milliseconds()
 	}
-	rows, err := tx.Query(ctx, insertIntentsSQL, keys, types, payloads, fps, queues, maxRetry, timeouts, retentions, hold.Milliseconds())
+	rows, err := tx.Query(ctx, insertIntentsSQL, keys, types, payloads, fps, queues, maxRetry, timeouts, retentions, traces, hold.Milliseconds())
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: record intents: %w", err)
 	}

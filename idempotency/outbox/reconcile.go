@@ -30,7 +30,8 @@ const cutoffSQL = `SELECT now() - $1::bigint * interval '1 millisecond'`
 // staleIntentsSQL lists up to $4 intents published before $1, after the cursor
 // (published_at, key) = ($2, $3), in that order; only in the queues $5 unless it is NULL.
 const staleIntentsSQL = `
-SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, published_at
+SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, published_at,
+       coalesce(trace_parent, '')
 FROM job_intents
 WHERE state = 'published' AND published_at < $1 AND (published_at, idempotency_key) > ($2, $3)
   AND ($5::text[] IS NULL OR queue = ANY($5::text[]))

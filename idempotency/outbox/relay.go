@@ -30,7 +30,8 @@ WHERE idempotency_key IN (
 	ORDER BY created_at
 	LIMIT $1
 	FOR UPDATE SKIP LOCKED)
-RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, coalesce(published_at, created_at)`
+RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, coalesce(published_at, created_at),
+	coalesce(trace_parent, '')`
 
 // markPublishedSQL records the publishes of keys $1, each under the generation at the same
 // index of $2 (a publish moves past TaskIDs that other tasks hold).
@@ -80,7 +81,7 @@ func scanIntentRow(row pgx.CollectableRow) (intentRow, error) {
 	var r intentRow
 	var timeout, retention int64
 	err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
-		&timeout, &retention, &r.gen, &r.createdAt, &r.publishedAt)
+		&timeout, &retention, &r.gen, &r.createdAt, &r.publishedAt, &r.spec.TraceParent)
 	r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
 	return r, err
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
@@ -294,5 +295,50 @@ func TestReconcileRepublishesACompletionPostgresLost(t *testing.T) {
 	}
 	if _, err := insp.GetTaskInfo(tasks.Queue, kept.Key+"#r1"); !errors.Is(err, asynq.ErrTaskNotFound) {
 		t.Fatalf("the finished key was republished: %v", err)
+	}
+}
+
+// The traceparent of the context that enqueued a job is recorded with its intent and put
+// in the headers of its first publish and of every republish, so a job that Redis lost is
+// still one trace.
+func TestTraceParentTravelsWithEveryPublish(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := outbox.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	sc := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{1, 2, 3}, SpanID: trace.SpanID{4, 5, 6}, TraceFlags: trace.FlagsSampled})
+	const want = "00-01020300000000000000000000000000-0405060000000000-01"
+	spec := debitSpec(t, "traced", 5)
+	if _, err := c.Enqueue(trace.ContextWithSpanContext(ctx, sc), spec); err != nil {
+		t.Fatal(err)
+	}
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	header := func(id string) string {
+		t.Helper()
+		info, err := insp.GetTaskInfo(tasks.Queue, id)
+		if err != nil {
+			t.Fatalf("task %s: %v", id, err)
+		}
+		return info.Headers[idempotency.HeaderTraceParent]
+	}
+	if got := header(spec.Key); got != want {
+		t.Fatalf("first publish: traceparent %q, want %q", got, want)
+	}
+	if err := insp.DeleteTask(tasks.Queue, spec.Key); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := c.Reconcile(ctx, 0); err != nil || st.Republished != 1 {
+		t.Fatalf("reconcile: %+v %v", st, err)
+	}
+	if got := header(spec.Key + "#r1"); got != want {
+		t.Fatalf("republish: traceparent %q, want %q", got, want)
+	}
+	// An untraced context records none.
+	plain := debitSpec(t, "untraced", 5)
+	if _, err := c.Enqueue(ctx, plain); err != nil {
+		t.Fatal(err)
+	}
+	if got := header(plain.Key); got != "" {
+		t.Fatalf("untraced job: traceparent %q, want none", got)
 	}
 }

@@ -1,9 +1,12 @@
 package outbox
 
 import (
+	"context"
 	"time"
 
 	"github.com/hibiken/asynq"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 )
@@ -18,6 +21,10 @@ type Spec struct {
 	MaxRetry  int
 	Timeout   time.Duration
 	Retention time.Duration
+	// TraceParent is the W3C traceparent the job's deliveries continue (see
+	// idempotency.HeaderTraceParent). Enqueue and EnqueueTx fill it from their context
+	// when it is empty and the context carries a sampled span.
+	TraceParent string
 }
 
 // Task returns the asynq task for s under TaskID taskID (the key for the first publish),
@@ -31,5 +38,29 @@ func (s Spec) Task(taskID string, firstEnqueued time.Time, opts ...asynq.Option)
 		asynq.Timeout(s.Timeout),
 		asynq.Retention(s.Retention),
 	}, opts...)
-	return asynq.NewTaskWithHeaders(s.Type, s.Payload, idempotency.FirstEnqueuedHeader(firstEnqueued), all...)
+	headers := idempotency.FirstEnqueuedHeader(firstEnqueued)
+	if s.TraceParent != "" {
+		headers[idempotency.HeaderTraceParent] = s.TraceParent
+	}
+	return asynq.NewTaskWithHeaders(s.Type, s.Payload, headers, all...)
+}
+
+// TraceParentOf returns the W3C traceparent of ctx's span when it is valid and sampled, else
+// "".
+func TraceParentOf(ctx context.Context) string {
+	sc := trace.SpanContextFromContext(ctx)
+	if !sc.IsValid() || !sc.IsSampled() {
+		return ""
+	}
+	carrier := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(ctx, carrier)
+	return carrier[idempotency.HeaderTraceParent]
+}
+
+// withTrace returns s with TraceParent filled from ctx when it has none.
+func withTrace(ctx context.Context, s Spec) Spec {
+	if s.TraceParent == "" {
+		s.TraceParent = TraceParentOf(ctx)
+	}
+	return s
 }

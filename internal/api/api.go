@@ -7,12 +7,15 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
 	"github.com/hibiken/asynqmon"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/commit"
@@ -175,6 +178,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	route := r.Pattern
 	if route == "" {
 		route = "unmatched"
+	}
+	if span := trace.SpanFromContext(ctx); span.IsRecording() { // the server span (tracing on)
+		span.SetName(r.Method + " " + strings.TrimPrefix(route, r.Method+" "))
+		span.SetAttributes(attribute.String("http.route", strings.TrimPrefix(route, r.Method+" ")))
 	}
 	if rec.code == 0 {
 		switch {

@@ -1,0 +1,67 @@
+package asynqmw
+
+import (
+	"context"
+	"errors"
+
+	"github.com/hibiken/asynq"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemq/idemq/idempotency"
+)
+
+// The attributes of a delivery's span, next to the messaging semantic conventions'.
+var (
+	attrKey     = attribute.Key("idemq.key")
+	attrFence   = attribute.Key("idemq.fence")
+	attrAttempt = attribute.Key("idemq.attempt")
+	attrOutcome = attribute.Key("idemq.outcome")
+)
+
+const tracerName = "github.com/idemq/idemq/idempotency/asynqmw"
+
+// startSpan starts the consumer span of one delivery of t, named "process <task type>",
+// as a child of the trace in the task's traceparent header (the request that accepted the
+// job, through the outbox) when it has one; ctx carries it into the handler, so a user's
+// own instrumentation nests under it. With no tracer provider installed it is the no-op
+// span.
+func (w *Worker) startSpan(ctx context.Context, taskType string, t *asynq.Task) (context.Context, trace.Span) {
+	if tp := t.Headers()[idempotency.HeaderTraceParent]; tp != "" {
+		ctx = propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{idempotency.HeaderTraceParent: tp})
+	}
+	attrs := []attribute.KeyValue{
+		attribute.String("messaging.system", "asynq"),
+		attribute.String("messaging.operation.type", "process"),
+		attribute.String("messaging.operation.name", "process"),
+	}
+	if q, ok := asynq.GetQueueName(ctx); ok {
+		attrs = append(attrs, attribute.String("messaging.destination.name", q))
+	}
+	if id, ok := asynq.GetTaskID(ctx); ok {
+		attrs = append(attrs, attribute.String("messaging.message.id", id))
+	}
+	if n, ok := asynq.GetRetryCount(ctx); ok {
+		attrs = append(attrs, attrAttempt.Int(n+1))
+	}
+	return w.tracer.Start(ctx, "process "+taskType, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+}
+
+// endSpan records the delivery's outcome and ends its span: an error status for what asynq
+// counts as a failure (a busy key is not one).
+func endSpan(span trace.Span, outcome string, err error) {
+	if !span.IsRecording() {
+		span.End()
+		return
+	}
+	span.SetAttributes(attrOutcome.String(outcome))
+	if err != nil {
+		if IsFailure(err) && !errors.Is(err, context.Canceled) {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.RecordError(err)
+	}
+	span.End()
+}

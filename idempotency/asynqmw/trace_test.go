@@ -1,0 +1,89 @@
+package asynqmw_test
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+// attrs is a span's attributes by key.
+func attrs(s sdktrace.ReadOnlySpan) map[attribute.Key]attribute.Value {
+	m := map[attribute.Key]attribute.Value{}
+	for _, kv := range s.Attributes() {
+		m[kv.Key] = kv.Value
+	}
+	return m
+}
+
+// Three deliveries of one charge carrying the request's traceparent: three consumer spans,
+// children of the request's span, the first "completed" with the handler's own span under
+// it, the others "cached", all naming the fence of the run that did the work.
+func TestDeliverySpansJoinTheRequestsTrace(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	f := newMW(t, 5*time.Second, &asynqmw.Config{TracerProvider: tp})
+	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		_, call := tp.Tracer("user").Start(ctx, "provider call")
+		call.End()
+		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil
+	}
+	ctx := testenv.Context(t, 30*time.Second)
+	reqCtx, request := tp.Tracer("test").Start(ctx, "POST /v1/charges")
+	traceparent := outbox.TraceParentOf(reqCtx)
+	request.End()
+	if traceparent == "" {
+		t.Fatal("no traceparent for a sampled span")
+	}
+	plain := chargeTask(t, "o-traced", 100)
+	task := asynq.NewTaskWithHeaders(plain.Type(), plain.Payload(), map[string]string{idempotency.HeaderTraceParent: traceparent})
+	for range 3 {
+		if err := f.charge.ProcessTask(ctx, task); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	var deliveries []sdktrace.ReadOnlySpan
+	var call sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		switch s.Name() {
+		case "process " + tasks.TypeCharge:
+			deliveries = append(deliveries, s)
+		case "provider call":
+			call = s
+		}
+	}
+	if len(deliveries) != 3 || call == nil {
+		t.Fatalf("%d delivery spans and provider call %v; want 3 and one", len(deliveries), call != nil)
+	}
+	want := []string{asynqmw.OutcomeCompleted, asynqmw.OutcomeCached, asynqmw.OutcomeCached}
+	fence := attrs(deliveries[0])["idemq.fence"].AsInt64()
+	for i, s := range deliveries {
+		a := attrs(s)
+		if s.SpanKind() != trace.SpanKindConsumer || s.Parent().SpanID() != request.SpanContext().SpanID() ||
+			s.SpanContext().TraceID() != request.SpanContext().TraceID() {
+			t.Errorf("delivery %d: kind %v, parent %v, trace %v; want a consumer span under the request %v", i, s.SpanKind(),
+				s.Parent().SpanID(), s.SpanContext().TraceID(), request.SpanContext())
+		}
+		if a["idemq.key"].AsString() != "charge:o-traced" || a["idemq.outcome"].AsString() != want[i] || a["idemq.fence"].AsInt64() != fence || fence == 0 ||
+			a["messaging.system"].AsString() != "asynq" {
+			t.Errorf("delivery %d: attributes %v; want key charge:o-traced, outcome %s, fence %d", i, s.Attributes(), want[i], fence)
+		}
+	}
+	if call.Parent().SpanID() != deliveries[0].SpanContext().SpanID() {
+		t.Errorf("the handler's span is under %v, want the first delivery's %v", call.Parent().SpanID(), deliveries[0].SpanContext().SpanID())
+	}
+}

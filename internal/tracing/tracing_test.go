@@ -1,0 +1,56 @@
+package tracing_test
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+
+	"go.opentelemetry.io/otel"
+
+	"github.com/idemq/idemq/internal/tracing"
+)
+
+// With an OTLP endpoint in the environment, Setup exports spans there over HTTP/protobuf
+// and flushes them on shutdown; with none, or with the SDK disabled, it installs nothing;
+// an unknown protocol is refused by name.
+func TestSetupFromTheEnvironment(t *testing.T) {
+	var posts atomic.Int64
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/traces" && r.Header.Get("Content-Type") == "application/x-protobuf" {
+			posts.Add(1)
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer collector.Close()
+	ctx := context.Background()
+
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+	if tracing.Enabled() {
+		t.Fatal("enabled without an endpoint")
+	}
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.URL)
+	t.Setenv("OTEL_SDK_DISABLED", "true")
+	if tracing.Enabled() {
+		t.Fatal("enabled with OTEL_SDK_DISABLED=true")
+	}
+	t.Setenv("OTEL_SDK_DISABLED", "")
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+	if _, err := tracing.Setup(ctx, "idemq-test"); err == nil {
+		t.Fatal("Setup accepted OTEL_EXPORTER_OTLP_PROTOCOL=http/json")
+	}
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+	shutdown, err := tracing.Setup(ctx, "idemq-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, span := otel.Tracer("test").Start(ctx, "one")
+	span.End()
+	if err := shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if posts.Load() == 0 {
+		t.Fatal("no span reached the OTLP endpoint")
+	}
+}
