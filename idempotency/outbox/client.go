@@ -13,6 +13,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/commit"
@@ -68,6 +70,10 @@ type Config struct {
 	// RunRelay checks, and finding one it does not listen: relays then wake on this
 	// Client's own Wake calls and poll every RelayPoll.
 	Listen *pgx.ConnConfig
+	// TracerProvider makes the span of each publish of a traced job (one recorded with a
+	// traceparent): a producer span "publish <task type>" in the job's trace. Default: the
+	// global one (otel.GetTracerProvider).
+	TracerProvider trace.TracerProvider
 	// Logger receives relay and reconciler lines. Default: discard.
 	Logger *slog.Logger
 	// Observe, if set, is called for each outbox event (EventPublished, EventRepublished,
@@ -108,6 +114,7 @@ type Client struct {
 	cfg   Config
 	log   *slog.Logger
 
+	tracer    trace.Tracer
 	wake      chan struct{} // this process's relays, woken by Wake and by notifications
 	wakeMu    sync.Mutex
 	lastWake  time.Time
@@ -168,6 +175,11 @@ func NewClient(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) *Clie
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
+	tp := d.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	c.tracer = tp.Tracer("github.com/idemq/idemq/idempotency/outbox")
 	c.newCommitters()
 	return c
 }

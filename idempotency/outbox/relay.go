@@ -10,6 +10,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
@@ -95,7 +96,16 @@ const maxTaskIDSkips = 8
 // with another task (a plain asynq producer chose this TaskID) is not this job: it moves
 // on to the next generation's TaskID, so the job is never mistaken for a task that is not
 // it.
-func (c *Client) publish(ctx context.Context, r intentRow) (int, error) {
+func (c *Client) publish(ctx context.Context, r intentRow) (gen int, err error) {
+	if r.spec.TraceParent != "" { // a producer span in the job's trace
+		var span trace.Span
+		ctx, span = c.startPublishSpan(ctx, r)
+		defer func() { endPublishSpan(span, r.spec.Key, gen, err) }()
+	}
+	return c.publishAs(ctx, r)
+}
+
+func (c *Client) publishAs(ctx context.Context, r intentRow) (int, error) {
 	gen := r.gen
 	for try := 0; try <= maxTaskIDSkips; try++ {
 		id := taskID(r.spec.Key, gen)

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
@@ -63,4 +65,29 @@ func withTrace(ctx context.Context, s Spec) Spec {
 		s.TraceParent = TraceParentOf(ctx)
 	}
 	return s
+}
+
+// startPublishSpan starts the producer span of one publish of r, a child of the
+// traceparent recorded with its intent.
+func (c *Client) startPublishSpan(ctx context.Context, r intentRow) (context.Context, trace.Span) {
+	ctx = propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{idempotency.HeaderTraceParent: r.spec.TraceParent})
+	return c.tracer.Start(ctx, "publish "+r.spec.Type, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
+		attribute.String("messaging.system", "asynq"),
+		attribute.String("messaging.operation.type", "send"),
+		attribute.String("messaging.operation.name", "publish"),
+		attribute.String("messaging.destination.name", r.spec.Queue),
+		attribute.String("idemq.key", r.spec.Key),
+		attribute.Int("idemq.generation", r.gen)))
+}
+
+// endPublishSpan ends the span of a publish of key with the TaskID it was published under
+// (generation gen), or its error.
+func endPublishSpan(span trace.Span, key string, gen int, err error) {
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+		span.RecordError(err)
+	} else {
+		span.SetAttributes(attribute.String("messaging.message.id", taskID(key, gen)))
+	}
+	span.End()
 }
