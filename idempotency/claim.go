@@ -190,10 +190,10 @@ func (l *Ledger) markStuckOne(ctx context.Context, req Request, fence int64) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 	defer cancel()
 	if err := store.MarkStuckOne(ctx, l.pool, req.Key, fence); err != nil {
-		l.log.Warn("idempotency: mark needs_attention", "task_type", req.TaskType, "key", req.Key, "fence", fence, "err", err)
+		l.log.WarnContext(ctx, "idempotency: mark needs_attention", "task_type", req.TaskType, "key", req.Key, "fence", fence, "err", err)
 		return
 	}
-	l.log.Warn("idempotency: in progress past the maximum age; needs attention", "task_type", req.TaskType, "key", req.Key, "fence", fence)
+	l.log.WarnContext(ctx, "idempotency: in progress past the maximum age; needs attention", "task_type", req.TaskType, "key", req.Key, "fence", fence)
 }
 
 // claimError translates a claim's database error: lock, serialization and deadlock

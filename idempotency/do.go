@@ -60,7 +60,7 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 
 	if panicked {
 		if err := l.Fail(ctx, c, fmt.Errorf("handler panicked: %v", pval)); err != nil {
-			l.log.Error("idempotency: end lease after panic", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err)
+			l.log.ErrorContext(ctx, "idempotency: end lease after panic", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err)
 		}
 		panic(pval)
 	}
@@ -115,7 +115,7 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct
 			cancel(fmt.Errorf("%w: key %q fence %d taken over", ErrLeaseLost, c.Key, c.Fence))
 			return
 		case err != nil:
-			l.log.Warn("idempotency: heartbeat failed; retrying until the self-fence deadline", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err, "self_fence_in", time.Until(fenceAt))
+			l.log.WarnContext(ctx, "idempotency: heartbeat failed; retrying until the self-fence deadline", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err, "self_fence_in", time.Until(fenceAt))
 			if !time.Now().Before(fenceAt) {
 				l.selfFenced(c, cancel)
 				return

@@ -173,6 +173,6 @@ func (l *Ledger) recordPermanent(ctx context.Context, req Request, cause error) 
 		err = l.Fail(ctx, cr.Claim, cause)
 	}
 	if err != nil {
-		l.log.Warn("idempotency: record a permanent failure", "task_type", req.TaskType, "key", req.Key, "err", err, "cause", cause)
+		l.log.WarnContext(ctx, "idempotency: record a permanent failure", "task_type", req.TaskType, "key", req.Key, "err", err, "cause", cause)
 	}
 }

@@ -26,7 +26,7 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 		return fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)
 	}
 	l.observe(EventCommitResolved, c.TaskType)
-	l.log.Warn("idempotency: commit outcome resolved by transaction id", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "xid", xid, "committed", committed)
+	l.log.WarnContext(ctx, "idempotency: commit outcome resolved by transaction id", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "xid", xid, "committed", committed)
 	if !committed {
 		return fmt.Errorf("idempotency: commit %s aborted: %w", c.Key, cerr)
 	}

@@ -107,6 +107,7 @@ type stack struct {
 	pool                      *pgxpool.Pool
 	client                    *asynq.Client
 	insp                      *asynq.Inspector
+	fakepay                   *proc
 	workers                   []*proc
 	metrics                   []string
 	workerEnv                 []string
@@ -151,7 +152,7 @@ func startStackDB(t *testing.T, workers int, redisURL string, rdb redis.Universa
 
 	fp := testenv.FreePort(t)
 	s.fakepayURL = fmt.Sprintf("http://127.0.0.1:%d", fp)
-	startIdemq(t, "fakepay", append([]string{"DATABASE_URL=" + fakepayDSN, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp)}, fakepayEnv...), "fakepay")
+	s.fakepay = startIdemq(t, "fakepay", append([]string{"DATABASE_URL=" + fakepayDSN, fmt.Sprintf("IDEMQ_FAKEPAY_ADDR=127.0.0.1:%d", fp)}, fakepayEnv...), "fakepay")
 	testenv.WaitHTTP(t, s.fakepayURL+"/healthz", 20*time.Second)
 
 	s.workerEnv = append([]string{

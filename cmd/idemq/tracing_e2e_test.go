@@ -203,6 +203,10 @@ func TestOneTraceFromTheRequestToEveryDelivery(t *testing.T) {
 	if len(fences) != 1 {
 		t.Fatalf("the completed and cached deliveries name fences %v; want the one that did the work:\n%s", fences, describe(spans))
 	}
+	// The provider's log line for the call carries the trace's ids.
+	if log := s.fakepay.tail(1 << 20); !strings.Contains(log, "trace_id="+traceID) {
+		t.Fatalf("fakepay's log names no trace_id=%s:\n%s", traceID, log)
+	}
 	t.Logf("one trace, %d spans:\n%s", len(spans), describe(spans))
 }
 

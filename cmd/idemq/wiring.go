@@ -20,7 +20,7 @@ const defaultShutdown = 10 * time.Second
 func newLogger(w io.Writer, level string) *slog.Logger {
 	var l slog.Level
 	l.UnmarshalText([]byte(level)) // checked by config.Load
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l}))
+	return slog.New(tracing.LogHandler(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})))
 }
 
 // startTracing turns tracing on when the environment asks for it (internal/tracing) and

@@ -296,7 +296,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			return OutcomeError, err
 		case err != nil:
 			// Redis is a fast path: without it the ledger still guards the work.
-			log.Warn("lock unavailable; relying on the ledger", "scope", scope, "err", err)
+			log.WarnContext(ctx, "lock unavailable; relying on the ledger", "scope", scope, "err", err)
 		}
 		runCtx, leave = hold.ctx, hold.leave
 		defer hold.leave()
@@ -341,7 +341,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		// On the last attempt a busy answer would archive the task: wait for the lease to
 		// end instead (bounded by the delivery's deadline), then claim again.
 		wait := time.Until(busy.Until) + 50*time.Millisecond
-		log.Info("last attempt finds the key busy; waiting for the lease to end", "owner", busy.Owner, "fence", busy.Fence, "wait", wait)
+		log.InfoContext(ctx, "last attempt finds the key busy; waiting for the lease to end", "owner", busy.Owner, "fence", busy.Fence, "wait", wait)
 		select {
 		case <-runCtx.Done():
 			return OutcomeError, fmt.Errorf("%s: key %s: waiting for lease of fence %d: %w", h.taskType, key, busy.Fence, context.Cause(runCtx))
@@ -371,7 +371,7 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 		return
 	}
 	if len(result) > MaxResultWriteBytes {
-		log.Debug("result too large for the task's result", "bytes", len(result))
+		log.DebugContext(ctx, "result too large for the task's result", "bytes", len(result))
 		return
 	}
 	queue, _ := asynq.GetQueueName(ctx)
@@ -379,13 +379,13 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 	case h.w.cfg.Redis != nil && queue != "":
 		n, err := writeResultScript.Run(ctx, h.w.cfg.Redis, []string{asynqkeys.Task(queue, w.TaskID())}, []byte(result)).Int()
 		if err != nil {
-			log.Debug("write task result", "err", err)
+			log.DebugContext(ctx, "write task result", "err", err)
 		} else if n < 0 {
-			log.Info("task gone from Redis; result kept in the ledger only", "task_id", w.TaskID())
+			log.InfoContext(ctx, "task gone from Redis; result kept in the ledger only", "task_id", w.TaskID())
 		}
 	default:
 		if _, err := w.Write(result); err != nil {
-			log.Debug("write task result", "err", err)
+			log.DebugContext(ctx, "write task result", "err", err)
 		}
 	}
 }

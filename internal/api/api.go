@@ -187,11 +187,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case clientGone(ctx):
 			rec.code = StatusClientClosedRequest
-			s.log.Info("api: client went away before the answer", "method", r.Method, "path", r.URL.Path, "status", rec.code)
+			s.log.InfoContext(ctx, "api: client went away before the answer", "method", r.Method, "path", r.URL.Path, "status", rec.code)
 		case timedOut(ctx):
 			unavailable(rec, "timed out; retry later")
 		default:
-			s.log.Error("api: handler ended without an answer", "method", r.Method, "path", r.URL.Path)
+			s.log.ErrorContext(ctx, "api: handler ended without an answer", "method", r.Method, "path", r.URL.Path)
 			writeError(rec, http.StatusInternalServerError, "internal error")
 		}
 	}

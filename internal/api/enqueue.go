@@ -251,7 +251,7 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	case errors.As(err, &stage) && isLockTimeout(err):
 		writeError(w, http.StatusConflict, fmt.Sprintf("%s: job %q is still being accepted by another request; retry shortly", keyField, spec.Key))
 	case errors.Is(err, xact.ErrCommitUnknown):
-		s.log.Warn("api: accept: commit outcome unknown", "method", r.Method, "path", r.URL.Path, "key", spec.Key, "err", err)
+		s.log.WarnContext(ctx, "api: accept: commit outcome unknown", "method", r.Method, "path", r.URL.Path, "key", spec.Key, "err", err)
 		unavailable(w, "accept: the database did not confirm the commit; retry with the same body and Idempotency-Key")
 	case err != nil:
 		s.internal(w, r, "accept", err)

@@ -86,15 +86,15 @@ func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, e
 	ctx := r.Context()
 	switch {
 	case clientGone(ctx):
-		s.log.Debug("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
+		s.log.DebugContext(ctx, "api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
 	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || isQueryCanceled(err):
-		s.log.Warn("api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
+		s.log.WarnContext(ctx, "api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": timed out; retry later")
 	case pgcode.Unavailable(err):
-		s.log.Warn("api: "+what+": database unavailable", "method", r.Method, "path", r.URL.Path, "err", err)
+		s.log.WarnContext(ctx, "api: "+what+": database unavailable", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": the database is unavailable; retry later")
 	default:
-		s.log.Error("api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
+		s.log.ErrorContext(ctx, "api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
 		writeError(w, http.StatusInternalServerError, what+": internal error")
 	}
 }

@@ -223,7 +223,7 @@ func scanCharge(row pgx.Row) (*Charge, error) {
 // gets errInternal instead.
 func (s *Server) answer(ctx context.Context, w http.ResponseWriter, key string, req ChargeRequest, ch *Charge, code int, cause error) {
 	if code >= http.StatusInternalServerError {
-		s.cfg.Logger.Error("charge request failed", "key", key, "order_id", req.OrderID, "err", cause)
+		s.cfg.Logger.ErrorContext(ctx, "charge request failed", "key", key, "order_id", req.OrderID, "err", cause)
 		cause = errInternal
 	}
 	body, _ := json.Marshal(req)
@@ -236,9 +236,9 @@ func (s *Server) answer(ctx context.Context, w http.ResponseWriter, key string, 
 	defer cancel()
 	if _, err := s.pool.Exec(rctx, `INSERT INTO fakepay_requests (idempotency_key, order_id, body, status_code, charge_id, replayed)
 		VALUES (nullif($1, ''), nullif($2, ''), $3, $4, $5, $6)`, key, req.OrderID, body, code, chargeID, replayed); err != nil {
-		s.cfg.Logger.Error("record request", "err", err)
+		s.cfg.Logger.ErrorContext(ctx, "record request", "err", err)
 	}
-	s.cfg.Logger.Info("charge request", "key", key, "order_id", req.OrderID, "status", code, "replayed", replayed)
+	s.cfg.Logger.InfoContext(ctx, "charge request", "key", key, "order_id", req.OrderID, "status", code, "replayed", replayed)
 
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)

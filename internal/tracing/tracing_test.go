@@ -2,12 +2,15 @@ package tracing_test
 
 import (
 	"context"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/internal/tracing"
 )
@@ -52,5 +55,20 @@ func TestSetupFromTheEnvironment(t *testing.T) {
 	}
 	if posts.Load() == 0 {
 		t.Fatal("no span reached the OTLP endpoint")
+	}
+}
+
+// A record logged with a context holding a span names its trace and span; one without
+// does not.
+func TestLogHandlerAddsTraceIDs(t *testing.T) {
+	var b strings.Builder
+	log := slog.New(tracing.LogHandler(slog.NewTextHandler(&b, nil))).With("cmd", "test")
+	sc := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{0xab}, SpanID: trace.SpanID{0xcd}, TraceFlags: trace.FlagsSampled})
+	log.InfoContext(trace.ContextWithSpanContext(context.Background(), sc), "traced")
+	log.InfoContext(context.Background(), "untraced")
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
+	if len(lines) != 2 || !strings.Contains(lines[0], "trace_id="+sc.TraceID().String()) || !strings.Contains(lines[0], "span_id="+sc.SpanID().String()) ||
+		!strings.Contains(lines[0], "cmd=test") || strings.Contains(lines[1], "trace_id") {
+		t.Fatalf("log:\n%s\nwant trace_id and span_id on the first line only", b.String())
 	}
 }
