@@ -33,7 +33,11 @@ import (
 // a later delivery runs fn again with the same key; exactly-once then rests on the
 // provider honouring the key. Safe for concurrent use.
 func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Context) (json.RawMessage, error)) (Result, error) {
-	cr, err := l.Claim(ctx, req)
+	// Spans under the delivery's, when tracing is on: the claim, the handler, the
+	// completion (endClaimSpan, endFinishSpan say what each decided).
+	cctx, span := l.startSpan(ctx, "idemq.claim", req.Key)
+	cr, err := l.Claim(cctx, req)
+	endClaimSpan(span, cr, err)
 	if err != nil {
 		return Result{}, err
 	}
@@ -42,7 +46,8 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	}
 	c := cr.Claim
 
-	fctx, cancel := context.WithCancelCause(withClaim(ctx, c.Key, c.Fence))
+	hctx, span := l.startSpan(ctx, "idemq.handler", req.Key)
+	fctx, cancel := context.WithCancelCause(withClaim(hctx, c.Key, c.Fence))
 	defer cancel(nil)
 	stop := make(chan struct{})
 	done := make(chan struct{})
@@ -57,20 +62,29 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 
 	out, ferr, panicked, pval := runFn(fctx, fn)
 	endHeartbeats()
+	if ferr != nil {
+		span.RecordError(ferr)
+	}
+	span.End()
+	_, span = l.startSpan(ctx, "idemq.complete", req.Key)
+	var finishErr error // the completion's or the Fail's own error
+	defer func() { endFinishSpan(span, c, ferr, finishErr, context.Cause(fctx)) }()
 
 	if panicked {
-		if err := l.Fail(ctx, c, fmt.Errorf("handler panicked: %v", pval)); err != nil {
-			l.log.ErrorContext(ctx, "idempotency: end lease after panic", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err)
+		if finishErr = l.Fail(ctx, c, fmt.Errorf("handler panicked: %v", pval)); finishErr != nil {
+			l.log.ErrorContext(ctx, "idempotency: end lease after panic", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", finishErr)
 		}
 		panic(pval)
 	}
 	if ferr != nil {
-		if err := l.Fail(ctx, c, ferr); err != nil {
-			return Result{}, errors.Join(ferr, err)
+		if finishErr = l.Fail(ctx, c, ferr); finishErr != nil {
+			return Result{}, errors.Join(ferr, finishErr)
 		}
 		return Result{}, ferr
 	}
-	return l.complete(ctx, c, out)
+	var res Result
+	res, finishErr = l.complete(ctx, c, out)
+	return res, finishErr
 }
 
 func runFn(ctx context.Context, fn func(ctx context.Context) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {
@@ -134,5 +148,18 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct
 func (l *Ledger) selfFenced(c *Claim, cancel context.CancelCauseFunc) {
 	l.observe(EventSelfFenced, c.TaskType)
 	l.log.Error("idempotency: no heartbeat reached the database in time; handler cancelled", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence)
-	cancel(fmt.Errorf("%w: key %q fence %d: no heartbeat reached the database before the self-fence deadline", ErrLeaseLost, c.Key, c.Fence))
+	cancel(&selfFencedError{key: c.Key, fence: c.Fence})
 }
+
+// selfFencedError is the cause a self-fenced handler's context ends with.
+type selfFencedError struct {
+	key   string
+	fence int64
+}
+
+func (e *selfFencedError) Error() string {
+	return fmt.Sprintf("%v: key %q fence %d: no heartbeat reached the database before the self-fence deadline", ErrLeaseLost, e.key, e.fence)
+}
+
+// Is reports whether target is ErrLeaseLost.
+func (e *selfFencedError) Is(target error) bool { return target == ErrLeaseLost }

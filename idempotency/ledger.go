@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
@@ -65,6 +67,10 @@ type Config struct {
 	// them. Default: a pool of at most 2 connections the Ledger opens with the main pool's
 	// configuration, closed by Ledger.Close.
 	HeartbeatPool *pgxpool.Pool
+	// TracerProvider makes Do's spans (idemq.claim, idemq.handler, idemq.complete, under
+	// the caller's span). Default: the global one (otel.GetTracerProvider), a no-op unless
+	// the program installed one.
+	TracerProvider trace.TracerProvider
 	// ClaimLockTimeout bounds how long a claim waits for another session's row lock
 	// (SET LOCAL lock_timeout) before reporting busy. Default 2s.
 	ClaimLockTimeout time.Duration
@@ -120,6 +126,7 @@ type Config struct {
 type Ledger struct {
 	pool      *pgxpool.Pool
 	hbPool    *pgxpool.Pool
+	tracer    trace.Tracer
 	ownHBPool bool
 	cfg       Config
 	log       *slog.Logger
@@ -175,6 +182,11 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	if l.log == nil {
 		l.log = slog.New(slog.DiscardHandler)
 	}
+	tp := c.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	l.tracer = tp.Tracer("github.com/idemq/idemq/idempotency")
 	l.hbPool = c.HeartbeatPool
 	if l.hbPool == nil {
 		pc := pool.Config()

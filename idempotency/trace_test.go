@@ -1,0 +1,120 @@
+package idempotency_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+// tree renders the spans recorded under root as "name outcome=… fence=…" lines, indented
+// by depth, children in start order.
+func tree(rec *tracetest.SpanRecorder, root trace.SpanContext) string {
+	kids := map[trace.SpanID][]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		kids[s.Parent().SpanID()] = append(kids[s.Parent().SpanID()], s)
+	}
+	var b strings.Builder
+	var walk func(id trace.SpanID, depth int)
+	walk = func(id trace.SpanID, depth int) {
+		for _, s := range kids[id] {
+			b.WriteString(strings.Repeat("  ", depth) + s.Name())
+			for _, kv := range s.Attributes() {
+				if k := string(kv.Key); k == "idemq.outcome" || k == "idemq.fence" || k == "idemq.attempt" {
+					b.WriteString(" " + strings.TrimPrefix(k, "idemq.") + "=" + kv.Value.Emit())
+				}
+			}
+			b.WriteString("\n")
+			walk(s.SpanContext().SpanID(), depth+1)
+		}
+	}
+	walk(root.SpanID(), 0)
+	return b.String()
+}
+
+// The span trees Do makes under a delivery's span: a fresh key, a duplicate, a takeover
+// after a crashed claim, and a stale owner whose lease was taken from it.
+func TestDoSpanTrees(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	lease := 600 * time.Millisecond
+	l, _ := newLedger(t, &idempotency.Config{Lease: lease, TracerProvider: tp})
+	ctx := testenv.Context(t, time.Minute)
+	ok := func(context.Context) (json.RawMessage, error) { return json.RawMessage(`{}`), nil }
+	// delivery runs Do under a span of its own and returns that span's tree.
+	delivery := func(key string, fn func(context.Context) (json.RawMessage, error)) (string, error) {
+		dctx, span := tp.Tracer("test").Start(ctx, "delivery")
+		_, err := l.Do(dctx, req(key), fn)
+		span.End()
+		return tree(rec, span.SpanContext()), err
+	}
+	check := func(name, got, want string) {
+		t.Helper()
+		if got != want {
+			t.Errorf("%s: span tree\n%s\nwant\n%s", name, got, want)
+		}
+	}
+
+	got, err := delivery("fresh", ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fence := strings.Fields(strings.SplitN(got, "\n", 2)[0])[2] // "fence=N"
+	check("fresh key", got, strings.ReplaceAll("idemq.claim outcome=claimed FENCE attempt=1\nidemq.handler\nidemq.complete FENCE outcome=completed\n", "FENCE", fence))
+	t.Logf("fresh key:\n%s", got)
+
+	got, err = delivery("fresh", ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("duplicate", got, "idemq.claim outcome=cached "+fence+"\n")
+	t.Logf("duplicate:\n%s", got)
+
+	// A claim whose worker crashed: its lease runs out, the next delivery takes over.
+	if _, err := l.Claim(ctx, req("crashed")); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(lease + 100*time.Millisecond)
+	got, err = delivery("crashed", ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(got, "idemq.claim outcome=takeover") || !strings.Contains(got, "attempt=2\nidemq.handler\nidemq.complete") ||
+		!strings.HasSuffix(got, "outcome=completed\n") {
+		t.Errorf("takeover: span tree\n%s\nwant claim outcome=takeover attempt=2, handler, complete outcome=completed", got)
+	}
+	t.Logf("takeover after a crashed claim:\n%s", got)
+
+	// A stale owner: an operator ends its lease while its handler runs, another delivery
+	// takes the key over, and the stale owner's heartbeat finds it gone.
+	taken := make(chan struct{})
+	got, err = delivery("stale", func(hctx context.Context) (json.RawMessage, error) {
+		if err := l.Release(ctx, "stale"); err != nil {
+			return nil, err
+		}
+		if _, err := l.Do(ctx, req("stale"), ok); err != nil {
+			return nil, err
+		}
+		close(taken)
+		<-hctx.Done() // the next heartbeat (lease/3) finds the lease taken
+		return nil, context.Cause(hctx)
+	})
+	<-taken
+	if !errors.Is(err, idempotency.ErrLeaseLost) {
+		t.Fatalf("stale owner: %v, want ErrLeaseLost", err)
+	}
+	if !strings.HasPrefix(got, "idemq.claim outcome=claimed") || !strings.HasSuffix(got, "outcome=lease_lost\n") {
+		t.Errorf("stale owner: span tree\n%s\nwant claim outcome=claimed, handler, complete outcome=lease_lost", got)
+	}
+	t.Logf("stale owner:\n%s", got)
+}
