@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
-	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
 
 	"github.com/idemq/idemq/tasks"
 )
@@ -47,13 +46,19 @@ func NewCharger(baseURL string, client *http.Client) *Charger {
 	if client == nil {
 		// Go's default transport keeps two idle connections per host: a worker running
 		// more charges at once would open and close a connection for most calls.
-		tr := http.DefaultTransport.(*http.Transport).Clone()
-		tr.MaxIdleConns, tr.MaxIdleConnsPerHost = idleConns, idleConns
-		// A client span per call, whose traceparent the provider receives, under the
-		// delivery's span (a no-op unless a tracer provider is installed).
-		client = &http.Client{Timeout: 30 * time.Second, Transport: otelhttp.NewTransport(tr)}
+		client = &http.Client{Timeout: 30 * time.Second, Transport: Transport()}
 	}
 	return &Charger{url: strings.TrimRight(baseURL, "/") + "/v1/charges", http: client}
+}
+
+// Transport is the HTTP transport NewCharger's default client uses: Go's default, keeping
+// enough idle connections for a worker's concurrent charges. Wrap it to trace the calls
+// (otelhttp.NewTransport makes a client span per call whose traceparent the provider
+// receives, under the delivery's span).
+func Transport() *http.Transport {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConns, tr.MaxIdleConnsPerHost = idleConns, idleConns
+	return tr
 }
 
 // Charge asks the provider to charge c, passing key as its Idempotency-Key, so that a

@@ -32,7 +32,11 @@ const (
 // startSpan starts one of Do's spans ("idemq.claim", "idemq.handler", "idemq.complete")
 // for key, under ctx's span (a delivery's).
 func (l *Ledger) startSpan(ctx context.Context, name, key string) (context.Context, trace.Span) {
-	return l.tracer.Start(ctx, name, trace.WithAttributes(attrKey.String(key)))
+	ctx, span := l.tracer.Start(ctx, name)
+	if span.IsRecording() {
+		span.SetAttributes(attrKey.String(key))
+	}
+	return ctx, span
 }
 
 // endClaimSpan records what the claim decided: a new claim (claimed, or takeover when the

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"runtime"
 	"strconv"
@@ -23,6 +24,7 @@ import (
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
 	"github.com/idemq/idemq/internal/pgcode"
+	"github.com/idemq/idemq/internal/tracing"
 	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/internal/workerconf"
 	"github.com/idemq/idemq/lock"
@@ -115,7 +117,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		},
 	})
 
-	charger := handlers.NewCharger(cfg.FakepayURL, nil)
+	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(&http.Client{Timeout: 30 * time.Second, Transport: handlers.Transport()}))
 	mux := asynq.NewServeMux()
 	charge := func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		return charger.Charge(ctx, c.Key(), c)

@@ -261,7 +261,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %.64q: %v: %w", h.taskType, key, err, asynq.SkipRetry)
 	}
 	span := trace.SpanFromContext(ctx)
-	span.SetAttributes(attrKey.String(key))
+	if span.IsRecording() {
+		span.SetAttributes(attrKey.String(key))
+	}
 	canonical, err := json.Marshal(job)
 	if err != nil {
 		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %s: encode: %v: %w", h.taskType, key, err, asynq.SkipRetry)
@@ -322,7 +324,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 				hook.Answered(ctx, res)
 			}
 			h.writeResult(ctx, t, res.Result, log)
-			span.SetAttributes(attrFence.Int64(res.Fence)) // a cached answer names the run that did the work
+			if span.IsRecording() { // a cached answer names the run that did the work
+				span.SetAttributes(attrFence.Int64(res.Fence))
+			}
 			if res.Cached {
 				return OutcomeCached, nil
 			}

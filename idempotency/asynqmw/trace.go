@@ -32,21 +32,24 @@ func (w *Worker) startSpan(ctx context.Context, taskType string, t *asynq.Task) 
 	if tp := t.Headers()[idempotency.HeaderTraceParent]; tp != "" {
 		ctx = propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{idempotency.HeaderTraceParent: tp})
 	}
-	attrs := []attribute.KeyValue{
+	ctx, span := w.tracer.Start(ctx, "process "+taskType, trace.WithSpanKind(trace.SpanKindConsumer))
+	if !span.IsRecording() { // tracing off: nothing more to pay
+		return ctx, span
+	}
+	span.SetAttributes(
 		attribute.String("messaging.system", "asynq"),
 		attribute.String("messaging.operation.type", "process"),
-		attribute.String("messaging.operation.name", "process"),
-	}
+		attribute.String("messaging.operation.name", "process"))
 	if q, ok := asynq.GetQueueName(ctx); ok {
-		attrs = append(attrs, attribute.String("messaging.destination.name", q))
+		span.SetAttributes(attribute.String("messaging.destination.name", q))
 	}
 	if id, ok := asynq.GetTaskID(ctx); ok {
-		attrs = append(attrs, attribute.String("messaging.message.id", id))
+		span.SetAttributes(attribute.String("messaging.message.id", id))
 	}
 	if n, ok := asynq.GetRetryCount(ctx); ok {
-		attrs = append(attrs, attrAttempt.Int(n+1))
+		span.SetAttributes(attrAttempt.Int(n + 1))
 	}
-	return w.tracer.Start(ctx, "process "+taskType, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+	return ctx, span
 }
 
 // endSpan records the delivery's outcome and ends its span: an error status for what asynq

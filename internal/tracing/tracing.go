@@ -105,3 +105,14 @@ func (h logHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
 }
 
 func (h logHandler) WithGroup(name string) slog.Handler { return logHandler{h.Handler.WithGroup(name)} }
+
+// Client returns c with its transport wrapped in an OpenTelemetry client span per request
+// (the traceparent sent along) when Enabled, and c itself otherwise.
+func Client(c *http.Client) *http.Client {
+	if !Enabled() {
+		return c
+	}
+	traced := *c
+	traced.Transport = otelhttp.NewTransport(c.Transport)
+	return &traced
+}
