@@ -156,22 +156,12 @@ func TestResolveAcrossPromotion(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts two Postgres servers")
 	}
-	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
 	t.Parallel()
 	ctx := testenv.Context(t, 2*time.Minute)
-	primary, err := localserver.StartPostgres()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { primary.Close() })
+	primary, standby := testenv.StartPair(t, false)
 	if err := testenv.Migrate(ctx, primary.URL); err != nil {
 		t.Fatal(err)
 	}
-	standby, err := localserver.StartStandby(primary, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { standby.Close() })
 	pool := testenv.Pool(t, localserver.MultiHostURL(primary, standby))
 	onStandby := testenv.Pool(t, standby.URL)
 	l := New(pool, nil)

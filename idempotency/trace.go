@@ -9,12 +9,12 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// The ledger's span attributes, as asynqmw's delivery spans name them.
-var (
-	attrKey     = attribute.Key("idemq.key")
-	attrFence   = attribute.Key("idemq.fence")
-	attrAttempt = attribute.Key("idemq.attempt")
-	attrOutcome = attribute.Key("idemq.outcome")
+// The span attributes idemq sets, on the ledger's spans and on asynqmw's delivery spans.
+const (
+	AttrKey     = attribute.Key("idemq.key")     // the job's idempotency key
+	AttrFence   = attribute.Key("idemq.fence")   // the claim's fence (of the run that did the work, when cached)
+	AttrAttempt = attribute.Key("idemq.attempt") // the ledger's claim count; asynq's delivery attempt on a delivery
+	AttrOutcome = attribute.Key("idemq.outcome") // what the span's step decided
 )
 
 // Claim outcomes, as the claim span's idemq.outcome.
@@ -34,7 +34,7 @@ const (
 func (l *Ledger) startSpan(ctx context.Context, name, key string) (context.Context, trace.Span) {
 	ctx, span := l.tracer.Start(ctx, name)
 	if span.IsRecording() {
-		span.SetAttributes(attrKey.String(key))
+		span.SetAttributes(AttrKey.String(key))
 	}
 	return ctx, span
 }
@@ -50,21 +50,21 @@ func endClaimSpan(span trace.Span, cr ClaimResult, err error) {
 	var busy *BusyError
 	switch {
 	case cr.Completed != nil:
-		span.SetAttributes(attrOutcome.String(outcomeCached), attrFence.Int64(cr.Completed.Fence))
+		span.SetAttributes(AttrOutcome.String(outcomeCached), AttrFence.Int64(cr.Completed.Fence))
 	case cr.Claim != nil && cr.Claim.Attempt > 1:
-		span.SetAttributes(attrOutcome.String(outcomeTakeover), attrFence.Int64(cr.Claim.Fence), attrAttempt.Int(cr.Claim.Attempt))
+		span.SetAttributes(AttrOutcome.String(outcomeTakeover), AttrFence.Int64(cr.Claim.Fence), AttrAttempt.Int(cr.Claim.Attempt))
 	case cr.Claim != nil:
-		span.SetAttributes(attrOutcome.String(outcomeClaimed), attrFence.Int64(cr.Claim.Fence), attrAttempt.Int(cr.Claim.Attempt))
+		span.SetAttributes(AttrOutcome.String(outcomeClaimed), AttrFence.Int64(cr.Claim.Fence), AttrAttempt.Int(cr.Claim.Attempt))
 	case errors.As(err, &busy):
-		span.SetAttributes(attrOutcome.String(outcomeBusy), attrFence.Int64(busy.Fence))
+		span.SetAttributes(AttrOutcome.String(outcomeBusy), AttrFence.Int64(busy.Fence))
 	case errors.Is(err, ErrMismatch):
-		span.SetAttributes(attrOutcome.String(outcomeMismatch))
+		span.SetAttributes(AttrOutcome.String(outcomeMismatch))
 	case errors.Is(err, ErrFailed):
-		span.SetAttributes(attrOutcome.String(outcomeFailed))
+		span.SetAttributes(AttrOutcome.String(outcomeFailed))
 	case errors.Is(err, ErrNeedsAttention):
-		span.SetAttributes(attrOutcome.String(outcomeNeedsAttention))
+		span.SetAttributes(AttrOutcome.String(outcomeNeedsAttention))
 	default:
-		span.SetAttributes(attrOutcome.String(outcomeError))
+		span.SetAttributes(AttrOutcome.String(outcomeError))
 		span.SetStatus(codes.Error, err.Error())
 	}
 	span.End()
@@ -78,20 +78,20 @@ func endFinishSpan(span trace.Span, c *Claim, handlerErr, err, cause error) {
 		span.End()
 		return
 	}
-	span.SetAttributes(attrFence.Int64(c.Fence))
+	span.SetAttributes(AttrFence.Int64(c.Fence))
 	var fenced *selfFencedError
 	switch {
 	case errors.As(cause, &fenced):
-		span.SetAttributes(attrOutcome.String("self_fenced"))
+		span.SetAttributes(AttrOutcome.String("self_fenced"))
 	case errors.Is(err, ErrLeaseLost) || errors.Is(cause, ErrLeaseLost):
-		span.SetAttributes(attrOutcome.String("lease_lost"))
+		span.SetAttributes(AttrOutcome.String("lease_lost"))
 	case err != nil:
-		span.SetAttributes(attrOutcome.String(outcomeError))
+		span.SetAttributes(AttrOutcome.String(outcomeError))
 		span.SetStatus(codes.Error, err.Error())
 	case handlerErr != nil:
-		span.SetAttributes(attrOutcome.String("failed"))
+		span.SetAttributes(AttrOutcome.String("failed"))
 	default:
-		span.SetAttributes(attrOutcome.String("completed"))
+		span.SetAttributes(AttrOutcome.String("completed"))
 	}
 	span.End()
 }

@@ -39,16 +39,7 @@ func testPostgresFailover(t *testing.T, synchronous bool) {
 	}
 	t.Parallel()
 	takeStackSlot(t)
-	primary, err := localserver.StartPostgres()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { primary.Close() })
-	standby, err := localserver.StartStandby(primary, synchronous)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { standby.Close() })
+	primary, standby := testenv.StartPair(t, synchronous)
 	url := localserver.MultiHostURL(primary, standby)
 	if _, stderr, err := idemq(t, []string{"DATABASE_URL=" + url}, "migrate"); err != nil {
 		t.Fatalf("migrate: %v\n%s", err, stderr)

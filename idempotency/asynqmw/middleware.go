@@ -262,7 +262,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	}
 	span := trace.SpanFromContext(ctx)
 	if span.IsRecording() {
-		span.SetAttributes(attrKey.String(key))
+		span.SetAttributes(idempotency.AttrKey.String(key))
 	}
 	canonical, err := json.Marshal(job)
 	if err != nil {
@@ -325,7 +325,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			}
 			h.writeResult(ctx, t, res.Result, log)
 			if span.IsRecording() { // a cached answer names the run that did the work
-				span.SetAttributes(attrFence.Int64(res.Fence))
+				span.SetAttributes(idempotency.AttrFence.Int64(res.Fence))
 			}
 			if res.Cached {
 				return OutcomeCached, nil

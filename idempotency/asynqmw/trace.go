@@ -13,14 +13,6 @@ import (
 	"github.com/idemq/idemq/idempotency"
 )
 
-// The attributes of a delivery's span, next to the messaging semantic conventions'.
-var (
-	attrKey     = attribute.Key("idemq.key")
-	attrFence   = attribute.Key("idemq.fence")
-	attrAttempt = attribute.Key("idemq.attempt")
-	attrOutcome = attribute.Key("idemq.outcome")
-)
-
 const tracerName = "github.com/idemq/idemq/idempotency/asynqmw"
 
 // startSpan starts the consumer span of one delivery of t, named "process <task type>",
@@ -47,7 +39,7 @@ func (w *Worker) startSpan(ctx context.Context, taskType string, t *asynq.Task) 
 		span.SetAttributes(attribute.String("messaging.message.id", id))
 	}
 	if n, ok := asynq.GetRetryCount(ctx); ok {
-		span.SetAttributes(attrAttempt.Int(n + 1))
+		span.SetAttributes(idempotency.AttrAttempt.Int(n + 1))
 	}
 	return ctx, span
 }
@@ -59,7 +51,7 @@ func endSpan(span trace.Span, outcome string, err error) {
 		span.End()
 		return
 	}
-	span.SetAttributes(attrOutcome.String(outcome))
+	span.SetAttributes(idempotency.AttrOutcome.String(outcome))
 	if err != nil {
 		if IsFailure(err) && !errors.Is(err, context.Canceled) {
 			span.SetStatus(codes.Error, err.Error())

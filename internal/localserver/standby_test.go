@@ -72,20 +72,10 @@ func TestStandbyFailover(t *testing.T) {
 // new primary and on the rebuilt standby; after a failover back, a multi-host write lands
 // on the old primary, now primary again.
 func TestRebuildAsStandby(t *testing.T) {
-	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	a, err := localserver.StartPostgres()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Close() })
-	b, err := localserver.StartStandby(a, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { b.Close() })
+	a, b := testenv.StartPair(t, true)
 	url := localserver.MultiHostURL(a, b)
 	execSQL(t, ctx, url, "CREATE TABLE t (v text)")
 	execSQL(t, ctx, url, "INSERT INTO t VALUES ('on a')")
@@ -125,20 +115,10 @@ func TestRebuildAsStandby(t *testing.T) {
 // TestMultiHostURLPicksThePrimary: with both servers up, the standby named first, a
 // multi-host URL connects to the primary.
 func TestMultiHostURLPicksThePrimary(t *testing.T) {
-	testenv.NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	primary, err := localserver.StartPostgres()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { primary.Close() })
-	standby, err := localserver.StartStandby(primary, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { standby.Close() })
+	primary, standby := testenv.StartPair(t, false)
 
 	conn, err := pgx.Connect(ctx, localserver.MultiHostURL(standby, primary))
 	if err != nil {

@@ -35,6 +35,21 @@ func StartPostgres(t testing.TB) *PrivatePostgres {
 	return s
 }
 
+// StartPair starts a private Postgres and a streaming standby of it, synchronous or not
+// (see localserver.StartStandby), for the test; it skips the test when pg_basebackup is
+// not installed, except under CI.
+func StartPair(t testing.TB, synchronous bool) (primary, standby *PrivatePostgres) {
+	t.Helper()
+	NeedBinary(t, "pg_basebackup", "apt-get install -y postgresql")
+	primary = StartPostgres(t)
+	standby, err := localserver.StartStandby(primary, synchronous)
+	if err != nil {
+		fatalf(t, "start a standby: %v", err)
+	}
+	t.Cleanup(func() { standby.Close() })
+	return primary, standby
+}
+
 // StartRedis starts a private Redis with the given persistence for the test, killed and
 // removed when the test ends.
 func StartRedis(t testing.TB, mode Persistence) *PrivateRedis {
