@@ -203,6 +203,22 @@ func TestOneTraceFromTheRequestToEveryDelivery(t *testing.T) {
 	if len(fences) != 1 {
 		t.Fatalf("the completed and cached deliveries name fences %v; want the one that did the work:\n%s", fences, describe(spans))
 	}
+	// The workers' duration histograms keep the trace id as an exemplar (OpenMetrics).
+	exemplar := false
+	for _, m := range s.metrics {
+		req, _ := http.NewRequestWithContext(ctx, "GET", m, nil)
+		req.Header.Set("Accept", "application/openmetrics-text; version=1.0.0")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		exemplar = exemplar || strings.Contains(string(body), `trace_id="`+traceID+`"`)
+	}
+	if !exemplar {
+		t.Fatalf("no worker's idemq_handler_duration_seconds has an exemplar naming trace %s", traceID)
+	}
 	// The provider's log line for the call carries the trace's ids.
 	if log := s.fakepay.tail(1 << 20); !strings.Contains(log, "trace_id="+traceID) {
 		t.Fatalf("fakepay's log names no trace_id=%s:\n%s", traceID, log)

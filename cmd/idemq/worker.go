@@ -112,9 +112,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		ObserveLock: func(ev asynqmw.LockEvent, taskType string) {
 			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
 		},
-		ObserveHandler: func(taskType, outcome string, d time.Duration) {
-			m.HandlerDuration.WithLabelValues(taskType, outcome).Observe(d.Seconds())
-		},
+		ObserveHandler: m.ObserveHandler,
 	})
 
 	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(&http.Client{Timeout: 30 * time.Second, Transport: handlers.Transport()}))

@@ -87,10 +87,11 @@ type Config struct {
 	// concurrent use.
 	ObserveLock func(ev LockEvent, taskType string)
 
-	// ObserveHandler, if set, is called once per delivery with the task type, its outcome
-	// (OutcomeCompleted, OutcomeCached, OutcomeBusy, OutcomeError, OutcomeRejected) and how
-	// long it took. It must be fast and safe for concurrent use.
-	ObserveHandler func(taskType, outcome string, d time.Duration)
+	// ObserveHandler, if set, is called once per delivery with the delivery's context
+	// (its span, for a histogram's exemplar), the task type, its outcome (OutcomeCompleted,
+	// OutcomeCached, OutcomeBusy, OutcomeError, OutcomeRejected) and how long it took. It
+	// must be fast and safe for concurrent use.
+	ObserveHandler func(ctx context.Context, taskType, outcome string, d time.Duration)
 
 	// TracerProvider makes each delivery's span (see Leased): a consumer span "process
 	// <task type>", the child of the traceparent in the task's headers. Default: the
@@ -243,7 +244,7 @@ func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
 	outcome, err := h.process(ctx, t)
 	endSpan(span, outcome, err)
 	if h.w.cfg.ObserveHandler != nil {
-		h.w.cfg.ObserveHandler(h.taskType, outcome, time.Since(start))
+		h.w.cfg.ObserveHandler(ctx, h.taskType, outcome, time.Since(start))
 	}
 	return err
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Metrics is one process's registry and idemq's collectors in it. Safe for concurrent use.
@@ -74,6 +75,17 @@ func New() *Metrics {
 	return m
 }
 
+// ObserveHandler records one delivery's handling time (asynqmw.Config.ObserveHandler),
+// with the trace id of ctx's span as the observation's exemplar when it is sampled.
+func (m *Metrics) ObserveHandler(ctx context.Context, taskType, outcome string, d time.Duration) {
+	o := m.HandlerDuration.WithLabelValues(taskType, outcome)
+	if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
+		o.(prometheus.ExemplarObserver).ObserveWithExemplar(d.Seconds(), prometheus.Labels{"trace_id": sc.TraceID().String()})
+		return
+	}
+	o.Observe(d.Seconds())
+}
+
 // Check is a readiness probe of one dependency.
 type Check func(ctx context.Context) error
 
@@ -81,7 +93,8 @@ type Check func(ctx context.Context) error
 // log gets the failures, nil discards them).
 func (m *Metrics) Handler(checks map[string]Check, log *slog.Logger) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry}))
+	// OpenMetrics when the scraper asks for it: the format that carries exemplars.
+	mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry, EnableOpenMetrics: true}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
 	mux.HandleFunc("GET /readyz", ReadyHandler(checks, log))
 	return mux

@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/internal/testenv"
 )
@@ -86,4 +87,47 @@ func TestReadyzHidesDetail(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A delivery observed inside a sampled span leaves its trace id as the exemplar of the
+// duration histogram, served in the OpenMetrics format to a scraper that asks for it; the
+// classic text format is unchanged.
+func TestHandlerDurationExemplars(t *testing.T) {
+	t.Parallel()
+	m := New()
+	sc := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{0x4b, 0xf9}, SpanID: trace.SpanID{1}, TraceFlags: trace.FlagsSampled})
+	m.ObserveHandler(trace.ContextWithSpanContext(context.Background(), sc), "payment:charge", "completed", 30*time.Millisecond)
+	m.ObserveHandler(context.Background(), "payment:charge", "completed", 40*time.Millisecond)
+	srv := httptest.NewServer(m.Handler(nil, slog.New(slog.DiscardHandler)))
+	defer srv.Close()
+	scrape := func(accept string) string {
+		t.Helper()
+		req, _ := http.NewRequest("GET", srv.URL+"/metrics", nil)
+		req.Header.Set("Accept", accept)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	want := `trace_id="` + sc.TraceID().String() + `"`
+	if body := scrape("application/openmetrics-text; version=1.0.0"); !strings.Contains(body, want) {
+		t.Fatalf("OpenMetrics scrape has no exemplar %s:\n%s", want, grep(body, "idemq_handler_duration"))
+	}
+	if body := scrape("text/plain"); strings.Contains(body, "trace_id") || !strings.Contains(body, `idemq_handler_duration_seconds_count{outcome="completed",task_type="payment:charge"} 2`) {
+		t.Fatalf("text scrape:\n%s", grep(body, "idemq_handler_duration"))
+	}
+}
+
+// grep returns the lines of s that contain sub.
+func grep(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }
