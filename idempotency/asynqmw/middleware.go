@@ -183,7 +183,12 @@ func (w *Worker) Stop() { w.gate.stop() }
 // their TTL ends.
 func (w *Worker) Wait() { w.gate.wait() }
 
-func (w *Worker) observeLock(ev LockEvent, taskType string) {
+// observeLock counts a lock outcome and adds it to the delivery's span (ctx's) as an
+// "idemq.lock" event.
+func (w *Worker) observeLock(ctx context.Context, ev LockEvent, taskType string) {
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.AddEvent("idemq.lock", trace.WithAttributes(idempotency.AttrOutcome.String(string(ev))))
+	}
 	if w.cfg.ObserveLock != nil {
 		w.cfg.ObserveLock(ev, taskType)
 	}
@@ -293,7 +298,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		hold, err := h.w.gate.enter(ctx, scope, h.taskType, scope == key, lastAttempt(ctx), h.tx)
 		switch {
 		case errors.Is(err, lock.ErrNotObtained):
-			h.w.observeLock(LockBusy, h.taskType)
+			h.w.observeLock(ctx, LockBusy, h.taskType)
 			return OutcomeBusy, fmt.Errorf("%s: key %s: lock %s held by another delivery: %w", h.taskType, key, scope, ErrLockBusy)
 		case hold == nil:
 			return OutcomeError, err

@@ -123,7 +123,7 @@ func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient
 		s.handoffs++
 		h := g.holdLocked(ctx, s, taskType, true)
 		g.mu.Unlock()
-		g.w.observeLock(LockHanded, taskType)
+		g.w.observeLock(ctx, LockHanded, taskType)
 		return h, nil
 	}
 	if len(s.waiters)+len(s.holds) > g.w.cfg.ScopeWaiters {
@@ -164,7 +164,7 @@ func (g *gate) enter(ctx context.Context, name, taskType string, ownKey, patient
 // take starts the turn h gives.
 func (g *gate) take(ctx context.Context, s *scope, taskType string, h handout, giveUp <-chan time.Time) (*scopeHold, error) {
 	if h.held {
-		g.w.observeLock(LockHanded, taskType)
+		g.w.observeLock(ctx, LockHanded, taskType)
 		return g.adopt(ctx, h.hold, taskType), nil
 	}
 	if h.yield {
@@ -198,7 +198,7 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 		lk, err := g.w.locker.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
 		switch {
 		case err == nil:
-			g.w.observeLock(LockObtained, taskType)
+			g.w.observeLock(ctx, LockObtained, taskType)
 			_, unwatch := lk.Watch(context.Background(), &lock.WatchOptions{IgnoreLoss: true, OnLost: func(cause error) { g.lose(s, cause) }})
 			g.mu.Lock()
 			s.lk, s.unwatch, s.since, s.handoffs, s.lost = lk, unwatch, time.Now(), 0, nil
@@ -211,11 +211,11 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 			}
 			// Redis failed: the ledger alone guards the work; this process still runs the
 			// scope's deliveries one at a time.
-			g.w.observeLock(LockError, taskType)
+			g.w.observeLock(ctx, LockError, taskType)
 			return g.hold(ctx, s, taskType, false), err
 		}
 		if n == 1 {
-			g.w.observeLock(LockWaited, taskType)
+			g.w.observeLock(ctx, LockWaited, taskType)
 		}
 		delay, _ := retry.Backoff(n)
 		t := time.NewTimer(delay)
@@ -286,7 +286,7 @@ func (g *gate) bound(s *scope) bool {
 func (g *gate) lose(s *scope, cause error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.w.observeLock(LockLost, s.taskType)
+	g.w.observeLock(context.Background(), LockLost, s.taskType) // the delivery's span ends with the cancellation
 	g.w.log.Warn("lock lost while running", "scope", s.name, "err", cause)
 	s.lost = cause
 	if !s.ownKey {

@@ -83,6 +83,22 @@ func TestDeliverySpansJoinTheRequestsTrace(t *testing.T) {
 			t.Errorf("delivery %d: attributes %v; want key charge:o-traced, outcome %s, fence %d", i, s.Attributes(), want[i], fence)
 		}
 	}
+	// The scope's lock (the customer's) is an event of each delivery.
+	for i, d := range deliveries {
+		var lockOutcome string
+		for _, ev := range d.Events() {
+			if ev.Name == "idemq.lock" {
+				for _, kv := range ev.Attributes {
+					if kv.Key == idempotency.AttrOutcome {
+						lockOutcome = kv.Value.AsString()
+					}
+				}
+			}
+		}
+		if lockOutcome != string(asynqmw.LockObtained) && lockOutcome != string(asynqmw.LockHanded) {
+			t.Errorf("delivery %d: lock event %q, want obtained or handed", i, lockOutcome)
+		}
+	}
 	if call.Parent().SpanID() != deliveries[0].SpanContext().SpanID() {
 		t.Errorf("the handler's span is under %v, want the first delivery's %v", call.Parent().SpanID(), deliveries[0].SpanContext().SpanID())
 	}
