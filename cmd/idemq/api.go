@@ -73,6 +73,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 		DashboardPassword: cfg.DashboardPassword,
 		ListenAddr:        cfg.HTTPAddr,
 		DashboardActions:  !cfg.DashboardReadonly,
+		TraceURLTemplate:  cfg.TraceURLTemplate,
 		Logger:            log,
 	})
 	defer h.Close()

@@ -72,8 +72,12 @@ func TestBadValueStopsWithOneLine(t *testing.T) {
 		{"IDEMQ_FAKEPAY_DELAY=-1s", "IDEMQ_FAKEPAY_DELAY: negative duration"},
 		{"IDEMQ_FAKEPAY_DELAY=soon", `IDEMQ_FAKEPAY_DELAY="soon": not a valid duration (such as`},
 		{"IDEMQ_FAKEPAY_HONOR_KEYS=maybe", "IDEMQ_FAKEPAY_HONOR_KEYS"},
+		{"IDEMQ_TRACE_URL_TEMPLATE=http://jaeger:16686/trace/", "IDEMQ_TRACE_URL_TEMPLATE: not an http(s) URL with {trace_id} in it"},
 	} {
 		_, stderr, err := idemq(t, []string{tc.env}, "fakepay")
+		if strings.HasPrefix(tc.env, "IDEMQ_TRACE_URL_TEMPLATE") {
+			_, stderr, err = idemq(t, []string{tc.env}, "api")
+		}
 		if err == nil {
 			t.Fatalf("%s: exit 0, want a failure", tc.env)
 		}

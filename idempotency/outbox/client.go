@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -244,17 +245,27 @@ type IntentInfo struct {
 	CreatedAt         time.Time
 	PublishedAt       time.Time
 	FinishedAt        time.Time
+	// TraceParent is the W3C traceparent recorded with the intent ("" when none).
+	TraceParent string
+}
+
+// TraceID is the trace id of i's TraceParent, "" when it has none.
+func (i *IntentInfo) TraceID() string {
+	if parts := strings.Split(i.TraceParent, "-"); len(parts) == 4 && len(parts[1]) == 32 {
+		return parts[1]
+	}
+	return ""
 }
 
 const intentInfoSQL = `SELECT idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),
-	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch')
+	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch'), coalesce(trace_parent, '')
 	FROM job_intents WHERE idempotency_key = $1`
 
 // Intent returns key's intent, or an error wrapping ErrNotFound.
 func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
 	var i IntentInfo
 	err := c.pool.QueryRow(ctx, intentInfoSQL, key).Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration,
-		&i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt)
+		&i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt, &i.TraceParent)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w: no intent for %q", idempotency.ErrNotFound, key)
 	}

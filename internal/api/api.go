@@ -69,6 +69,10 @@ type Options struct {
 	RequestTimeout time.Duration
 	// Logger gets request errors. Default: discard.
 	Logger *slog.Logger
+	// TraceURLTemplate is a trace's page in the tracing UI, with {trace_id} where its id
+	// goes (IDEMQ_TRACE_URL_TEMPLATE): the ledger page links a key accepted in a traced
+	// request to that trace. Default: no link.
+	TraceURLTemplate string
 }
 
 // Server is the API's http.Handler. It is safe for concurrent use; Close releases the

@@ -120,6 +120,7 @@ type rowPage struct {
 	TaskState string              // asynq's state of the job's task, "" when Redis has none
 	TaskLink  string              // asynqmon's page of it, "" when Redis has none
 	Queue     string              // where the task is, else the queue its intent recorded, else ""
+	TraceLink string              // the trace of the request that accepted the job, "" when unknown
 }
 
 // ledgerRow serves /ledger/{key}: one row with its result, and the asynq task of the same
@@ -142,6 +143,9 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 		if in, err := il.Intent(r.Context(), key); err == nil {
 			p.Intent = in
 		}
+	}
+	if p.Intent != nil && p.Intent.TraceID() != "" && s.opts.TraceURLTemplate != "" {
+		p.TraceLink = strings.ReplaceAll(s.opts.TraceURLTemplate, "{trace_id}", p.Intent.TraceID())
 	}
 	if p.Row == nil && p.Intent == nil {
 		s.render(w, http.StatusNotFound, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})

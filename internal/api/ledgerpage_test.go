@@ -103,6 +103,28 @@ func TestLedgerPageShowsIntents(t *testing.T) {
 	a.do(t, "GET", "/ledger/charge:done", "").want(t, 200, `<span class="status intent-done">done</span>`, "ch_d")
 }
 
+// With IDEMQ_TRACE_URL_TEMPLATE set, a key accepted in a traced request links to that
+// trace; one accepted untraced does not.
+func TestLedgerRowLinksToItsTrace(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, &Options{TraceURLTemplate: "http://jaeger.example:16686/trace/{trace_id}"})
+	ctx := testenv.Context(t, 10*time.Second)
+	spec, err := tasks.ChargeSpec(tasks.Charge{OrderID: "traced", CustomerID: "c", AmountCents: 5, Currency: "EUR"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.TraceParent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	if _, err := a.client.Enqueue(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	a.do(t, "GET", "/ledger/charge:traced", "").want(t, 200,
+		`<a id="trace" href="http://jaeger.example:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736">4bf92f3577b34da6a3ce929d0e0e4736</a>`)
+	a.publish(t, "untraced")
+	if page := a.do(t, "GET", "/ledger/charge:untraced", "").want(t, 200); strings.Contains(page.body, `id="trace"`) {
+		t.Fatal("an untraced job links to a trace")
+	}
+}
+
 func TestPrettyResult(t *testing.T) {
 	for _, tc := range []struct{ in, want string }{
 		{`{"a":1,"b":[1,2]}`, "{\n  \"a\": 1,\n  \"b\": [\n    1,\n    2\n  ]\n}"},

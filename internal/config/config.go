@@ -85,6 +85,7 @@ type API struct {
 	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for requests in flight"`
 	KeyRetention      time.Duration `envconfig:"IDEMQ_API_KEY_RETENTION" default:"24h" desc:"how long an Idempotency-Key header is remembered (its job key dedups for longer)"`
 	PurgeInterval     time.Duration `envconfig:"IDEMQ_API_PURGE_INTERVAL" default:"1h" desc:"how often the API deletes Idempotency-Key rows older than IDEMQ_API_KEY_RETENTION (also once at start)"`
+	TraceURLTemplate  string        `envconfig:"IDEMQ_TRACE_URL_TEMPLATE" desc:"a trace's page in your tracing UI with {trace_id} where its id goes, e.g. http://jaeger:16686/trace/{trace_id}: the ledger page links each traced job to its trace"`
 	PoolSize          int32         `envconfig:"IDEMQ_API_POOL_SIZE" default:"20" desc:"Postgres connections of the API (shared accept transactions, ledger reads, the relay); a pool_max_conns in DATABASE_URL wins"`
 	LogLevel          string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 }
@@ -177,6 +178,13 @@ func checkField(key string, v any) error {
 		u, err := url.Parse(v.(string))
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return errors.New("not an absolute http(s) URL")
+		}
+	case "IDEMQ_TRACE_URL_TEMPLATE":
+		if t := v.(string); t != "" {
+			u, err := url.Parse(strings.ReplaceAll(t, "{trace_id}", "0"))
+			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || !strings.Contains(t, "{trace_id}") {
+				return errors.New("not an http(s) URL with {trace_id} in it")
+			}
 		}
 	case "IDEMQ_LOG_LEVEL":
 		switch v.(string) {
