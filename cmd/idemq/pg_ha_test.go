@@ -78,12 +78,7 @@ func testPostgresFailover(t *testing.T, synchronous bool) {
 	time.Sleep(5 * time.Second)
 	stopLoad()
 	res := <-loaded
-	for _, err := range res.errs {
-		t.Error(err)
-	}
-	if t.Failed() {
-		t.FailNow()
-	}
+	failOn(t, res.errs)
 
 	// Settled: every intent the new primary holds is done (a lost completion whose
 	// intent survived is republished after IDEMQ_RECONCILE_GRACE).

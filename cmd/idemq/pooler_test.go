@@ -96,12 +96,7 @@ func TestBehindPgBouncer(t *testing.T) {
 			t.Fatalf("hold a server connection: %v", err)
 		}
 	}
-	for _, err := range errs {
-		t.Error(err)
-	}
-	if t.Failed() {
-		t.FailNow()
-	}
+	failOn(t, errs)
 	s.waitCompleted(t, len(debits)+len(charges), 2*time.Minute)
 	s.checkEachOnce(t, debits, charges)
 	// A claim that waited at the stalled pooler for most of its lease may self-fence (the

@@ -71,6 +71,17 @@ func haLoadRefusing(ctx context.Context, base string, rate int) (r haResult) {
 	}
 }
 
+// failOn reports errs and stops the test when there are any.
+func failOn(t *testing.T, errs []error) {
+	t.Helper()
+	for _, err := range errs {
+		t.Error(err)
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
 // checkEachOnce fails unless each of the debits (references) has one wallet entry and each
 // of the charges (orders) one provider charge.
 func (s *stack) checkEachOnce(t *testing.T, debits, charges []string) {
@@ -179,12 +190,7 @@ func TestSentinelFailoverUnderLoad(t *testing.T) {
 	time.Sleep(3 * time.Second)
 	stopLoad()
 	res := <-loaded
-	for _, err := range res.errs {
-		t.Error(err)
-	}
-	if t.Failed() {
-		t.FailNow()
-	}
+	failOn(t, res.errs)
 	accepted := len(res.debits) + len(res.charges)
 	s.waitCompleted(t, accepted, 3*time.Minute)
 	done := time.Since(killed)
@@ -215,12 +221,7 @@ func TestRedisClusterEndToEnd(t *testing.T) {
 	loadCtx, stop := context.WithTimeout(ctx, 5*time.Second)
 	defer stop()
 	debits, charges, errs := haLoad(loadCtx, base, 40)
-	for _, err := range errs {
-		t.Error(err)
-	}
-	if t.Failed() {
-		t.FailNow()
-	}
+	failOn(t, errs)
 	s.waitCompleted(t, len(debits)+len(charges), 2*time.Minute)
 	s.checkEachOnce(t, debits, charges)
 	req, _ := http.NewRequestWithContext(ctx, "GET", base+"/monitoring/api/queues", nil)
