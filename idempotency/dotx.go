@@ -65,7 +65,12 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 		return Result{}, err
 	}
 	d := &txDelivery{l: l, req: req}
-	return l.settle(ctx, d, l.tx.Run(ctx, d, fn))
+	// One span under the delivery's for the claim, fn's work and the completion, which
+	// commit together (endTxSpan says what the transaction decided).
+	ctx, span := l.startSpan(ctx, "idemq.tx", req.Key)
+	res, err := l.settle(ctx, d, l.tx.Run(ctx, d, fn))
+	endTxSpan(span, d.claim, res, err)
+	return res, err
 }
 
 // txDelivery is one DoTx call, as the executor (sharedtx) sees it: its request, and what

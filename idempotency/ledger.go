@@ -213,6 +213,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		Alone: c.DisableGroupCommit, Permanent: IsPermanent, CleanText: cleanText,
 		Observe:      func(ev, taskType string) { l.observe(Event(ev), taskType) },
 		ObserveBatch: func(n int) { l.observeBatch(BatchTx, n) },
+		Tracer:       l.tracer,
 		Stalled: func(scope, key string, waited time.Duration) {
 			l.log.Error("idempotency: a delivery waits in its scope's line: the scope's deliveries before it have not ended", "scope", scope, "key", key, "waited", waited)
 		},

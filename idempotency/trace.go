@@ -70,6 +70,29 @@ func endClaimSpan(span trace.Span, cr ClaimResult, err error) {
 	span.End()
 }
 
+// endTxSpan records what a DoTx transaction decided: its claim's outcome as for Do
+// (claimed or takeover when it completed the key, cached, busy, mismatch, …, or error when
+// the transaction rolled back) and the fence that did the work.
+func endTxSpan(span trace.Span, c *Claim, res Result, err error) {
+	if !span.IsRecording() {
+		span.End()
+		return
+	}
+	switch {
+	case err == nil && res.Cached:
+		endClaimSpan(span, ClaimResult{Completed: &res}, nil)
+		return
+	case err == nil && c != nil && c.Attempt > 1:
+		span.SetAttributes(AttrOutcome.String(outcomeTakeover), AttrFence.Int64(res.Fence), AttrAttempt.Int(c.Attempt))
+	case err == nil:
+		span.SetAttributes(AttrOutcome.String(outcomeClaimed), AttrFence.Int64(res.Fence), AttrAttempt.Int(max(1, res.Attempts)))
+	default:
+		endClaimSpan(span, ClaimResult{}, err)
+		return
+	}
+	span.End()
+}
+
 // endFinishSpan records how c's claim ended: completed, failed (the handler's error
 // recorded), lease_lost (a newer claim holds the key), self_fenced (no heartbeat reached
 // the database in time), both told by cause, the handler context's, or error.

@@ -4,10 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
@@ -80,6 +83,25 @@ func TestDoSpanTrees(t *testing.T) {
 	check("duplicate", got, "idemq.claim outcome=cached "+fence+"\n")
 	t.Logf("duplicate:\n%s", got)
 
+	// A transactional job: one span for its claim, work and completion, which commit
+	// together; a duplicate sees the result.
+	txWork := func(_ context.Context, tx pgx.Tx) (json.RawMessage, error) { return json.RawMessage(`{}`), nil }
+	dctx, span := tp.Tracer("test").Start(ctx, "delivery")
+	if _, err := l.DoTx(dctx, req("tx"), txWork); err != nil {
+		t.Fatal(err)
+	}
+	span.End()
+	got = tree(rec, span.SpanContext())
+	txFence := strings.Fields(got)[2]
+	check("transactional", got, "idemq.tx outcome=claimed "+txFence+" attempt=1\n")
+	t.Logf("transactional:\n%s", got)
+	dctx, span = tp.Tracer("test").Start(ctx, "delivery")
+	if _, err := l.DoTx(dctx, req("tx"), txWork); err != nil {
+		t.Fatal(err)
+	}
+	span.End()
+	check("transactional duplicate", tree(rec, span.SpanContext()), "idemq.tx outcome=cached "+txFence+"\n")
+
 	// A claim whose worker crashed: its lease runs out, the next delivery takes over.
 	if _, err := l.Claim(ctx, req("crashed")); err != nil {
 		t.Fatal(err)
@@ -117,4 +139,63 @@ func TestDoSpanTrees(t *testing.T) {
 		t.Errorf("stale owner: span tree\n%s\nwant claim outcome=claimed, handler, complete outcome=lease_lost", got)
 	}
 	t.Logf("stale owner:\n%s", got)
+}
+
+// Transactional deliveries that share a transaction: each one's idemq.tx span and the
+// transaction's idemq.shared_tx span are linked both ways.
+func TestSharedTransactionSpan(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	l, _ := newLedger(t, &idempotency.Config{Committers: 1, TracerProvider: tp})
+	ctx := testenv.Context(t, time.Minute)
+	var wg sync.WaitGroup
+	for i := range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dctx, span := tp.Tracer("test").Start(ctx, "delivery")
+			defer span.End()
+			if _, err := l.DoTx(dctx, req(fmt.Sprintf("shared-%d", i)), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				_, err := tx.Exec(ctx, "SELECT pg_sleep(0.01)")
+				return json.RawMessage(`{}`), err
+			}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	txs := map[trace.SpanID]sdktrace.ReadOnlySpan{}
+	var shared []sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		switch s.Name() {
+		case "idemq.tx":
+			txs[s.SpanContext().SpanID()] = s
+		case "idemq.shared_tx":
+			shared = append(shared, s)
+		}
+	}
+	if len(shared) == 0 {
+		t.Fatalf("12 concurrent deliveries on one committer made no shared transaction span (%d tx spans)", len(txs))
+	}
+	for _, s := range shared {
+		if len(s.Links()) < 2 || s.Parent().IsValid() {
+			t.Errorf("shared transaction span: %d links, parent %v; want 2 or more, and a root", len(s.Links()), s.Parent())
+		}
+		for _, link := range s.Links() {
+			member, ok := txs[link.SpanContext.SpanID()]
+			if !ok {
+				t.Errorf("shared transaction links to %v, not an idemq.tx span", link.SpanContext.SpanID())
+				continue
+			}
+			back := false
+			for _, l := range member.Links() {
+				back = back || l.SpanContext.SpanID() == s.SpanContext().SpanID()
+			}
+			if !back {
+				t.Errorf("member %v does not link back to its shared transaction", member.SpanContext().SpanID())
+			}
+		}
+	}
+	t.Logf("%d shared transaction spans for 12 deliveries; the first links %d members", len(shared), len(shared[0].Links()))
 }

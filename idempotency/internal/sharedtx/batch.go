@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
@@ -71,6 +73,9 @@ func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
 		}
 	}
 	b := &batch{e: e, conn: conn, idle: e.idleTimeout(latest)}
+	if span := e.batchSpan(ms); span != nil {
+		defer span.End()
+	}
 	switch {
 	case !b.claimAll(ms):
 		// Nothing claimed (completed keys, busy ones, races): the transaction wrote
@@ -263,4 +268,28 @@ func (b *batch) answerCommitted(err error) {
 			b.replyWith(m, Answer{})
 		}
 	}
+}
+
+// batchSpan starts, when two or more of ms are traced, the span of the transaction they
+// share, "idemq.shared_tx": a root of its own (it belongs to no one delivery's trace),
+// linked to each member's span, and each member's span is linked to it.
+func (e *Exec) batchSpan(ms []*member) trace.Span {
+	if e.cfg.Tracer == nil || len(ms) < 2 {
+		return nil
+	}
+	var links []trace.Link
+	for _, m := range ms {
+		if s := trace.SpanFromContext(m.ctx); s.IsRecording() {
+			links = append(links, trace.Link{SpanContext: s.SpanContext()})
+		}
+	}
+	if len(links) < 2 {
+		return nil
+	}
+	_, span := e.cfg.Tracer.Start(context.Background(), "idemq.shared_tx", trace.WithNewRoot(), trace.WithLinks(links...),
+		trace.WithAttributes(attribute.Int("idemq.members", len(ms))))
+	for _, m := range ms {
+		trace.SpanFromContext(m.ctx).AddLink(trace.Link{SpanContext: span.SpanContext()})
+	}
+	return span
 }

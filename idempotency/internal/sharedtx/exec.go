@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/internal/txshim"
@@ -138,6 +139,9 @@ type Config struct {
 	ObserveBatch func(size int)
 	// Stalled, if set, is told of a delivery that waited StallAfter in its scope's line.
 	Stalled func(scope, key string, waited time.Duration)
+	// Tracer, if set, makes a span of each transaction two or more recorded deliveries
+	// share (see batchSpan).
+	Tracer trace.Tracer
 }
 
 // Exec runs deliveries in transactions. Safe for concurrent use.
