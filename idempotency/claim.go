@@ -87,7 +87,7 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 				return ClaimResult{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
 			}
 		}
-		res, stuck, again, err := l.decide(req, c, r, round)
+		res, stuck, again, err := l.decide(ctx, req, c, r, round)
 		if stuck != 0 {
 			l.markStuckOne(ctx, req, stuck)
 		}
@@ -129,7 +129,7 @@ func (l *Ledger) leaseFor(deadline time.Time) time.Duration {
 
 // decide turns a claim's row into an outcome. stuck is a fence to mark needs_attention
 // (after any transaction ends); again asks for another claim round.
-func (l *Ledger) decide(req Request, c *Claim, r *store.ClaimRow, round int) (res ClaimResult, stuck int64, again bool, err error) {
+func (l *Ledger) decide(ctx context.Context, req Request, c *Claim, r *store.ClaimRow, round int) (res ClaimResult, stuck int64, again bool, err error) {
 	if r.Claimed {
 		c.Fence = r.Fence.Int64
 		c.Attempt = int(r.Attempts.Int32)
@@ -137,7 +137,7 @@ func (l *Ledger) decide(req Request, c *Claim, r *store.ClaimRow, round int) (re
 		c.LeaseUntil = r.LockedUntil.Time
 		if c.Attempt > 1 {
 			l.observe(EventTakeover, req.TaskType)
-			l.log.Info("idempotency: took over an expired lease", "task_type", req.TaskType, "key", req.Key, "fence", c.Fence, "attempt", c.Attempt)
+			l.log.InfoContext(ctx, "idempotency: took over an expired lease", "task_type", req.TaskType, "key", req.Key, "fence", c.Fence, "attempt", c.Attempt)
 		} else {
 			l.observe(EventClaimed, req.TaskType)
 		}

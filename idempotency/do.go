@@ -115,7 +115,7 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct
 		case <-stop:
 			return
 		case <-selfFence.C:
-			l.selfFenced(c, cancel)
+			l.selfFenced(ctx, c, cancel)
 			return
 		case <-next.C:
 		}
@@ -131,7 +131,7 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct
 		case err != nil:
 			l.log.WarnContext(ctx, "idempotency: heartbeat failed; retrying until the self-fence deadline", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err, "self_fence_in", time.Until(fenceAt))
 			if !time.Now().Before(fenceAt) {
-				l.selfFenced(c, cancel)
+				l.selfFenced(ctx, c, cancel)
 				return
 			}
 			next.Reset(min(interval, max(time.Until(fenceAt)/4, time.Millisecond)))
@@ -145,9 +145,9 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct
 	}
 }
 
-func (l *Ledger) selfFenced(c *Claim, cancel context.CancelCauseFunc) {
+func (l *Ledger) selfFenced(ctx context.Context, c *Claim, cancel context.CancelCauseFunc) {
 	l.observe(EventSelfFenced, c.TaskType)
-	l.log.Error("idempotency: no heartbeat reached the database in time; handler cancelled", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence)
+	l.log.ErrorContext(ctx, "idempotency: no heartbeat reached the database in time; handler cancelled", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence)
 	cancel(&selfFencedError{key: c.Key, fence: c.Fence})
 }
 

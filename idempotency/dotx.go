@@ -64,10 +64,10 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	if err := req.validate(); err != nil {
 		return Result{}, err
 	}
-	d := &txDelivery{l: l, req: req}
 	// One span under the delivery's for the claim, fn's work and the completion, which
 	// commit together (endTxSpan says what the transaction decided).
 	ctx, span := l.startSpan(ctx, "idemq.tx", req.Key)
+	d := &txDelivery{l: l, req: req, ctx: ctx}
 	res, err := l.settle(ctx, d, l.tx.Run(ctx, d, fn))
 	endTxSpan(span, d.claim, res, err)
 	return res, err
@@ -77,6 +77,7 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 // its transaction decided (the claim, the result, a stuck fence).
 type txDelivery struct {
 	l     *Ledger
+	ctx   context.Context // the call's, for its log lines
 	req   Request
 	claim *Claim
 	res   Result
@@ -95,7 +96,7 @@ func (d *txDelivery) Claim(int) (store.ClaimParams, error) {
 }
 
 func (d *txDelivery) Decide(r *store.ClaimRow, round int) (claimed, again bool, err error) {
-	cr, stuck, again, err := d.l.decide(d.req, d.claim, r, round)
+	cr, stuck, again, err := d.l.decide(d.ctx, d.req, d.claim, r, round)
 	d.stuck = stuck
 	if cr.Completed != nil {
 		d.res = *cr.Completed
@@ -110,7 +111,7 @@ func (d *txDelivery) Identity() store.FinishParams {
 }
 
 func (d *txDelivery) Check(out json.RawMessage) (stored, lastErr pgtype.Text) {
-	stored, lastErr = d.l.checkResult(d.claim, out)
+	stored, lastErr = d.l.checkResult(d.ctx, d.claim, out)
 	d.res = d.claim.completed(out, stored, lastErr)
 	return stored, lastErr
 }
@@ -122,7 +123,7 @@ func (d *txDelivery) Refused(pgErr *pgconn.PgError) error {
 	c := d.claim
 	switch {
 	case pgErr.Code == pgcode.DivisionByZero:
-		d.l.leaseLost(c, "completion")
+		d.l.leaseLost(d.ctx, c, "completion")
 		return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
 	case pgErr.Code[:2] == pgcode.DataExceptionClass:
 		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))

@@ -26,15 +26,15 @@ func (l *Ledger) Heartbeat(ctx context.Context, c *Claim) (time.Time, error) {
 		return time.Time{}, fmt.Errorf("idempotency: heartbeat %s: %w", c.Key, err)
 	}
 	if !held {
-		l.leaseLost(c, "heartbeat")
+		l.leaseLost(ctx, c, "heartbeat")
 		return time.Time{}, fmt.Errorf("%w: heartbeat of key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
 	}
 	return until, nil
 }
 
-func (l *Ledger) leaseLost(c *Claim, what string) {
+func (l *Ledger) leaseLost(ctx context.Context, c *Claim, what string) {
 	l.observe(EventLeaseLost, c.TaskType)
-	l.log.Warn("idempotency: lease lost; "+what+" refused", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
+	l.log.WarnContext(ctx, "idempotency: lease lost; "+what+" refused", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
 }
 
 // Complete records result for c's key, durably (synchronous_commit on), if c still holds
@@ -53,13 +53,13 @@ func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage)
 func (l *Ledger) complete(ctx context.Context, c *Claim, result json.RawMessage) (Result, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 	defer cancel()
-	stored, lastErr := l.checkResult(c, result)
+	stored, lastErr := l.checkResult(ctx, c, result)
 	res := c.completed(result, stored, lastErr)
 	err := l.finish(ctx, c, store.ActionComplete, stored, lastErr)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code[:2] == pgcode.DataExceptionClass && !lastErr.Valid {
 		// The database refused the value after all (a data exception): store a marker.
-		stored, lastErr = l.markResult(c, "result refused by the database: "+pgErr.Message)
+		stored, lastErr = l.markResult(ctx, c, "result refused by the database: "+pgErr.Message)
 		err = l.finish(ctx, c, store.ActionComplete, stored, lastErr)
 	}
 	if err != nil {
@@ -112,7 +112,7 @@ func (l *Ledger) finish(ctx context.Context, c *Claim, action store.Action, resu
 	case err != nil && !op.lost:
 		return fmt.Errorf("idempotency: finish %s: %w", c.Key, err)
 	case !op.answered: // the update matched no row, whatever became of the commit
-		l.leaseLost(c, "write")
+		l.leaseLost(ctx, c, "write")
 		return fmt.Errorf("%w: key %q fence %d", ErrLeaseLost, c.Key, c.Fence)
 	}
 	return nil

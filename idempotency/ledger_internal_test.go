@@ -96,10 +96,10 @@ func TestDecideRaces(t *testing.T) {
 	l := &Ledger{cfg: Config{MaxAge: time.Hour}, log: slog.New(slog.DiscardHandler)}
 	req := Request{Key: "k", TaskType: "t"}
 	var r store.ClaimRow // no row visible, yet the insert did not take it
-	if _, _, again, err := l.decide(req, &Claim{}, &r, 0); !again || err != nil {
+	if _, _, again, err := l.decide(context.Background(), req, &Claim{}, &r, 0); !again || err != nil {
 		t.Fatalf("first race: again=%t err=%v, want another round", again, err)
 	}
-	if _, _, again, err := l.decide(req, &Claim{}, &r, maxClaimRounds-1); again || !errors.Is(err, ErrBusy) {
+	if _, _, again, err := l.decide(context.Background(), req, &Claim{}, &r, maxClaimRounds-1); again || !errors.Is(err, ErrBusy) {
 		t.Fatalf("last race: again=%t err=%v, want ErrBusy", again, err)
 	}
 }

@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"time"
@@ -54,12 +55,12 @@ func ValidateResult(result json.RawMessage, maxBytes int) error {
 
 // checkResult returns what to store for result and the last_error to record (not
 // valid: none).
-func (l *Ledger) checkResult(c *Claim, result json.RawMessage) (stored, lastErr pgtype.Text) {
+func (l *Ledger) checkResult(ctx context.Context, c *Claim, result json.RawMessage) (stored, lastErr pgtype.Text) {
 	if len(result) == 0 {
 		return pgtype.Text{}, pgtype.Text{}
 	}
 	if err := ValidateResult(result, l.cfg.MaxResultBytes); err != nil {
-		return l.markResult(c, err.Error())
+		return l.markResult(ctx, c, err.Error())
 	}
 	return pgtype.Text{String: string(result), Valid: true}, pgtype.Text{}
 }
@@ -79,10 +80,10 @@ func (c *Claim) completed(out json.RawMessage, stored, lastErr pgtype.Text) Resu
 }
 
 // markResult builds the error marker stored instead of a result that cannot be stored.
-func (l *Ledger) markResult(c *Claim, msg string) (stored, lastErr pgtype.Text) {
+func (l *Ledger) markResult(ctx context.Context, c *Claim, msg string) (stored, lastErr pgtype.Text) {
 	msg = cleanText(msg)
 	l.observe(EventBadResult, c.TaskType)
-	l.log.Error("idempotency: result replaced by an error marker; the key completes", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", msg)
+	l.log.ErrorContext(ctx, "idempotency: result replaced by an error marker; the key completes", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", msg)
 	b, _ := json.Marshal(map[string]string{"idemq_error": msg})
 	return pgtype.Text{String: string(b), Valid: true}, pgtype.Text{String: msg, Valid: true}
 }

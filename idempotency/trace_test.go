@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/internal/tracing"
 )
 
 // tree renders the spans recorded under root as "name outcome=… fence=…" lines, indented
@@ -198,4 +200,52 @@ func TestSharedTransactionSpan(t *testing.T) {
 		}
 	}
 	t.Logf("%d shared transaction spans for 12 deliveries; the first links %d members", len(shared), len(shared[0].Links()))
+}
+
+// lockedBuffer is a strings.Builder safe for the ledger's concurrent log lines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (w *lockedBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *lockedBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// The ledger's lines about a traced delivery (here a takeover, then a stale owner's lost
+// lease) carry the delivery's trace id.
+func TestLedgerLinesCarryTheTrace(t *testing.T) {
+	t.Parallel()
+	var logs lockedBuffer
+	tp := sdktrace.NewTracerProvider()
+	lease := 600 * time.Millisecond
+	l, _ := newLedger(t, &idempotency.Config{Lease: lease, TracerProvider: tp,
+		Logger: slog.New(tracing.LogHandler(slog.NewTextHandler(&logs, nil)))})
+	ctx := testenv.Context(t, time.Minute)
+	if _, err := l.Claim(ctx, req("crashed")); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(lease + 100*time.Millisecond)
+	dctx, span := tp.Tracer("test").Start(ctx, "delivery")
+	if _, err := l.Do(dctx, req("crashed"), func(context.Context) (json.RawMessage, error) { return json.RawMessage(`{}`), nil }); err != nil {
+		t.Fatal(err)
+	}
+	span.End()
+	want := "trace_id=" + span.SpanContext().TraceID().String()
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(line, "took over an expired lease") && !strings.Contains(line, want) {
+			t.Fatalf("takeover line without %s: %s", want, line)
+		}
+	}
+	if !strings.Contains(logs.String(), "took over an expired lease") {
+		t.Fatalf("no takeover line:\n%s", logs.String())
+	}
 }
