@@ -44,21 +44,21 @@ type Charger struct {
 // idleConns connections to the provider open between calls.
 func NewCharger(baseURL string, client *http.Client) *Charger {
 	if client == nil {
-		// Go's default transport keeps two idle connections per host: a worker running
-		// more charges at once would open and close a connection for most calls.
-		client = &http.Client{Timeout: 30 * time.Second, Transport: Transport()}
+		client = DefaultClient()
 	}
 	return &Charger{url: strings.TrimRight(baseURL, "/") + "/v1/charges", http: client}
 }
 
-// Transport is the HTTP transport NewCharger's default client uses: Go's default, keeping
-// enough idle connections for a worker's concurrent charges. Wrap it to trace the calls
+// DefaultClient is the HTTP client NewCharger uses when given none: a 30 s timeout, and
+// Go's default transport keeping enough idle connections for a worker's concurrent charges
+// (its default keeps two per host: a worker running more charges at once would open and
+// close a connection for most calls). Wrap its transport to trace the calls
 // (otelhttp.NewTransport makes a client span per call whose traceparent the provider
 // receives, under the delivery's span).
-func Transport() *http.Transport {
+func DefaultClient() *http.Client {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns, tr.MaxIdleConnsPerHost = idleConns, idleConns
-	return tr
+	return &http.Client{Timeout: 30 * time.Second, Transport: tr}
 }
 
 // Charge asks the provider to charge c, passing key as its Idempotency-Key, so that a

@@ -6,7 +6,6 @@ import (
 	"io"
 	"log/slog"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -193,11 +192,7 @@ func TestResolveAcrossPromotion(t *testing.T) {
 	for testenv.Count(t, onStandby, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = 'kept'`) == 0 {
 		time.Sleep(10 * time.Millisecond)
 	}
-	var sender int
-	if err := pool.QueryRow(ctx, `SELECT pid FROM pg_stat_replication`).Scan(&sender); err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Kill(sender, syscall.SIGSTOP); err != nil { // the standby hears no more
+	if err := primary.HoldWAL(); err != nil { // the standby hears no more
 		t.Fatal(err)
 	}
 	lost := write("lost")

@@ -6,6 +6,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -16,6 +17,26 @@ const (
 	AttrAttempt = attribute.Key("idemq.attempt") // the ledger's claim count; asynq's delivery attempt on a delivery
 	AttrOutcome = attribute.Key("idemq.outcome") // what the span's step decided
 )
+
+// TraceParent returns the W3C traceparent of ctx's span when it is valid and sampled, else
+// "": what a job records to continue its request's trace (HeaderTraceParent).
+func TraceParent(ctx context.Context) string {
+	if sc := trace.SpanContextFromContext(ctx); !sc.IsValid() || !sc.IsSampled() {
+		return ""
+	}
+	carrier := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(ctx, carrier)
+	return carrier[HeaderTraceParent]
+}
+
+// ContextWithTraceParent returns ctx carrying, as its remote parent span, the W3C
+// traceparent tp ("" or malformed: ctx as it is).
+func ContextWithTraceParent(ctx context.Context, tp string) context.Context {
+	if tp == "" {
+		return ctx
+	}
+	return propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{HeaderTraceParent: tp})
+}
 
 // Claim outcomes, as the claim span's idemq.outcome.
 const (
@@ -74,23 +95,14 @@ func endClaimSpan(span trace.Span, cr ClaimResult, err error) {
 // (claimed or takeover when it completed the key, cached, busy, mismatch, …, or error when
 // the transaction rolled back) and the fence that did the work.
 func endTxSpan(span trace.Span, c *Claim, res Result, err error) {
-	if !span.IsRecording() {
-		span.End()
-		return
-	}
 	switch {
-	case err == nil && res.Cached:
-		endClaimSpan(span, ClaimResult{Completed: &res}, nil)
-		return
-	case err == nil && c != nil && c.Attempt > 1:
-		span.SetAttributes(AttrOutcome.String(outcomeTakeover), AttrFence.Int64(res.Fence), AttrAttempt.Int(c.Attempt))
-	case err == nil:
-		span.SetAttributes(AttrOutcome.String(outcomeClaimed), AttrFence.Int64(res.Fence), AttrAttempt.Int(max(1, res.Attempts)))
-	default:
+	case err != nil:
 		endClaimSpan(span, ClaimResult{}, err)
-		return
+	case res.Cached:
+		endClaimSpan(span, ClaimResult{Completed: &res}, nil)
+	default: // c completed the key
+		endClaimSpan(span, ClaimResult{Claim: c}, nil)
 	}
-	span.End()
 }
 
 // endFinishSpan records how c's claim ended: completed, failed (the handler's error

@@ -3,12 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/internal/localserver"
 	"github.com/idemq/idemq/internal/testenv"
@@ -61,8 +57,7 @@ func testPostgresFailover(t *testing.T, synchronous bool) {
 	go func() { loaded <- haLoadRefusing(loadCtx, base, 40) }()
 
 	time.Sleep(3 * time.Second)
-	walSender := walSenderPID(t, primary.URL)
-	if err := syscall.Kill(walSender, syscall.SIGSTOP); err != nil {
+	if err := primary.HoldWAL(); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(failoverLag)
@@ -74,7 +69,10 @@ func testPostgresFailover(t *testing.T, synchronous bool) {
 		t.Fatal(err)
 	}
 	promoted := time.Since(killed)
-	writable := waitWritable(t, ctx, url, killed)
+	writable, err := localserver.WaitWritable(ctx, url, killed, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
 	time.Sleep(5 * time.Second)
 	stopLoad()
 	res := <-loaded
@@ -184,46 +182,4 @@ func keys(prefix string, refs []string) []string {
 		out[i] = prefix + r
 	}
 	return out
-}
-
-// walSenderPID is the process id of the primary's WAL sender to its standby.
-func walSenderPID(t *testing.T, url string) int {
-	t.Helper()
-	ctx := testenv.Context(t, 10*time.Second)
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	var pid int
-	if err := conn.QueryRow(ctx, `SELECT pid FROM pg_stat_replication`).Scan(&pid); err != nil {
-		t.Fatalf("the primary's WAL sender: %v", err)
-	}
-	return pid
-}
-
-// waitWritable waits until a new connection on url commits a write, and returns how long
-// after since that was.
-func waitWritable(t *testing.T, ctx context.Context, url string, since time.Time) time.Duration {
-	t.Helper()
-	for {
-		err := func() error {
-			cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			defer cancel()
-			conn, err := pgx.Connect(cctx, url)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(cctx)
-			_, err = conn.Exec(cctx, `CREATE TEMP TABLE probe (x int)`)
-			return err
-		}()
-		if err == nil {
-			return time.Since(since)
-		}
-		if time.Since(since) > time.Minute {
-			t.Fatalf("no write through %s a minute after the primary died: %v", strings.SplitN(url, "?", 2)[0], err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }

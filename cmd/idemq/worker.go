@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"os"
 	"runtime"
 	"strconv"
@@ -115,7 +114,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		ObserveHandler: m.ObserveHandler,
 	})
 
-	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(&http.Client{Timeout: 30 * time.Second, Transport: handlers.Transport()}))
+	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(handlers.DefaultClient()))
 	mux := asynq.NewServeMux()
 	charge := func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		return charger.Charge(ctx, c.Key(), c)

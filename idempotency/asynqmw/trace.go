@@ -7,7 +7,6 @@ import (
 	"github.com/hibiken/asynq"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
@@ -21,9 +20,7 @@ const tracerName = "github.com/idemq/idemq/idempotency/asynqmw"
 // own instrumentation nests under it. With no tracer provider installed it is the no-op
 // span.
 func (w *Worker) startSpan(ctx context.Context, taskType string, t *asynq.Task) (context.Context, trace.Span) {
-	if tp := t.Headers()[idempotency.HeaderTraceParent]; tp != "" {
-		ctx = propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{idempotency.HeaderTraceParent: tp})
-	}
+	ctx = idempotency.ContextWithTraceParent(ctx, t.Headers()[idempotency.HeaderTraceParent])
 	ctx, span := w.tracer.Start(ctx, "process "+taskType, trace.WithSpanKind(trace.SpanKindConsumer))
 	if !span.IsRecording() { // tracing off: nothing more to pay
 		return ctx, span

@@ -14,7 +14,6 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
-	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
@@ -43,7 +42,7 @@ func TestDeliverySpansJoinTheRequestsTrace(t *testing.T) {
 	}
 	ctx := testenv.Context(t, 30*time.Second)
 	reqCtx, request := tp.Tracer("test").Start(ctx, "POST /v1/charges")
-	traceparent := outbox.TraceParentOf(reqCtx)
+	traceparent := idempotency.TraceParent(reqCtx)
 	request.End()
 	if traceparent == "" {
 		t.Fatal("no traceparent for a sampled span")

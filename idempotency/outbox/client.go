@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -251,10 +250,11 @@ type IntentInfo struct {
 
 // TraceID is the trace id of i's TraceParent, "" when it has none.
 func (i *IntentInfo) TraceID() string {
-	if parts := strings.Split(i.TraceParent, "-"); len(parts) == 4 && len(parts[1]) == 32 {
-		return parts[1]
+	sc := trace.SpanContextFromContext(idempotency.ContextWithTraceParent(context.Background(), i.TraceParent))
+	if !sc.IsValid() {
+		return ""
 	}
-	return ""
+	return sc.TraceID().String()
 }
 
 const intentInfoSQL = `SELECT idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),

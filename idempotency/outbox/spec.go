@@ -7,7 +7,6 @@ import (
 	"github.com/hibiken/asynq"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
@@ -25,7 +24,7 @@ type Spec struct {
 	Retention time.Duration
 	// TraceParent is the W3C traceparent the job's deliveries continue (see
 	// idempotency.HeaderTraceParent). Enqueue and EnqueueTx fill it from their context
-	// when it is empty and the context carries a sampled span.
+	// (idempotency.TraceParent) when it is empty.
 	TraceParent string
 }
 
@@ -47,22 +46,10 @@ func (s Spec) Task(taskID string, firstEnqueued time.Time, opts ...asynq.Option)
 	return asynq.NewTaskWithHeaders(s.Type, s.Payload, headers, all...)
 }
 
-// TraceParentOf returns the W3C traceparent of ctx's span when it is valid and sampled, else
-// "".
-func TraceParentOf(ctx context.Context) string {
-	sc := trace.SpanContextFromContext(ctx)
-	if !sc.IsValid() || !sc.IsSampled() {
-		return ""
-	}
-	carrier := propagation.MapCarrier{}
-	propagation.TraceContext{}.Inject(ctx, carrier)
-	return carrier[idempotency.HeaderTraceParent]
-}
-
 // withTrace returns s with TraceParent filled from ctx when it has none.
 func withTrace(ctx context.Context, s Spec) Spec {
 	if s.TraceParent == "" {
-		s.TraceParent = TraceParentOf(ctx)
+		s.TraceParent = idempotency.TraceParent(ctx)
 	}
 	return s
 }
@@ -70,19 +57,27 @@ func withTrace(ctx context.Context, s Spec) Spec {
 // startPublishSpan starts the producer span of one publish of r, a child of the
 // traceparent recorded with its intent.
 func (c *Client) startPublishSpan(ctx context.Context, r intentRow) (context.Context, trace.Span) {
-	ctx = propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{idempotency.HeaderTraceParent: r.spec.TraceParent})
-	return c.tracer.Start(ctx, "publish "+r.spec.Type, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
-		attribute.String("messaging.system", "asynq"),
-		attribute.String("messaging.operation.type", "send"),
-		attribute.String("messaging.operation.name", "publish"),
-		attribute.String("messaging.destination.name", r.spec.Queue),
-		attribute.String("idemq.key", r.spec.Key),
-		attribute.Int("idemq.generation", r.gen)))
+	ctx, span := c.tracer.Start(idempotency.ContextWithTraceParent(ctx, r.spec.TraceParent), "publish "+r.spec.Type,
+		trace.WithSpanKind(trace.SpanKindProducer))
+	if span.IsRecording() {
+		span.SetAttributes(
+			attribute.String("messaging.system", "asynq"),
+			attribute.String("messaging.operation.type", "send"),
+			attribute.String("messaging.operation.name", "publish"),
+			attribute.String("messaging.destination.name", r.spec.Queue),
+			idempotency.AttrKey.String(r.spec.Key),
+			attribute.Int("idemq.generation", r.gen))
+	}
+	return ctx, span
 }
 
 // endPublishSpan ends the span of a publish of key with the TaskID it was published under
 // (generation gen), or its error.
 func endPublishSpan(span trace.Span, key string, gen int, err error) {
+	if !span.IsRecording() {
+		span.End()
+		return
+	}
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		span.RecordError(err)

@@ -238,7 +238,7 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	}
 	ctx := r.Context()
 	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
-	spec.TraceParent = outbox.TraceParentOf(ctx) // the job's deliveries continue this request's trace
+	spec.TraceParent = idempotency.TraceParent(ctx) // the job's deliveries continue this request's trace
 
 	req := &acceptReq{ctx: ctx, route: r.Pattern, hk: hk, keyField: keyField, fp: fp, spec: spec}
 	err = s.accepts.Run(ctx, 0, req)

@@ -75,9 +75,9 @@ func OpenDatabase(ctx context.Context, dsn, direct string, maxConns int32, log *
 	case !d.Pooled:
 		d.Session = pool.Config().ConnConfig
 	default:
+		// The outbox finds the pooler on its own and says that its relays poll.
 		log.Warn("DATABASE_URL reaches a transaction-mode pooler and IDEMQ_DIRECT_DATABASE_URL is not set: " +
-			"relays poll instead of listening for wake-ups, and heartbeats queue for the pooler's server connections " +
-			"(set IDEMQ_DIRECT_DATABASE_URL to Postgres itself)")
+			"heartbeats queue for the pooler's server connections (set IDEMQ_DIRECT_DATABASE_URL to Postgres itself)")
 	}
 	if d.Pooled {
 		log.Info("DATABASE_URL reaches a transaction-mode pooler", "query_exec_mode", pool.Config().ConnConfig.DefaultQueryExecMode.String(),

@@ -10,8 +10,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemq/idemq/internal/localserver"
 )
 
@@ -304,7 +302,10 @@ func (c *cluster) promote(ctx context.Context, kind string, down time.Duration) 
 	promoted := time.Since(t0)
 	c.pg, c.standby = next, old
 	c.pgUp.Store(true)
-	writable := c.firstWrite(ctx, t0, 30*time.Second)
+	writable, err := localserver.WaitWritable(ctx, c.dbURL, t0, 30*time.Second)
+	if err != nil {
+		writable = -1 // the report fails the run
+	}
 	c.hist.add(func(h *history) {
 		h.promotions = append(h.promotions, promotion{promoted: promoted, writable: writable})
 	})
@@ -320,30 +321,6 @@ func (c *cluster) promote(ctx context.Context, kind string, down time.Duration) 
 	c.standbyUp.Store(true)
 	c.hist.note("standby_rebuilt", "postgres standby", fmt.Sprintf(":%d a synchronous standby of :%d again after %s (down %s)",
 		old.Port(), c.pg.Port(), time.Since(t1).Round(time.Millisecond), down.Round(100*time.Millisecond)))
-}
-
-// firstWrite returns how long after t0 a write transaction through the cluster's DATABASE_URL
-// first committed, trying every 20 ms for d (-1: not within d).
-func (c *cluster) firstWrite(ctx context.Context, t0 time.Time, d time.Duration) time.Duration {
-	write := func() error {
-		ctx, cancel := context.WithTimeout(ctx, time.Second)
-		defer cancel()
-		conn, err := pgx.Connect(ctx, c.dbURL)
-		if err != nil {
-			return err
-		}
-		defer conn.Close(context.WithoutCancel(ctx))
-		// A transaction id cannot be assigned on a standby; its commit is written to WAL.
-		_, err = conn.Exec(ctx, "SELECT pg_current_xact_id()")
-		return err
-	}
-	for time.Since(t0) < d && ctx.Err() == nil {
-		if write() == nil {
-			return time.Since(t0)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return -1
 }
 
 // heal makes sure every server and worker runs (none stopped), with a standby: a primary

@@ -127,6 +127,54 @@ func (s *Postgres) Promote() error {
 	})
 }
 
+// HoldWAL stops (SIGSTOP) the primary's WAL senders: from then on its standbys receive
+// nothing, as an asynchronous standby that fell behind, and a synchronous standby makes
+// the primary's commits wait. Kill the primary to end it.
+func (s *Postgres) HoldWAL() error {
+	return withConn(s.URL, 10*time.Second, func(ctx context.Context, conn *pgx.Conn) error {
+		rows, err := conn.Query(ctx, "SELECT pid FROM pg_stat_replication")
+		if err != nil {
+			return err
+		}
+		pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil {
+			return err
+		}
+		if len(pids) == 0 {
+			return errors.New("hold WAL: no standby is connected")
+		}
+		for _, pid := range pids {
+			if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
+				return fmt.Errorf("hold WAL: stop WAL sender %d: %w", pid, err)
+			}
+		}
+		return nil
+	})
+}
+
+// WaitWritable tries, every 20 ms, to commit a write through a new connection to url (a
+// multi-host URL finds whichever server accepts writes) and returns how long after since
+// the first one committed; an error once d has passed since since, or ctx ended.
+func WaitWritable(ctx context.Context, url string, since time.Time, d time.Duration) (time.Duration, error) {
+	for {
+		err := withConn(url, time.Second, func(cctx context.Context, conn *pgx.Conn) error {
+			// A standby cannot assign a transaction id.
+			_, err := conn.Exec(cctx, "SELECT pg_current_xact_id()")
+			return err
+		})
+		if err == nil {
+			return time.Since(since), nil
+		}
+		if time.Since(since) > d || ctx.Err() != nil {
+			return 0, fmt.Errorf("no write committed within %s: %w", d, err)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // MultiHostURL names the servers in one URL (postgres://postgres@h1:p1,h2:p2/postgres)
 // with target_session_attrs=read-write: pgx tries them in order and connects to the first
 // that accepts writes, the primary.
