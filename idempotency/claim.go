@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/pgcode"
@@ -67,11 +68,11 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 		return ClaimResult{}, err
 	}
 	for round := 0; ; round++ {
-		c, p, err := l.newClaim(req)
+		c, p, err := l.newClaim(ctx, req)
 		if err != nil {
 			return ClaimResult{}, err
 		}
-		op := &leasedOp{key: req.Key, claim: &p}
+		op := &leasedOp{key: req.Key, claim: &p, span: trace.SpanFromContext(ctx)}
 		err = l.leased.Run(ctx, laneClaim, op)
 		if err == nil && !op.answered {
 			err = fmt.Errorf("no answer for the key")
@@ -98,8 +99,9 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 	}
 }
 
-// newClaim makes the identity of a claim attempt and its parameters.
-func (l *Ledger) newClaim(req Request) (*Claim, store.ClaimParams, error) {
+// newClaim makes the identity of a claim attempt and its parameters, with the trace id of
+// ctx's span when it is sampled.
+func (l *Ledger) newClaim(ctx context.Context, req Request) (*Claim, store.ClaimParams, error) {
 	lease := l.leaseFor(req.Deadline)
 	if lease <= 0 {
 		return nil, store.ClaimParams{}, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", req.Key, context.DeadlineExceeded)
@@ -113,7 +115,11 @@ func (l *Ledger) newClaim(req Request) (*Claim, store.ClaimParams, error) {
 	c.owner.Valid = true
 	c.Owner = formatUUID(c.owner.Bytes)
 	c.sentAt = time.Now()
-	return c, store.ClaimParams{Key: req.Key, TaskType: req.TaskType, Owner: c.owner, Fingerprint: req.Fingerprint, Lease: lease}, nil
+	p := store.ClaimParams{Key: req.Key, TaskType: req.TaskType, Owner: c.owner, Fingerprint: req.Fingerprint, Lease: lease}
+	if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
+		p.TraceID = sc.TraceID().String()
+	}
+	return c, p, nil
 }
 
 // leaseFor is the lease to ask for: Config.Lease, cut to the time left before deadline.

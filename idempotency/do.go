@@ -66,7 +66,8 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 		span.RecordError(ferr)
 	}
 	span.End()
-	_, span = l.startSpan(ctx, "idemq.complete", req.Key)
+	// The completion runs in its span's context: a group-committed round links to it.
+	ctx, span = l.startSpan(ctx, "idemq.complete", req.Key)
 	var finishErr error // the completion's or the Fail's own error
 	defer func() { endFinishSpan(span, c, ferr, finishErr, context.Cause(fctx)) }()
 

@@ -90,7 +90,7 @@ func (d *txDelivery) Deadline() time.Time { return d.req.Deadline }
 func (d *txDelivery) Scope() string       { return d.req.Scope }
 
 func (d *txDelivery) Claim(int) (store.ClaimParams, error) {
-	c, p, err := d.l.newClaim(d.req)
+	c, p, err := d.l.newClaim(d.ctx, d.req)
 	d.claim, d.res, d.stuck = c, Result{}, 0
 	return p, err
 }

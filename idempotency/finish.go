@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/pgcode"
@@ -99,7 +100,8 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 // commit is durable. The update's answer carries its transaction id, read before the
 // commit is asked for, which resolves a commit whose answer was lost.
 func (l *Ledger) finish(ctx context.Context, c *Claim, action store.Action, result, errMsg pgtype.Text) error {
-	op := &leasedOp{key: c.Key, finish: &store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: action, Result: result, Error: errMsg}}
+	op := &leasedOp{key: c.Key, finish: &store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: action, Result: result, Error: errMsg},
+		span: trace.SpanFromContext(ctx)}
 	err := l.leased.Run(ctx, laneFinish, op)
 	if err != nil && !op.lost && pgconn.SafeToRetry(err) {
 		// Nothing reached the server (connections left over from before a restart).

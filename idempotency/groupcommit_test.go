@@ -115,7 +115,7 @@ func TestGroupCommitManyDo(t *testing.T) {
 // claimOp builds a claim row for a committer batch; its answer lands in op.row.
 func claimOp(t *testing.T, l *Ledger, key string) *leasedOp {
 	t.Helper()
-	_, p, err := l.newClaim(testReq(key))
+	_, p, err := l.newClaim(context.Background(), testReq(key))
 	if err != nil {
 		t.Fatal(err)
 	}

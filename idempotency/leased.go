@@ -6,7 +6,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/commit"
 )
@@ -18,12 +22,20 @@ const (
 	laneClaim
 )
 
+// The attributes of a group-committed round's span: how many claims and how many
+// completions or failures it carried.
+const (
+	attrClaims      = attribute.Key("idemq.claims")
+	attrCompletions = attribute.Key("idemq.completions")
+)
+
 // leasedOp is one caller's row in the leased committer: a claim or a finish, and what the
 // round answered for it.
 type leasedOp struct {
 	key    string
 	claim  *store.ClaimParams  // a claim, or
 	finish *store.FinishParams // a completion or failure
+	span   trace.Span          // its caller's (idemq.claim or idemq.complete), nil for none
 
 	answered bool           // a row came back for it
 	row      store.ClaimRow // a claim's answer
@@ -61,12 +73,17 @@ func (l *Ledger) newLeasedCommitter() *commit.Committer[*leasedOp] {
 
 // sendLeased sends one round of the leased committer in one transaction of its own (see
 // store.Round): the finishes, whose transaction id is read before the commit is asked
-// for, and the claims.
-func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) error {
+// for, and the claims. A round that two or more traced callers share is a span of its
+// own, "idemq.commit" (see sharedspan).
+func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err error) {
 	var parts []store.Part
+	var traced []trace.Span
 	for lane, b := range batches {
 		for _, op := range b {
 			op.answered, op.lost = false, false
+			if op.span != nil && op.span.IsRecording() {
+				traced = append(traced, op.span)
+			}
 		}
 		if len(b) == 0 {
 			continue
@@ -94,6 +111,15 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) error {
 			}
 		}
 		parts = append(parts, part)
+	}
+	if span := sharedspan.Start(l.tracer, "idemq.commit", len(batches[laneClaim])+len(batches[laneFinish]), traced,
+		attrClaims.Int(len(batches[laneClaim])), attrCompletions.Int(len(batches[laneFinish]))); span != nil {
+		defer func() {
+			if err != nil {
+				span.SetStatus(codes.Error, err.Error())
+			}
+			span.End()
+		}()
 	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {

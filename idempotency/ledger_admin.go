@@ -31,6 +31,9 @@ type Record struct {
 	UpdatedAt   time.Time
 	StartedAt   time.Time
 	CompletedAt time.Time
+	// TraceID is the trace of the delivery whose claim holds or did the work, "" when that
+	// delivery was not traced.
+	TraceID string
 }
 
 func scanRecord(row pgx.Row) (Record, error) {
@@ -38,13 +41,13 @@ func scanRecord(row pgx.Row) (Record, error) {
 		r                                   Record
 		owner                               pgtype.UUID
 		gen, attempts                       int32
-		lastError                           pgtype.Text
+		lastError, traceID                  pgtype.Text
 		lockedUntil, completedAt            pgtype.Timestamptz
 		result                              []byte
 		createdAt, updatedAt, startedAtTime time.Time
 	)
 	err := row.Scan(&r.Key, &r.TaskType, &r.Status, &r.Fence, &owner, &gen, &r.Fingerprint,
-		&result, &attempts, &lastError, &lockedUntil, &createdAt, &updatedAt, &startedAtTime, &completedAt)
+		&result, &attempts, &lastError, &lockedUntil, &createdAt, &updatedAt, &startedAtTime, &completedAt, &traceID)
 	if err != nil {
 		return Record{}, err
 	}
@@ -54,7 +57,7 @@ func scanRecord(row pgx.Row) (Record, error) {
 	if result != nil {
 		r.Result = json.RawMessage(result)
 	}
-	r.Generation, r.Attempts, r.LastError = int(gen), int(attempts), lastError.String
+	r.Generation, r.Attempts, r.LastError, r.TraceID = int(gen), int(attempts), lastError.String, traceID.String
 	r.LockedUntil, r.CompletedAt = lockedUntil.Time, completedAt.Time
 	r.CreatedAt, r.UpdatedAt, r.StartedAt = createdAt, updatedAt, startedAtTime
 	return r, nil

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -150,44 +151,101 @@ func TestSharedTransactionSpan(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	l, _ := newLedger(t, &idempotency.Config{Committers: 1, TracerProvider: tp})
+	traces := runConcurrently(t, tp, 12, "shared", func(ctx context.Context, key string) error {
+		_, err := l.DoTx(ctx, req(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			_, err := tx.Exec(ctx, "SELECT pg_sleep(0.01)")
+			return json.RawMessage(`{}`), err
+		})
+		return err
+	})
+	checkSharedSpans(t, rec, "idemq.shared_tx", "idemq.tx")
+	checkRowTraces(t, l, traces)
+}
+
+// Claims and completions group-committed in one round of the leased committer share a
+// span of their own, idemq.commit, linked both ways with the members' idemq.claim and
+// idemq.complete spans; each ledger row keeps its delivery's trace id.
+func TestGroupCommitSpan(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	l, _ := newLedger(t, &idempotency.Config{Committers: 1, TracerProvider: tp})
+	traces := runConcurrently(t, tp, 16, "grouped", func(ctx context.Context, key string) error {
+		_, err := l.Do(ctx, req(key), func(context.Context) (json.RawMessage, error) { return json.RawMessage(`{}`), nil })
+		return err
+	})
+	rounds := checkSharedSpans(t, rec, "idemq.commit", "idemq.claim", "idemq.complete")
+	for _, s := range rounds {
+		var claims, completions, members int64
+		for _, kv := range s.Attributes() {
+			switch kv.Key {
+			case "idemq.claims":
+				claims = kv.Value.AsInt64()
+			case "idemq.completions":
+				completions = kv.Value.AsInt64()
+			case "idemq.members":
+				members = kv.Value.AsInt64()
+			}
+		}
+		if claims+completions != members || members < int64(len(s.Links())) {
+			t.Errorf("round: %d claims + %d completions, %d members, %d links", claims, completions, members, len(s.Links()))
+		}
+	}
+	checkRowTraces(t, l, traces)
+}
+
+// runConcurrently runs n deliveries at once, each fn(ctx, "<prefix>-i") under a span of
+// its own trace, and returns each key's trace id.
+func runConcurrently(t *testing.T, tp trace.TracerProvider, n int, prefix string, fn func(ctx context.Context, key string) error) map[string]string {
+	t.Helper()
 	ctx := testenv.Context(t, time.Minute)
+	traces := make(map[string]string, n)
+	var mu sync.Mutex
 	var wg sync.WaitGroup
-	for i := range 12 {
+	for i := range n {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			key := fmt.Sprintf("%s-%d", prefix, i)
 			dctx, span := tp.Tracer("test").Start(ctx, "delivery")
 			defer span.End()
-			if _, err := l.DoTx(dctx, req(fmt.Sprintf("shared-%d", i)), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
-				_, err := tx.Exec(ctx, "SELECT pg_sleep(0.01)")
-				return json.RawMessage(`{}`), err
-			}); err != nil {
+			mu.Lock()
+			traces[key] = span.SpanContext().TraceID().String()
+			mu.Unlock()
+			if err := fn(dctx, key); err != nil {
 				t.Error(err)
 			}
 		}()
 	}
 	wg.Wait()
-	txs := map[trace.SpanID]sdktrace.ReadOnlySpan{}
-	var shared []sdktrace.ReadOnlySpan
+	return traces
+}
+
+// checkSharedSpans checks that rec holds spans named shared, each a root linked to two or
+// more spans named one of members, each linking back, and returns them.
+func checkSharedSpans(t *testing.T, rec *tracetest.SpanRecorder, shared string, members ...string) []sdktrace.ReadOnlySpan {
+	t.Helper()
+	byID := map[trace.SpanID]sdktrace.ReadOnlySpan{}
+	var found []sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
-		switch s.Name() {
-		case "idemq.tx":
-			txs[s.SpanContext().SpanID()] = s
-		case "idemq.shared_tx":
-			shared = append(shared, s)
+		switch {
+		case s.Name() == shared:
+			found = append(found, s)
+		case slices.Contains(members, s.Name()):
+			byID[s.SpanContext().SpanID()] = s
 		}
 	}
-	if len(shared) == 0 {
-		t.Fatalf("12 concurrent deliveries on one committer made no shared transaction span (%d tx spans)", len(txs))
+	if len(found) == 0 {
+		t.Fatalf("concurrent deliveries on one committer made no %s span (%d member spans)", shared, len(byID))
 	}
-	for _, s := range shared {
+	for _, s := range found {
 		if len(s.Links()) < 2 || s.Parent().IsValid() {
-			t.Errorf("shared transaction span: %d links, parent %v; want 2 or more, and a root", len(s.Links()), s.Parent())
+			t.Errorf("%s: %d links, parent %v; want 2 or more, and a root", shared, len(s.Links()), s.Parent())
 		}
 		for _, link := range s.Links() {
-			member, ok := txs[link.SpanContext.SpanID()]
+			member, ok := byID[link.SpanContext.SpanID()]
 			if !ok {
-				t.Errorf("shared transaction links to %v, not an idemq.tx span", link.SpanContext.SpanID())
+				t.Errorf("%s links to %v, not one of %v", shared, link.SpanContext.SpanID(), members)
 				continue
 			}
 			back := false
@@ -195,11 +253,26 @@ func TestSharedTransactionSpan(t *testing.T) {
 				back = back || l.SpanContext.SpanID() == s.SpanContext().SpanID()
 			}
 			if !back {
-				t.Errorf("member %v does not link back to its shared transaction", member.SpanContext().SpanID())
+				t.Errorf("%s %v does not link back to its %s", member.Name(), member.SpanContext().SpanID(), shared)
 			}
 		}
 	}
-	t.Logf("%d shared transaction spans for 12 deliveries; the first links %d members", len(shared), len(shared[0].Links()))
+	t.Logf("%d %s spans; the first links %d members", len(found), shared, len(found[0].Links()))
+	return found
+}
+
+// checkRowTraces checks that each key's ledger row keeps the trace id traces gives.
+func checkRowTraces(t *testing.T, l *idempotency.Ledger, traces map[string]string) {
+	t.Helper()
+	for key, want := range traces {
+		rec, err := l.Get(testenv.Context(t, 10*time.Second), key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rec.TraceID != want {
+			t.Errorf("%s: the ledger row keeps trace %q, want %q (its delivery's)", key, rec.TraceID, want)
+		}
+	}
 }
 
 // lockedBuffer is a strings.Builder safe for the ledger's concurrent log lines.

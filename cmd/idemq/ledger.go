@@ -138,7 +138,7 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 			{"attempts", fmt.Sprint(r.Attempts)}, {"last error", r.LastError},
 			{"lease until", stamp(r.LockedUntil)}, {"created", stamp(r.CreatedAt)},
 			{"updated", stamp(r.UpdatedAt)}, {"completed", stamp(r.CompletedAt)},
-			{"result", string(r.Result)},
+			{"trace", r.TraceID}, {"result", string(r.Result)},
 		} {
 			fmt.Fprintf(tw, "%s\t%s\n", kv[0], kv[1])
 		}

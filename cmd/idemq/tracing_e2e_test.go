@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -218,6 +219,21 @@ func TestOneTraceFromTheRequestToEveryDelivery(t *testing.T) {
 	}
 	if !exemplar {
 		t.Fatalf("no worker's idemq_handler_duration_seconds has an exemplar naming trace %s", traceID)
+	}
+	// The ledger row keeps the trace of the delivery that did the work.
+	jreq, _ := http.NewRequestWithContext(ctx, "GET", base+"/v1/jobs/charge:o-traced", nil)
+	jresp, err := http.DefaultClient.Do(jreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var job struct {
+		Status  string `json:"status"`
+		TraceID string `json:"trace_id"`
+	}
+	err = json.NewDecoder(jresp.Body).Decode(&job)
+	jresp.Body.Close()
+	if err != nil || job.Status != "completed" || job.TraceID != traceID {
+		t.Fatalf("GET /v1/jobs/charge:o-traced: %+v (%v); want completed, trace_id %s", job, err, traceID)
 	}
 	// The provider's log line for the call carries the trace's ids.
 	if log := s.fakepay.tail(1 << 20); !strings.Contains(log, "trace_id="+traceID) {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
@@ -186,12 +187,24 @@ func (w *Worker) Wait() { w.gate.wait() }
 // observeLock counts a lock outcome and adds it to the delivery's span (ctx's) as an
 // "idemq.lock" event.
 func (w *Worker) observeLock(ctx context.Context, ev LockEvent, taskType string) {
-	if span := trace.SpanFromContext(ctx); span.IsRecording() {
-		span.AddEvent("idemq.lock", trace.WithAttributes(idempotency.AttrOutcome.String(string(ev))))
-	}
+	lockSpanEvent(ctx, ev, nil)
 	if w.cfg.ObserveLock != nil {
 		w.cfg.ObserveLock(ev, taskType)
 	}
+}
+
+// lockSpanEvent adds a lock outcome, and its cause when there is one, to ctx's span as an
+// "idemq.lock" event.
+func lockSpanEvent(ctx context.Context, ev LockEvent, cause error) {
+	span := trace.SpanFromContext(ctx)
+	if !span.IsRecording() {
+		return
+	}
+	attrs := []attribute.KeyValue{idempotency.AttrOutcome.String(string(ev))}
+	if cause != nil {
+		attrs = append(attrs, attribute.String("error.message", cause.Error()))
+	}
+	span.AddEvent("idemq.lock", trace.WithAttributes(attrs...))
 }
 
 // Leased returns the handler of a task type whose effect is external (a provider call, an

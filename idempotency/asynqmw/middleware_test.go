@@ -31,6 +31,7 @@ type mwFixture struct {
 	ledger  *idempotency.Ledger
 	pool    *pgxpool.Pool
 	locker  *lock.Locker
+	rdb     *redis.Client // the locks'
 	worker  *asynqmw.Worker
 	charge  asynq.Handler // leased
 	debit   asynq.Handler // transactional
@@ -42,7 +43,8 @@ func newMW(t *testing.T, lease time.Duration, wcfg *asynqmw.Config) *mwFixture {
 	t.Helper()
 	f := &mwFixture{}
 	f.ledger, f.pool = newLedger(t, &idempotency.Config{Lease: lease})
-	f.locker = lock.New(testenv.Redis(t), nil)
+	f.rdb = testenv.Redis(t)
+	f.locker = lock.New(f.rdb, nil)
 	f.worker = asynqmw.NewWorker(f.ledger, f.locker, wcfg)
 	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		return json.RawMessage(`{"charge":"` + c.OrderID + `"}`), nil

@@ -286,8 +286,14 @@ func (g *gate) bound(s *scope) bool {
 func (g *gate) lose(s *scope, cause error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.w.observeLock(context.Background(), LockLost, s.taskType) // the delivery's span ends with the cancellation
-	g.w.log.Warn("lock lost while running", "scope", s.name, "err", cause)
+	g.w.observeLock(context.Background(), LockLost, s.taskType)
+	if len(s.holds) == 0 {
+		g.w.log.Warn("lock lost while running", "scope", s.name, "err", cause)
+	}
+	for h := range s.holds { // each delivery holding the turn hears of it, on its span and in its log line
+		lockSpanEvent(h.ctx, LockLost, cause)
+		g.w.log.WarnContext(h.ctx, "lock lost while running", "scope", s.name, "err", cause)
+	}
 	s.lost = cause
 	if !s.ownKey {
 		for _, cancel := range s.holds {

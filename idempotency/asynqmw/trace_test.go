@@ -3,6 +3,8 @@ package asynqmw_test
 import (
 	"context"
 	"encoding/json"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -101,4 +103,66 @@ func TestDeliverySpansJoinTheRequestsTrace(t *testing.T) {
 	if call.Parent().SpanID() != deliveries[0].SpanContext().SpanID() {
 		t.Errorf("the handler's span is under %v, want the first delivery's %v", call.Parent().SpanID(), deliveries[0].SpanContext().SpanID())
 	}
+}
+
+// A scope's lock lost while the handler runs (its Redis key deleted, as when Redis loses
+// it) is an "idemq.lock" event "lost" with its cause on the delivery's span, and the
+// delivery, cancelled, records an error.
+func TestLockLossIsOnTheDeliverySpan(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	var lost atomic.Int64
+	f := newMW(t, 5*time.Second, &asynqmw.Config{TracerProvider: tp, LockTTL: 600 * time.Millisecond,
+		ObserveLock: func(ev asynqmw.LockEvent, _ string) {
+			if ev == asynqmw.LockLost {
+				lost.Add(1)
+			}
+		}})
+	f.chargeF = func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
+		if err := f.rdb.Del(ctx, f.locker.RedisKey(c.LockScope())).Err(); err != nil {
+			return nil, err
+		}
+		select { // the watchdog's next refresh (every 200 ms) finds the lock gone
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		case <-time.After(10 * time.Second):
+			return json.RawMessage(`{}`), nil
+		}
+	}
+	ctx := testenv.Context(t, 30*time.Second)
+	dctx, parent := tp.Tracer("test").Start(ctx, "request")
+	err := f.charge.ProcessTask(dctx, chargeTask(t, "o-lock-lost", 100))
+	parent.End()
+	if err == nil {
+		t.Fatal("the delivery whose lock was lost completed")
+	}
+	var delivery sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if s.Name() == "process "+tasks.TypeCharge {
+			delivery = s
+		}
+	}
+	if delivery == nil {
+		t.Fatal("no delivery span")
+	}
+	var events []string
+	for _, ev := range delivery.Events() {
+		if ev.Name != "idemq.lock" {
+			continue
+		}
+		e := ""
+		for _, kv := range ev.Attributes {
+			e += " " + string(kv.Key) + "=" + kv.Value.Emit()
+		}
+		events = append(events, strings.TrimSpace(e))
+	}
+	if len(events) != 2 || !strings.Contains(events[0], "idemq.outcome=obtained") ||
+		!strings.Contains(events[1], "idemq.outcome=lost") || !strings.Contains(events[1], "error.message=") {
+		t.Errorf("lock events %q; want obtained, then lost with its cause", events)
+	}
+	if lost.Load() != 1 {
+		t.Errorf("ObserveLock counted %d losses, want 1", lost.Load())
+	}
+	t.Logf("delivery: %v; lock events %q", delivery.Status(), events)
 }

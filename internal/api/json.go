@@ -23,6 +23,7 @@ type Record struct {
 	CreatedAt   time.Time       `json:"created_at"`
 	UpdatedAt   time.Time       `json:"updated_at"`
 	CompletedAt *time.Time      `json:"completed_at,omitempty"`
+	TraceID     string          `json:"trace_id,omitempty"` // the delivery's whose claim holds or did the work
 }
 
 // NewRecord converts a ledger row to its JSON shape; zero times are left out.
@@ -35,7 +36,7 @@ func NewRecord(r idempotency.Record) Record {
 	}
 	return Record{Key: r.Key, Type: r.TaskType, Status: r.Status, Fence: r.Fence, Owner: r.Owner,
 		Generation: r.Generation, Attempts: r.Attempts, LastError: r.LastError, Result: r.Result,
-		LockedUntil: opt(r.LockedUntil), CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt)}
+		LockedUntil: opt(r.LockedUntil), CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt), TraceID: r.TraceID}
 }
 
 // writeJSON writes v with status code.

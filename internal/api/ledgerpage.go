@@ -120,7 +120,41 @@ type rowPage struct {
 	TaskState string              // asynq's state of the job's task, "" when Redis has none
 	TaskLink  string              // asynqmon's page of it, "" when Redis has none
 	Queue     string              // where the task is, else the queue its intent recorded, else ""
-	TraceLink string              // the trace of the request that accepted the job, "" when unknown
+	Traces    []traceLink         // the job's traces, when IDEMQ_TRACE_URL_TEMPLATE is set
+}
+
+// traceLink is one trace a ledger row links to: ID's page in the tracing UI, and whose
+// trace it is.
+type traceLink struct{ ID, URL, Note string }
+
+// traces returns the links to p's traces: the request's that accepted the job (its
+// intent's) and the delivery's whose claim holds or did the work (its row's), one link
+// when they are the same trace, as they are when the delivery continued the request's.
+func (s *Server) traces(p *rowPage) []traceLink {
+	tmpl := s.opts.TraceURLTemplate
+	if tmpl == "" {
+		return nil
+	}
+	var request, delivery string
+	if p.Intent != nil {
+		request = p.Intent.TraceID()
+	}
+	if p.Row != nil {
+		delivery = p.Row.TraceID
+	}
+	link := func(id, note string) traceLink {
+		return traceLink{ID: id, URL: strings.ReplaceAll(tmpl, "{trace_id}", id), Note: note}
+	}
+	switch {
+	case request != "" && (delivery == "" || delivery == request):
+		note := "the request that accepted it, and every delivery of the job"
+		return []traceLink{link(request, note)}
+	case request != "":
+		return []traceLink{link(request, "the request that accepted it"), link(delivery, "the delivery whose claim holds or did the work")}
+	case delivery != "":
+		return []traceLink{link(delivery, "the delivery whose claim holds or did the work")}
+	}
+	return nil
 }
 
 // ledgerRow serves /ledger/{key}: one row with its result, and the asynq task of the same
@@ -144,9 +178,7 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 			p.Intent = in
 		}
 	}
-	if p.Intent != nil && p.Intent.TraceID() != "" && s.opts.TraceURLTemplate != "" {
-		p.TraceLink = strings.ReplaceAll(s.opts.TraceURLTemplate, "{trace_id}", p.Intent.TraceID())
-	}
+	p.Traces = s.traces(&p)
 	if p.Row == nil && p.Intent == nil {
 		s.render(w, http.StatusNotFound, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Missing: key})
 		return

@@ -103,22 +103,68 @@ func TestLedgerPageShowsIntents(t *testing.T) {
 	a.do(t, "GET", "/ledger/charge:done", "").want(t, 200, `<span class="status intent-done">done</span>`, "ch_d")
 }
 
-// With IDEMQ_TRACE_URL_TEMPLATE set, a key accepted in a traced request links to that
-// trace; one accepted untraced does not.
+// With IDEMQ_TRACE_URL_TEMPLATE set, a key links to the trace of the request that
+// accepted it and to the trace of the delivery that did its work (its ledger row's), once
+// when they are the same trace; a job enqueued straight to asynq links to its delivery's;
+// a key nothing traced links to none.
 func TestLedgerRowLinksToItsTrace(t *testing.T) {
 	t.Parallel()
 	a := newTestAPI(t, &Options{TraceURLTemplate: "http://jaeger.example:16686/trace/{trace_id}"})
 	ctx := testenv.Context(t, 10*time.Second)
-	spec, err := tasks.ChargeSpec(tasks.Charge{OrderID: "traced", CustomerID: "c", AmountCents: 5, Currency: "EUR"})
-	if err != nil {
-		t.Fatal(err)
+	const (
+		requestTrace  = "4bf92f3577b34da6a3ce929d0e0e4736"
+		deliveryTrace = "0af7651916cd43dd8448eb211c80319c"
+	)
+	accept := func(order, traceParent string) string {
+		spec, err := tasks.ChargeSpec(tasks.Charge{OrderID: order, CustomerID: "c", AmountCents: 5, Currency: "EUR"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		spec.TraceParent = traceParent
+		if _, err := a.client.Enqueue(ctx, spec); err != nil {
+			t.Fatal(err)
+		}
+		return spec.Key
 	}
-	spec.TraceParent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-	if _, err := a.client.Enqueue(ctx, spec); err != nil {
-		t.Fatal(err)
+	// run completes key in the ledger as a delivery of traceParent's trace would.
+	run := func(key, traceParent string) {
+		dctx := idempotency.ContextWithTraceParent(ctx, traceParent)
+		if _, err := a.ledger.Do(dctx, idempotency.Request{Key: key, TaskType: tasks.TypeCharge}, func(context.Context) (json.RawMessage, error) {
+			return json.RawMessage(`{"ok":true}`), nil
+		}); err != nil {
+			t.Fatal(err)
+		}
 	}
-	a.do(t, "GET", "/ledger/charge:traced", "").want(t, 200,
-		`<a id="trace" href="http://jaeger.example:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736">4bf92f3577b34da6a3ce929d0e0e4736</a>`)
+	link := func(id string) string {
+		return `class="trace" href="http://jaeger.example:16686/trace/` + id + `">` + id + `</a>`
+	}
+
+	// Accepted in a traced request, not yet run: the request's trace.
+	traced := accept("traced", "00-"+requestTrace+"-00f067aa0ba902b7-01")
+	a.do(t, "GET", "/ledger/"+traced, "").want(t, 200, `<a id="trace" `+link(requestTrace))
+	// Run by a delivery continuing that trace: still one link.
+	run(traced, "00-"+requestTrace+"-b7ad6b7169203331-01")
+	if page := a.do(t, "GET", "/ledger/"+traced, "").want(t, 200, link(requestTrace)); strings.Count(page.body, `class="trace"`) != 1 {
+		t.Fatalf("one trace, linked %d times", strings.Count(page.body, `class="trace"`))
+	}
+	// Accepted untraced, run by a traced delivery (a re-enqueue from another request, say):
+	// the delivery's trace.
+	untracedRequest := accept("untraced-request", "")
+	run(untracedRequest, "00-"+deliveryTrace+"-b7ad6b7169203331-01")
+	a.do(t, "GET", "/ledger/"+untracedRequest, "").want(t, 200, `<a id="trace" `+link(deliveryTrace), "the delivery whose claim holds or did the work")
+	// Accepted in one trace, run in another: both.
+	both := accept("two-traces", "00-"+requestTrace+"-00f067aa0ba902b7-01")
+	run(both, "00-"+deliveryTrace+"-b7ad6b7169203331-01")
+	a.do(t, "GET", "/ledger/"+both, "").want(t, 200, link(requestTrace), "the request that accepted it", link(deliveryTrace))
+	// Enqueued straight to asynq (no intent), run traced: the row alone links.
+	run("charge:direct", "00-"+deliveryTrace+"-b7ad6b7169203331-01")
+	a.do(t, "GET", "/ledger/charge:direct", "").want(t, 200, `<a id="trace" `+link(deliveryTrace))
+	// A sampled-out delivery records no trace id.
+	run("charge:sampled-out", "00-"+deliveryTrace+"-b7ad6b7169203331-00")
+	if page := a.do(t, "GET", "/ledger/charge:sampled-out", "").want(t, 200); strings.Contains(page.body, `class="trace"`) {
+		t.Fatal("a sampled-out delivery links to a trace")
+	}
+	// Nothing traced: no link.
 	a.publish(t, "untraced")
 	if page := a.do(t, "GET", "/ledger/charge:untraced", "").want(t, 200); strings.Contains(page.body, `id="trace"`) {
 		t.Fatal("an untraced job links to a trace")

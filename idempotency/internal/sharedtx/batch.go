@@ -6,9 +6,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -271,25 +271,16 @@ func (b *batch) answerCommitted(err error) {
 }
 
 // batchSpan starts, when two or more of ms are traced, the span of the transaction they
-// share, "idemq.shared_tx": a root of its own (it belongs to no one delivery's trace),
-// linked to each member's span, and each member's span is linked to it.
+// share, "idemq.shared_tx" (see sharedspan).
 func (e *Exec) batchSpan(ms []*member) trace.Span {
 	if e.cfg.Tracer == nil || len(ms) < 2 {
 		return nil
 	}
-	var links []trace.Link
+	var spans []trace.Span
 	for _, m := range ms {
 		if s := trace.SpanFromContext(m.ctx); s.IsRecording() {
-			links = append(links, trace.Link{SpanContext: s.SpanContext()})
+			spans = append(spans, s)
 		}
 	}
-	if len(links) < 2 {
-		return nil
-	}
-	_, span := e.cfg.Tracer.Start(context.Background(), "idemq.shared_tx", trace.WithNewRoot(), trace.WithLinks(links...),
-		trace.WithAttributes(attribute.Int("idemq.members", len(ms))))
-	for _, m := range ms {
-		trace.SpanFromContext(m.ctx).AddLink(trace.Link{SpanContext: span.SpanContext()})
-	}
-	return span
+	return sharedspan.Start(e.cfg.Tracer, "idemq.shared_tx", len(ms), spans)
 }

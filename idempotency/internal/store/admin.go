@@ -4,7 +4,7 @@ package store
 // and the lost-commit resolution.
 
 const RecordColumns = `idempotency_key, task_type, status, fence, owner, generation, payload_sha256,
-	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at`
+	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at, trace_id`
 
 const GetSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs WHERE idempotency_key = $1`
 
@@ -27,7 +27,7 @@ const RerunSQL = `
 UPDATE processed_jobs
 SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
     owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
-    result = NULL, completed_at = NULL
+    result = NULL, completed_at = NULL, trace_id = NULL
 WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
 RETURNING generation`
 

@@ -9,9 +9,9 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// claimManySQL claims a batch of keys in one statement: $1..$5
+// claimManySQL claims a batch of keys in one statement: $1..$5 and $8
 // are arrays with one element per key (key, task type, owner, fingerprint or NULL, lease
-// in microseconds), $6 the maximum age, $7 true in a shared DoTx transaction, where the
+// in microseconds; trace id or NULL), $6 the maximum age, $7 true in a shared DoTx transaction, where the
 // rows are written completed at once (the row lock, held until the
 // transaction ends, is the lease; the outbox intents are settled by finishTxManySQL). The lock_timeout is set before it, by claimSettingsSQL.
 // Every answer row starts with the key's ordinal in the arrays, then the row's columns
@@ -22,8 +22,8 @@ import (
 // order.
 const claimManySQL = `
 WITH req AS (
-	SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[]) WITH ORDINALITY
-		AS req(key, task_type, owner, fp, lease_us, ord)
+	SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[], $8::text[]) WITH ORDINALITY
+		AS req(key, task_type, owner, fp, lease_us, trace_id, ord)
 ), settings AS (
 	SELECT set_config('synchronous_commit', 'on', true) AS synchronous_commit
 ), cur AS (
@@ -41,16 +41,16 @@ WITH req AS (
 	FROM req
 ), up AS (
 	INSERT INTO processed_jobs AS p
-		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at)
+		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at, trace_id)
 	SELECT gate.key, gate.task_type, CASE WHEN $7::bool THEN 'completed' ELSE 'in_progress' END,
 	       nextval('processed_jobs_fence_seq'), gate.owner, gate.fp, 1,
-	       now() + gate.lease_us * interval '1 microsecond', CASE WHEN $7::bool THEN now() END
+	       now() + gate.lease_us * interval '1 microsecond', CASE WHEN $7::bool THEN now() END, gate.trace_id
 	FROM settings, gate WHERE gate.open
 	ORDER BY gate.key
 	ON CONFLICT (idempotency_key) DO UPDATE
 	SET status = excluded.status, fence = excluded.fence, owner = excluded.owner, attempts = p.attempts + 1,
 	    locked_until = excluded.locked_until, completed_at = excluded.completed_at, updated_at = now(),
-	    payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
+	    trace_id = excluded.trace_id, payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
 	WHERE p.status = 'in_progress' AND p.locked_until < now()
 	  AND p.started_at >= now() - $6::bigint * interval '1 microsecond'
 	  AND (p.payload_sha256 IS NULL OR excluded.payload_sha256 IS NULL
@@ -80,10 +80,12 @@ var ClaimMany = &Statement{Name: "idemq_claim_many", SQL: claimManySQL}
 func ClaimArgs(ps []ClaimParams, maxAge time.Duration, inTx bool) []any {
 	keys, types := make([]string, len(ps)), make([]string, len(ps))
 	owners, fps, leases := make([]pgtype.UUID, len(ps)), make([][]byte, len(ps)), make([]int64, len(ps))
+	traces := make([]pgtype.Text, len(ps))
 	for i, p := range ps {
 		keys[i], types[i], owners[i], fps[i], leases[i] = p.Key, p.TaskType, p.Owner, p.Fingerprint, p.Lease.Microseconds()
+		traces[i] = pgtype.Text{String: p.TraceID, Valid: p.TraceID != ""}
 	}
-	return []any{keys, types, owners, fps, leases, maxAge.Microseconds(), inTx}
+	return []any{keys, types, owners, fps, leases, maxAge.Microseconds(), inTx, traces}
 }
 
 // ScanClaim reads an answered row of ClaimMany (in a Round: its ordinal is read) into r.

@@ -71,6 +71,7 @@ type ClaimParams struct {
 	Owner         pgtype.UUID
 	Fingerprint   []byte // nil: not compared
 	Lease         time.Duration
+	TraceID       string // the claiming delivery's, "" when it is not traced
 }
 
 // ClaimRow is what a claim found or wrote for its key.
