@@ -7,12 +7,11 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/internal/commit"
+	"github.com/idemq/idemq/internal/sharedspan"
 )
 
 // The lanes of the leased committer, in the order a round sends them: the completions and
@@ -114,12 +113,7 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 	}
 	if span := sharedspan.Start(l.tracer, "idemq.commit", len(batches[laneClaim])+len(batches[laneFinish]), traced,
 		attrClaims.Int(len(batches[laneClaim])), attrCompletions.Int(len(batches[laneFinish]))); span != nil {
-		defer func() {
-			if err != nil {
-				span.SetStatus(codes.Error, err.Error())
-			}
-			span.End()
-		}()
+		defer func() { sharedspan.End(span, err) }()
 	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {

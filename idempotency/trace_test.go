@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -18,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/sharedspan/spantest"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/internal/tracing"
 )
@@ -158,7 +158,7 @@ func TestSharedTransactionSpan(t *testing.T) {
 		})
 		return err
 	})
-	checkSharedSpans(t, rec, "idemq.shared_tx", "idemq.tx")
+	spantest.CheckShared(t, rec.Ended(), "idemq.shared_tx", "idemq.tx")
 	checkRowTraces(t, l, traces)
 }
 
@@ -174,7 +174,7 @@ func TestGroupCommitSpan(t *testing.T) {
 		_, err := l.Do(ctx, req(key), func(context.Context) (json.RawMessage, error) { return json.RawMessage(`{}`), nil })
 		return err
 	})
-	rounds := checkSharedSpans(t, rec, "idemq.commit", "idemq.claim", "idemq.complete")
+	rounds := spantest.CheckShared(t, rec.Ended(), "idemq.commit", "idemq.claim", "idemq.complete")
 	for _, s := range rounds {
 		var claims, completions, members int64
 		for _, kv := range s.Attributes() {
@@ -219,46 +219,6 @@ func runConcurrently(t *testing.T, tp trace.TracerProvider, n int, prefix string
 	}
 	wg.Wait()
 	return traces
-}
-
-// checkSharedSpans checks that rec holds spans named shared, each a root linked to two or
-// more spans named one of members, each linking back, and returns them.
-func checkSharedSpans(t *testing.T, rec *tracetest.SpanRecorder, shared string, members ...string) []sdktrace.ReadOnlySpan {
-	t.Helper()
-	byID := map[trace.SpanID]sdktrace.ReadOnlySpan{}
-	var found []sdktrace.ReadOnlySpan
-	for _, s := range rec.Ended() {
-		switch {
-		case s.Name() == shared:
-			found = append(found, s)
-		case slices.Contains(members, s.Name()):
-			byID[s.SpanContext().SpanID()] = s
-		}
-	}
-	if len(found) == 0 {
-		t.Fatalf("concurrent deliveries on one committer made no %s span (%d member spans)", shared, len(byID))
-	}
-	for _, s := range found {
-		if len(s.Links()) < 2 || s.Parent().IsValid() {
-			t.Errorf("%s: %d links, parent %v; want 2 or more, and a root", shared, len(s.Links()), s.Parent())
-		}
-		for _, link := range s.Links() {
-			member, ok := byID[link.SpanContext.SpanID()]
-			if !ok {
-				t.Errorf("%s links to %v, not one of %v", shared, link.SpanContext.SpanID(), members)
-				continue
-			}
-			back := false
-			for _, l := range member.Links() {
-				back = back || l.SpanContext.SpanID() == s.SpanContext().SpanID()
-			}
-			if !back {
-				t.Errorf("%s %v does not link back to its %s", member.Name(), member.SpanContext().SpanID(), shared)
-			}
-		}
-	}
-	t.Logf("%d %s spans; the first links %d members", len(found), shared, len(found[0].Links()))
-	return found
 }
 
 // checkRowTraces checks that each key's ledger row keeps the trace id traces gives.

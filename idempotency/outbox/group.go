@@ -8,9 +8,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/internal/commit"
 	"github.com/idemq/idemq/internal/pgcode"
+	"github.com/idemq/idemq/internal/sharedspan"
 	"github.com/idemq/idemq/internal/xact"
 )
 
@@ -22,6 +24,7 @@ import (
 // enqueueOp is one Enqueue call in a round.
 type enqueueOp struct {
 	spec Spec
+	span trace.Span // its caller's
 	res  EnqueueResult
 	err  error // its own outcome (a mismatch); the round's is Run's
 }
@@ -75,12 +78,20 @@ func Refused(err error) bool {
 	return true
 }
 
-// sendEnqueues records one round's intents in a transaction of its own.
-func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) error {
+// sendEnqueues records one round's intents in a transaction of its own. A round that two
+// or more traced callers share is a span of its own, idemq.enqueue (see sharedspan).
+func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) (err error) {
 	ops := batches[0]
 	specs := make([]Spec, len(ops))
+	var traced []trace.Span
 	for i, op := range ops {
 		specs[i], op.res, op.err = op.spec, EnqueueResult{}, nil
+		if op.span != nil && op.span.IsRecording() {
+			traced = append(traced, op.span)
+		}
+	}
+	if span := sharedspan.Start(c.tracer, "idemq.enqueue", len(ops), traced); span != nil {
+		defer func() { sharedspan.End(span, err) }()
 	}
 	tx, err := c.pool.Begin(ctx)
 	if err != nil {
@@ -136,7 +147,7 @@ func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) 
 		return EnqueueResult{}, err
 	}
 	spec = withTrace(ctx, spec)
-	op := &enqueueOp{spec: spec}
+	op := &enqueueOp{spec: spec, span: trace.SpanFromContext(ctx)}
 	if err := c.enq.Run(ctx, 0, op); err != nil {
 		return EnqueueResult{}, fmt.Errorf("outbox: record intent %s: %w", spec.Key, err)
 	}

@@ -4,15 +4,20 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/internal/sharedspan/spantest"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
@@ -341,4 +346,28 @@ func TestTraceParentTravelsWithEveryPublish(t *testing.T) {
 	if got := header(plain.Key); got != "" {
 		t.Fatalf("untraced job: traceparent %q, want none", got)
 	}
+}
+
+// Traced Enqueue calls recorded in one shared transaction: the transaction is a span of
+// its own, idemq.enqueue, linked both ways with each caller's span.
+func TestSharedEnqueueSpan(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	c := outbox.NewClient(testenv.Postgres(t), testenv.Redis(t), &outbox.Config{TracerProvider: tp})
+	ctx := testenv.Context(t, 30*time.Second)
+	var wg sync.WaitGroup
+	for i := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cctx, span := tp.Tracer("test").Start(ctx, "caller")
+			defer span.End()
+			if _, err := c.Enqueue(cctx, debitSpec(t, fmt.Sprintf("shared-%d", i), 5)); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	spantest.CheckShared(t, rec.Ended(), "idemq.enqueue", "caller")
 }

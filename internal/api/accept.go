@@ -11,10 +11,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/commit"
+	"github.com/idemq/idemq/internal/sharedspan"
 	"github.com/idemq/idemq/internal/xact"
 )
 
@@ -127,17 +129,25 @@ type headerID struct{ route, hk string }
 // knows with another body is refused), then the header rows (a repeat gets its replay),
 // the intents (a duplicate or a mismatch is that request's answer), the answers that
 // differ from a new job's, and the commit, whose lost answer is resolved by transaction
-// id.
-func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) error {
+// id. A round that two or more traced requests share is a span of its own, idemq.accept
+// (see sharedspan).
+func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err error) {
 	reqs := batches[0]
 	deadline := time.Time{}
 	keys := make([]string, len(reqs))
+	var traced []trace.Span
 	for i, r := range reqs {
 		r.reset()
 		if d, ok := r.ctx.Deadline(); ok && (deadline.IsZero() || d.Before(deadline)) {
 			deadline = d
 		}
 		keys[i] = r.spec.Key
+		if span := trace.SpanFromContext(r.ctx); span.IsRecording() {
+			traced = append(traced, span)
+		}
+	}
+	if span := sharedspan.Start(s.tracer, "idemq.accept", len(reqs), traced); span != nil {
+		defer func() { sharedspan.End(span, err) }()
 	}
 	if !deadline.IsZero() { // statements end at the earliest deadline of the round's requests
 		var cancel context.CancelFunc

@@ -14,6 +14,7 @@ import (
 	"github.com/hibiken/asynqmon"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
@@ -73,6 +74,9 @@ type Options struct {
 	// goes (IDEMQ_TRACE_URL_TEMPLATE): the ledger page links a key accepted in a traced
 	// request to that trace. Default: no link.
 	TraceURLTemplate string
+	// TracerProvider makes the span of each accept transaction two or more traced
+	// requests share (idemq.accept); nil: the global one (otel.GetTracerProvider).
+	TracerProvider trace.TracerProvider
 }
 
 // Server is the API's http.Handler. It is safe for concurrent use; Close releases the
@@ -89,6 +93,7 @@ type Server struct {
 
 	// accepts shares transactions among concurrent POSTs (sendAccepts).
 	accepts *commit.Committer[*acceptReq]
+	tracer  trace.Tracer
 
 	// holdAccept, when set by a test, runs inside a round's transaction after its rows
 	// are written and before the commit, with the context of the round's first request.
@@ -121,6 +126,11 @@ func New(deps Deps, opts *Options) *Server {
 		s.opts.DashboardPassword = ""
 	}
 	s.crossOrigin = newCrossOrigin()
+	tp := s.opts.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	s.tracer = tp.Tracer("github.com/idemq/idemq/internal/api")
 	s.accepts = s.newAcceptCommitter()
 
 	s.mux.HandleFunc("POST /v1/charges", s.postCharge)

@@ -9,6 +9,7 @@ import (
 	"context"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -39,4 +40,12 @@ func Start(tr trace.Tracer, name string, n int, members []trace.Span, attrs ...a
 		}
 	}
 	return span
+}
+
+// End ends span, a shared span, with err's status when the shared work failed.
+func End(span trace.Span, err error) {
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
 }
