@@ -79,13 +79,24 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	}
 	if ferr != nil {
 		if finishErr = l.Fail(ctx, c, ferr); finishErr != nil {
-			return Result{}, errors.Join(ferr, finishErr)
+			return Result{}, errors.Join(withLeaseLoss(ferr, fctx), finishErr)
 		}
-		return Result{}, ferr
+		return Result{}, withLeaseLoss(ferr, fctx)
 	}
 	var res Result
 	res, finishErr = l.complete(ctx, c, out)
 	return res, finishErr
+}
+
+// withLeaseLoss returns the error of a handler whose context ctx ended because the lease
+// was lost (taken over, or self-fenced), so that it wraps ErrLeaseLost whatever the handler
+// returned (mostly ctx.Err(), context.Canceled): the caller learns the work was stopped,
+// not that it failed.
+func withLeaseLoss(ferr error, ctx context.Context) error {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrLeaseLost) && !errors.Is(ferr, ErrLeaseLost) {
+		return fmt.Errorf("%w: %w", ferr, cause)
+	}
+	return ferr
 }
 
 func runFn(ctx context.Context, fn func(ctx context.Context) (json.RawMessage, error)) (out json.RawMessage, err error, panicked bool, pval any) {

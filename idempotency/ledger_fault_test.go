@@ -71,10 +71,14 @@ func TestUnreachableDatabaseSelfFences(t *testing.T) {
 				if err != nil {
 					t.Error(err)
 				}
-				return nil, cause
+				return nil, fctx.Err() // what handlers return: context.Canceled
 			})
 			if !errors.Is(cause, idempotency.ErrLeaseLost) {
 				t.Fatalf("handler's cause %v, want ErrLeaseLost", cause)
+			}
+			// Do says the lease was lost, whatever the handler returned.
+			if !errors.Is(err, idempotency.ErrLeaseLost) || !errors.Is(err, context.Canceled) {
+				t.Fatalf("Do: %v, want the handler's context.Canceled and ErrLeaseLost", err)
 			}
 			// Cancelled by claim send time + lease - margin; never after the lease.
 			if waited > lease-margin+100*time.Millisecond || waited < lease/3 {

@@ -435,9 +435,12 @@ func IsFailure(err error) bool {
 
 // RetryDelay tells asynq when to run a task again (asynq.Config.RetryDelayFunc): a busy
 // key after half the task's age (from its first-enqueue header; at least 250 ms), but no
-// later than when the lease ends; a busy lock, or Postgres unavailable, soon (within 1.5 s
-// of a failover's end rather than asynq's 15–45 s); anything else by next (asynq's
-// default when nil).
+// later than when the lease ends; a busy lock, Postgres unavailable, or a lease lost while
+// the handler ran (self-fenced while Postgres was out of reach, or taken over), soon
+// (within 1.5 s of a failover's end rather than asynq's 15–45 s: the next attempt finds the
+// key done, busy until the lease ends, or free); anything else by next (asynq's default
+// when nil). A lost lease still counts as a failure (IsFailure), so that a delivery that
+// keeps losing it ends in the archive.
 func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 	if next == nil {
 		next = asynq.DefaultRetryDelayFunc
@@ -456,7 +459,7 @@ func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 			return min(max(d, 200*time.Millisecond), time.Minute) + jitter(250*time.Millisecond)
 		case errors.Is(err, ErrLockBusy):
 			return 500*time.Millisecond + jitter(500*time.Millisecond)
-		case pgcode.Unavailable(err):
+		case pgcode.Unavailable(err), errors.Is(err, idempotency.ErrLeaseLost):
 			return 500*time.Millisecond + jitter(time.Second)
 		}
 		return next(n, err, t)

@@ -422,6 +422,11 @@ func TestPostgresUnavailableIsRetriedSoon(t *testing.T) {
 			t.Errorf("%v: retry in %s, want within 0.5-1.5 s", err, d)
 		}
 	}
+	// A lease lost while the handler ran is retried soon too, and counted.
+	lost := fmt.Errorf("charge: key charge:1: %w: %w", context.Canceled, fmt.Errorf("%w: key %q fence 3: no heartbeat reached the database", idempotency.ErrLeaseLost, "charge:1"))
+	if d := asynqmw.RetryDelay(next)(5, lost, nil); !asynqmw.IsFailure(lost) || d < 500*time.Millisecond || d > 1500*time.Millisecond {
+		t.Errorf("%v: IsFailure %v, retry in %s; want a failure retried within 0.5-1.5 s", lost, asynqmw.IsFailure(lost), d)
+	}
 	if err := fmt.Errorf("charge: %w", httpErr); httpErr == nil || !asynqmw.IsFailure(err) || asynqmw.RetryDelay(next)(5, err, nil) != time.Hour {
 		t.Errorf("%v: want an ordinary failure, retried by next", err)
 	}
