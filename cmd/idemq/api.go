@@ -25,6 +25,7 @@ func apiCommand() command {
 		usage:   "api",
 		summary: "serve the enqueue API, the asynqmon dashboard (/monitoring/), the ledger page (/ledger/) and /metrics",
 		spec:    func() any { return &config.API{} },
+		traced:  "idemq-api",
 		run: func(ctx context.Context, spec any, args []string, _, stderr io.Writer) error {
 			if len(args) > 0 {
 				return fmt.Errorf("api: unexpected arguments %q", args)

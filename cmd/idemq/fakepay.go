@@ -18,6 +18,7 @@ func fakepayCommand() command {
 		usage:   "fakepay",
 		summary: "run the stand-in payment provider that payment:charge calls (honours Idempotency-Key like Stripe)",
 		spec:    func() any { return &config.Fakepay{} },
+		traced:  "idemq-fakepay",
 		run: func(ctx context.Context, spec any, args []string, _, stderr io.Writer) error {
 			cfg := spec.(*config.Fakepay)
 			if len(args) > 0 {

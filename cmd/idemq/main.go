@@ -32,6 +32,7 @@ type command struct {
 	usage   string
 	summary string
 	spec    func() any // a fresh config struct; nil when the command reads no environment
+	traced  string     // the OpenTelemetry service name of a command that can trace, else ""
 	run     func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error
 }
 
@@ -118,5 +119,25 @@ func commandHelp(w io.Writer, c command) error {
 		return nil
 	}
 	fmt.Fprintln(w, "\n  Environment (variable, default, meaning):")
-	return usageConfig(w, c.spec())
+	if err := usageConfig(w, c.spec()); err != nil {
+		return err
+	}
+	if c.traced != "" {
+		tracingHelp(w, c.traced)
+	}
+	return nil
+}
+
+// tracingHelp lists the OpenTelemetry variables a traced command reads (internal/tracing).
+func tracingHelp(w io.Writer, service string) {
+	fmt.Fprintln(w, "\n  Tracing, by OpenTelemetry's own variables (off unless an endpoint is set):")
+	for _, v := range [][2]string{
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "the OTLP collector, e.g. http://otel-collector:4318 (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)"},
+		{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf (default) or grpc"},
+		{"OTEL_SERVICE_NAME", "default " + service},
+		{"OTEL_TRACES_SAMPLER", "default parentbased_always_on; OTEL_TRACES_SAMPLER_ARG is its argument (0.01: 1 %)"},
+		{"OTEL_SDK_DISABLED", "true: off, whatever else is set"},
+	} {
+		fmt.Fprintf(w, "  %-28s %s\n", v[0], v[1])
+	}
 }

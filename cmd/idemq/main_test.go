@@ -59,6 +59,13 @@ func TestHelpListsEveryVariable(t *testing.T) {
 			}
 		}
 	}
+	// The traced subcommands name OpenTelemetry's variables and their service names.
+	for _, c := range []string{"worker", "api", "fakepay"} {
+		sub, _, err := idemq(t, nil, c, "-h")
+		if err != nil || !strings.Contains(sub, "OTEL_EXPORTER_OTLP_ENDPOINT") || !strings.Contains(sub, "default idemq-"+c) {
+			t.Errorf("idemq %s -h names no tracing variables (%v):\n%s", c, err, sub)
+		}
+	}
 	sub, _, err := idemq(t, nil, "migrate", "-h")
 	if err != nil || !strings.Contains(sub, "DATABASE_URL") {
 		t.Fatalf("idemq migrate -h: %v\n%s", err, sub)

@@ -36,6 +36,7 @@ func workerCommand() command {
 		usage:   "worker",
 		summary: "run one worker replica: asynq deliveries through the Redis lock and the ledger (SIGTERM drains)",
 		spec:    func() any { return &config.Worker{} },
+		traced:  "idemq-worker",
 		run: func(ctx context.Context, spec any, args []string, _, stderr io.Writer) error {
 			if len(args) > 0 {
 				return fmt.Errorf("worker: unexpected arguments %q", args)
