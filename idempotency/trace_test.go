@@ -148,9 +148,7 @@ func TestDoSpanTrees(t *testing.T) {
 // transaction's idemq.shared_tx span are linked both ways.
 func TestSharedTransactionSpan(t *testing.T) {
 	t.Parallel()
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	l, _ := newLedger(t, &idempotency.Config{Committers: 1, TracerProvider: tp})
+	rec, tp, l := tracedLedger(t)
 	traces := runConcurrently(t, tp, 12, "shared", func(ctx context.Context, key string) error {
 		_, err := l.DoTx(ctx, req(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
 			_, err := tx.Exec(ctx, "SELECT pg_sleep(0.01)")
@@ -167,9 +165,7 @@ func TestSharedTransactionSpan(t *testing.T) {
 // idemq.complete spans; each ledger row keeps its delivery's trace id.
 func TestGroupCommitSpan(t *testing.T) {
 	t.Parallel()
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	l, _ := newLedger(t, &idempotency.Config{Committers: 1, TracerProvider: tp})
+	rec, tp, l := tracedLedger(t)
 	traces := runConcurrently(t, tp, 16, "grouped", func(ctx context.Context, key string) error {
 		_, err := l.Do(ctx, req(key), func(context.Context) (json.RawMessage, error) { return json.RawMessage(`{}`), nil })
 		return err
@@ -192,6 +188,16 @@ func TestGroupCommitSpan(t *testing.T) {
 		}
 	}
 	checkRowTraces(t, l, traces)
+}
+
+// tracedLedger returns a ledger with one committer (so that concurrent calls share its
+// rounds) whose spans rec records.
+func tracedLedger(t *testing.T) (*tracetest.SpanRecorder, trace.TracerProvider, *idempotency.Ledger) {
+	t.Helper()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	l, _ := newLedger(t, &idempotency.Config{Committers: 1, TracerProvider: tp})
+	return rec, tp, l
 }
 
 // runConcurrently runs n deliveries at once, each fn(ctx, "<prefix>-i") under a span of
