@@ -354,7 +354,8 @@ func TestSharedEnqueueSpan(t *testing.T) {
 	t.Parallel()
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	c := outbox.NewClient(testenv.Postgres(t), testenv.Redis(t), &outbox.Config{TracerProvider: tp})
+	// One committer: the calls that come while a round commits share the next one.
+	c := outbox.NewClient(testenv.Postgres(t), testenv.Redis(t), &outbox.Config{TracerProvider: tp, Committers: 1})
 	ctx := testenv.Context(t, 30*time.Second)
 	var wg sync.WaitGroup
 	for i := range 16 {

@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,10 +25,14 @@ func TestSharedAcceptSpan(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	a := newTestAPI(t, &Options{TracerProvider: tp})
-	// The first round waits in its transaction, so that the others queue behind it and
-	// share the next one.
-	var once sync.Once
-	a.s.holdAccept = func(context.Context) { once.Do(func() { time.Sleep(200 * time.Millisecond) }) }
+	// The first rounds (one per round in flight) wait in their transactions, so that the
+	// other requests queue behind them and share the next one.
+	var held atomic.Int32
+	a.s.holdAccept = func(context.Context) {
+		if held.Add(1) <= acceptRounds {
+			time.Sleep(300 * time.Millisecond)
+		}
+	}
 	h := otelhttp.NewHandler(a.s, "request", otelhttp.WithTracerProvider(tp)) // the server names it by route
 	ctx := context.Background()
 	var wg sync.WaitGroup
