@@ -5,7 +5,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/codes"
+
+	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
@@ -18,6 +23,7 @@ func enqueueCommand() command {
 		usage:   "enqueue charge --order-id ID --customer-id ID --amount-cents N [--currency EUR] | enqueue debit --account-id ID --amount-cents N --reference REF",
 		summary: "record one example job in the outbox and publish it; prints its key and whether it was new or a duplicate",
 		spec:    func() any { return &config.Enqueue{} },
+		traced:  "idemq-enqueue",
 		run: func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error {
 			cfg := spec.(*config.Enqueue)
 			if len(args) == 0 {
@@ -71,10 +77,23 @@ func enqueueCommand() command {
 			if err := requireSchema(ctx, pool); err != nil {
 				return err
 			}
+			// Traced, the job's deliveries join the trace of this command: a span of its
+			// own, continuing TRACEPARENT when a calling script passes one.
+			stopTracing, err := startTracing(ctx, "idemq-enqueue", newLogger(stderr, "warn"))
+			if err != nil {
+				return err
+			}
+			defer stopTracing()
+			ctx, span := otel.Tracer("github.com/idemq/idemq/cmd/idemq").Start(
+				idempotency.ContextWithTraceParent(ctx, os.Getenv("TRACEPARENT")), "enqueue "+job.Type)
 			res, err := outbox.NewClient(pool, rdb, nil).Enqueue(ctx, job)
 			if err != nil {
+				span.SetStatus(codes.Error, err.Error())
+				span.End()
 				return fmt.Errorf("enqueue %s: %w", job.Key, err)
 			}
+			span.SetAttributes(idempotency.AttrKey.String(res.Key))
+			span.End()
 			if res.Duplicate {
 				fmt.Fprintf(stdout, "%s\tduplicate (already accepted; %s)\n", res.Key, res.State)
 			} else {

@@ -124,6 +124,9 @@ func commandHelp(w io.Writer, c command) error {
 	}
 	if c.traced != "" {
 		tracingHelp(w, c.traced)
+		if c.name == "enqueue" {
+			fmt.Fprintf(w, "  %-28s %s\n", "TRACEPARENT", "a caller's W3C traceparent: the command's span, and so the job's deliveries, continue its trace")
+		}
 	}
 	return nil
 }

@@ -276,3 +276,42 @@ func describe(spans []span) string {
 	}
 	return b.String()
 }
+
+// `idemq enqueue` with an OTLP endpoint and a TRACEPARENT from its caller: the command's
+// span continues the caller's trace, the intent records it, and the publish is its child,
+// so the job's deliveries join the caller's trace.
+func TestEnqueueCommandContinuesTheCallersTrace(t *testing.T) {
+	t.Parallel()
+	recv := newOTLPReceiver(t)
+	const traceID, parentID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+	dsn := testenv.PostgresURL(t)
+	env := []string{"DATABASE_URL=" + dsn, "REDIS_URL=" + testenv.RedisURL(t),
+		"OTEL_EXPORTER_OTLP_ENDPOINT=" + recv.URL, "TRACEPARENT=00-" + traceID + "-" + parentID + "-01"}
+	out, stderr, err := idemq(t, env, "enqueue", "debit", "--account-id", "a-1", "--amount-cents", "250", "--reference", "traced-cli")
+	if err != nil || !strings.Contains(out, "debit:traced-cli\taccepted (published)") {
+		t.Fatalf("enqueue: %v\n%s%s", err, out, stderr)
+	}
+	// The command flushes its spans before it exits.
+	spans := recv.trace(traceID)
+	var cmd, publish *span
+	for i, sp := range spans {
+		switch {
+		case sp.name == "enqueue "+tasks.TypeDebit && sp.service == "idemq-enqueue":
+			cmd = &spans[i]
+		case sp.name == "publish "+tasks.TypeDebit && sp.kind == tracepb.Span_SPAN_KIND_PRODUCER:
+			publish = &spans[i]
+		}
+	}
+	if cmd == nil || publish == nil || cmd.parent != parentID || publish.parent != cmd.id || cmd.attrs["idemq.key"] != "debit:traced-cli" {
+		t.Fatalf("trace %s: want the command's span under the caller's %s and the publish under it:\n%s", traceID, parentID, describe(spans))
+	}
+	var recorded string
+	if err := testenv.Pool(t, dsn).QueryRow(testenv.Context(t, 10*time.Second),
+		`SELECT trace_parent FROM job_intents WHERE idempotency_key = 'debit:traced-cli'`).Scan(&recorded); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(recorded, traceID) {
+		t.Fatalf("the intent records traceparent %q, want one of trace %s", recorded, traceID)
+	}
+	t.Logf("%s", describe(spans))
+}
