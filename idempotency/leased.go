@@ -76,13 +76,11 @@ func (l *Ledger) newLeasedCommitter() *commit.Committer[*leasedOp] {
 // own, "idemq.commit" (see sharedspan).
 func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err error) {
 	var parts []store.Part
-	var traced []trace.Span
+	var traced sharedspan.Members
 	for lane, b := range batches {
 		for _, op := range b {
 			op.answered, op.lost = false, false
-			if op.span != nil && op.span.IsRecording() {
-				traced = append(traced, op.span)
-			}
+			traced.Add(op.span)
 		}
 		if len(b) == 0 {
 			continue

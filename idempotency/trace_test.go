@@ -241,29 +241,11 @@ func checkRowTraces(t *testing.T, l *idempotency.Ledger, traces map[string]strin
 	}
 }
 
-// lockedBuffer is a strings.Builder safe for the ledger's concurrent log lines.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (w *lockedBuffer) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func (w *lockedBuffer) String() string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.String()
-}
-
 // The ledger's lines about a traced delivery (here a takeover, then a stale owner's lost
 // lease) carry the delivery's trace id.
 func TestLedgerLinesCarryTheTrace(t *testing.T) {
 	t.Parallel()
-	var logs lockedBuffer
+	var logs testenv.LogBuffer
 	tp := sdktrace.NewTracerProvider()
 	lease := 600 * time.Millisecond
 	l, _ := newLedger(t, &idempotency.Config{Lease: lease, TracerProvider: tp,

@@ -86,14 +86,15 @@ func enqueueCommand() command {
 			defer stopTracing()
 			ctx, span := otel.Tracer("github.com/idemq/idemq/cmd/idemq").Start(
 				idempotency.ContextWithTraceParent(ctx, os.Getenv("TRACEPARENT")), "enqueue "+job.Type)
+			span.SetAttributes(idempotency.AttrKey.String(job.Key))
 			res, err := outbox.NewClient(pool, rdb, nil).Enqueue(ctx, job)
 			if err != nil {
 				span.SetStatus(codes.Error, err.Error())
-				span.End()
+			}
+			span.End()
+			if err != nil {
 				return fmt.Errorf("enqueue %s: %w", job.Key, err)
 			}
-			span.SetAttributes(idempotency.AttrKey.String(res.Key))
-			span.End()
 			if res.Duplicate {
 				fmt.Fprintf(stdout, "%s\tduplicate (already accepted; %s)\n", res.Key, res.State)
 			} else {

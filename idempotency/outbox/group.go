@@ -83,12 +83,10 @@ func Refused(err error) bool {
 func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) (err error) {
 	ops := batches[0]
 	specs := make([]Spec, len(ops))
-	var traced []trace.Span
+	var traced sharedspan.Members
 	for i, op := range ops {
 		specs[i], op.res, op.err = op.spec, EnqueueResult{}, nil
-		if op.span != nil && op.span.IsRecording() {
-			traced = append(traced, op.span)
-		}
+		traced.Add(op.span)
 	}
 	if span := sharedspan.Start(c.tracer, "idemq.enqueue", len(ops), traced); span != nil {
 		defer func() { sharedspan.End(span, err) }()

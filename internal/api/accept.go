@@ -135,16 +135,14 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err e
 	reqs := batches[0]
 	deadline := time.Time{}
 	keys := make([]string, len(reqs))
-	var traced []trace.Span
+	var traced sharedspan.Members
 	for i, r := range reqs {
 		r.reset()
 		if d, ok := r.ctx.Deadline(); ok && (deadline.IsZero() || d.Before(deadline)) {
 			deadline = d
 		}
 		keys[i] = r.spec.Key
-		if span := trace.SpanFromContext(r.ctx); span.IsRecording() {
-			traced = append(traced, span)
-		}
+		traced.Add(trace.SpanFromContext(r.ctx))
 	}
 	if span := sharedspan.Start(s.tracer, "idemq.accept", len(reqs), traced); span != nil {
 		defer func() { sharedspan.End(span, err) }()

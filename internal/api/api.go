@@ -194,8 +194,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		route = "unmatched"
 	}
 	if span := trace.SpanFromContext(ctx); span.IsRecording() { // the server span (tracing on)
-		span.SetName(r.Method + " " + strings.TrimPrefix(route, r.Method+" "))
-		span.SetAttributes(attribute.String("http.route", strings.TrimPrefix(route, r.Method+" ")))
+		path := strings.TrimPrefix(route, r.Method+" ")
+		span.SetName(r.Method + " " + path)
+		span.SetAttributes(attribute.String("http.route", path))
 	}
 	if rec.code == 0 {
 		switch {

@@ -11,7 +11,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -310,29 +309,11 @@ func TestLedgerPageLinksReachTheirKey(t *testing.T) {
 	}
 }
 
-// logBuffer collects a logger's output; safe for concurrent use.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf strings.Builder
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // TestLedgerRowInvalidKey: a row page for what cannot be a key (a NUL, a byte that is not
 // UTF-8, a space, 256 bytes) is a 404 saying why, not a 500 and an error in the log.
 func TestLedgerRowInvalidKey(t *testing.T) {
 	t.Parallel()
-	var logs logBuffer
+	var logs testenv.LogBuffer
 	a := newTestAPI(t, &Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	for _, path := range []string{"/ledger/%00", "/ledger/%ff", "/ledger/a%00b", "/ledger/charge:%C3%A9", "/ledger/a%20b",
 		"/ledger/" + strings.Repeat("k", idempotency.MaxKeyBytes+1)} {

@@ -16,28 +16,31 @@ import (
 // AttrMembers is how many callers a shared span's work carried (recording or not).
 const AttrMembers = attribute.Key("idemq.members")
 
-// Start starts the span name of the work that members' spans share, n callers in all
-// (members are the traced ones), when tr is set and two or more of members record;
-// otherwise it returns nil. The caller ends it.
-func Start(tr trace.Tracer, name string, n int, members []trace.Span, attrs ...attribute.KeyValue) trace.Span {
-	if tr == nil {
+// Members are the recording spans of the callers whose work is shared. Its zero value
+// holds none and allocates nothing until a recording span is added (tracing off: never).
+type Members []trace.Span
+
+// Add adds s, a caller's span, when it records (s may be nil).
+func (m *Members) Add(s trace.Span) {
+	if s != nil && s.IsRecording() {
+		*m = append(*m, s)
+	}
+}
+
+// Start starts the span name of the work that members share, n callers in all, when tr is
+// set and two or more members record; otherwise it returns nil. The caller ends it (End).
+func Start(tr trace.Tracer, name string, n int, members Members, attrs ...attribute.KeyValue) trace.Span {
+	if tr == nil || len(members) < 2 {
 		return nil
 	}
-	var links []trace.Link
-	for _, m := range members {
-		if m.IsRecording() {
-			links = append(links, trace.Link{SpanContext: m.SpanContext()})
-		}
-	}
-	if len(links) < 2 {
-		return nil
+	links := make([]trace.Link, len(members))
+	for i, m := range members {
+		links[i] = trace.Link{SpanContext: m.SpanContext()}
 	}
 	_, span := tr.Start(context.Background(), name, trace.WithNewRoot(), trace.WithLinks(links...),
 		trace.WithAttributes(append(attrs, AttrMembers.Int(n))...))
 	for _, m := range members {
-		if m.IsRecording() {
-			m.AddLink(trace.Link{SpanContext: span.SpanContext()})
-		}
+		m.AddLink(trace.Link{SpanContext: span.SpanContext()})
 	}
 	return span
 }

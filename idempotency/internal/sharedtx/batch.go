@@ -276,11 +276,9 @@ func (e *Exec) batchSpan(ms []*member) trace.Span {
 	if e.cfg.Tracer == nil || len(ms) < 2 {
 		return nil
 	}
-	var spans []trace.Span
+	var traced sharedspan.Members
 	for _, m := range ms {
-		if s := trace.SpanFromContext(m.ctx); s.IsRecording() {
-			spans = append(spans, s)
-		}
+		traced.Add(trace.SpanFromContext(m.ctx))
 	}
-	return sharedspan.Start(e.cfg.Tracer, "idemq.shared_tx", len(ms), spans)
+	return sharedspan.Start(e.cfg.Tracer, "idemq.shared_tx", len(ms), traced)
 }
