@@ -79,23 +79,19 @@ func (p *process) stop(sig syscall.Signal, group bool, d time.Duration) error {
 		return nil
 	}
 	pid := cmd.Process.Pid
-	// A Postgres backend leaves the postmaster's process group (each child calls setsid),
-	// so the group's signal misses it: its children are signalled, and waited for, by pid.
-	// They are read now, while they are still the leader's children.
+	// A Postgres backend leaves the postmaster's process group (each child calls setsid):
+	// the group's signal misses it, and it exits on its own when it finds the postmaster
+	// gone, as after a crash of the postmaster alone. It is waited for by pid, read now,
+	// while it is still the leader's child.
 	kids := children(cmd.Process.Pid)
 	if group {
 		pid = -pid
 	}
 	syscall.Kill(-cmd.Process.Pid, syscall.SIGCONT) // a paused server cannot exit
 	for _, k := range kids {
-		syscall.Kill(k, syscall.SIGCONT)
+		syscall.Kill(k, syscall.SIGCONT) // nor a stopped backend (HoldWAL's WAL senders)
 	}
 	syscall.Kill(pid, sig)
-	if group {
-		for _, k := range kids {
-			syscall.Kill(k, sig)
-		}
-	}
 	var err error
 	select {
 	case <-done:
