@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"os/user"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -79,18 +78,10 @@ func (p *process) stop(sig syscall.Signal, group bool, d time.Duration) error {
 		return nil
 	}
 	pid := cmd.Process.Pid
-	// A Postgres backend leaves the postmaster's process group (each child calls setsid):
-	// the group's signal misses it, and it exits on its own when it finds the postmaster
-	// gone, as after a crash of the postmaster alone. It is waited for by pid, read now,
-	// while it is still the leader's child.
-	kids := children(cmd.Process.Pid)
 	if group {
 		pid = -pid
 	}
 	syscall.Kill(-cmd.Process.Pid, syscall.SIGCONT) // a paused server cannot exit
-	for _, k := range kids {
-		syscall.Kill(k, syscall.SIGCONT) // nor a stopped backend (HoldWAL's WAL senders)
-	}
 	syscall.Kill(pid, sig)
 	var err error
 	select {
@@ -100,20 +91,12 @@ func (p *process) stop(sig syscall.Signal, group bool, d time.Duration) error {
 		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 		<-done
 	}
-	// Reap what is left of the group, and wait for the children that left it: a killed
-	// process exits only once it is scheduled (one in the middle of a disk write on a
-	// loaded machine takes a while), and a Postgres started while a backend of the last
-	// one still holds its shared memory refuses to run ("pre-existing shared memory
-	// block is still in use").
+	// Reap what is left of the group (a killed postmaster's backends exit on their own,
+	// but not at once: one in the middle of a disk write on a loaded machine takes a while).
 	waitFor(15*time.Second, func() error {
 		if syscall.Kill(-cmd.Process.Pid, 0) == nil {
 			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 			return fmt.Errorf("group alive")
-		}
-		for _, k := range kids {
-			if alive(k) {
-				return fmt.Errorf("child %d alive", k)
-			}
 		}
 		return nil
 	})
@@ -121,52 +104,6 @@ func (p *process) stop(sig syscall.Signal, group bool, d time.Duration) error {
 	p.cmd, p.done = nil, nil
 	p.mu.Unlock()
 	return err
-}
-
-// children returns the pids of pid's child processes, read from /proc (none when it
-// cannot be read).
-func children(pid int) []int {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
-	var kids []int
-	for _, e := range entries {
-		k, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if ppid, _, ok := procStat(k); ok && ppid == pid {
-			kids = append(kids, k)
-		}
-	}
-	return kids
-}
-
-// alive reports whether process pid exists and has not exited (a zombie has: its memory,
-// shared segments included, is released).
-func alive(pid int) bool {
-	_, state, ok := procStat(pid)
-	return ok && state != 'Z' && state != 'X'
-}
-
-// procStat reads a process's parent pid and state from /proc/<pid>/stat.
-func procStat(pid int) (ppid int, state byte, ok bool) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, 0, false
-	}
-	// "pid (comm) state ppid …", where comm may hold spaces and parentheses.
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return 0, 0, false
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 2 || len(f[0]) != 1 {
-		return 0, 0, false
-	}
-	ppid, err = strconv.Atoi(f[1])
-	return ppid, f[0][0], err == nil
 }
 
 func (p *process) logTail() string {
