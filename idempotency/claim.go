@@ -39,7 +39,10 @@ type Claim struct {
 	deadline time.Time
 	sentAt   time.Time     // local (monotonic) time the claim was sent
 	lease    time.Duration // the lease asked for at the claim
-	xid      string        // the id of the transaction that wrote it last (a finish, a DoTx commit)
+	// intentSum is the request's (see Request.intentSum): whether a finish settles the
+	// key's outbox intent.
+	intentSum []byte
+	xid       string // the id of the transaction that wrote it last (a finish, a DoTx commit)
 	// serverStart is pg_postmaster_start_time() when xid was drawn: after a restart an
 	// xid whose records were lost may be handed out again, so it no longer identifies us.
 	serverStart string
@@ -106,7 +109,7 @@ func (l *Ledger) newClaim(ctx context.Context, req Request) (*Claim, store.Claim
 	if lease <= 0 {
 		return nil, store.ClaimParams{}, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", req.Key, context.DeadlineExceeded)
 	}
-	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease}
+	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease, intentSum: req.intentSum()}
 	if _, err := rand.Read(c.owner.Bytes[:]); err != nil {
 		return nil, store.ClaimParams{}, fmt.Errorf("idempotency: owner id: %w", err)
 	}

@@ -107,7 +107,7 @@ func (d *txDelivery) Decide(r *store.ClaimRow, round int) (claimed, again bool, 
 func (d *txDelivery) ClaimRefused(err error) error { return d.l.claimError(d.req, err) }
 
 func (d *txDelivery) Identity() store.FinishParams {
-	return store.FinishParams{Key: d.claim.Key, Fence: d.claim.Fence, Owner: d.claim.owner}
+	return store.FinishParams{Key: d.claim.Key, Fence: d.claim.Fence, Owner: d.claim.owner, IntentSum: d.claim.intentSum}
 }
 
 func (d *txDelivery) Check(out json.RawMessage) (stored, lastErr pgtype.Text) {

@@ -100,7 +100,8 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 // commit is durable. The update's answer carries its transaction id, read before the
 // commit is asked for, which resolves a commit whose answer was lost.
 func (l *Ledger) finish(ctx context.Context, c *Claim, action store.Action, result, errMsg pgtype.Text) error {
-	op := &leasedOp{key: c.Key, finish: &store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: action, Result: result, Error: errMsg},
+	op := &leasedOp{key: c.Key, finish: &store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: action, Result: result, Error: errMsg,
+		IntentSum: c.intentSum},
 		span: trace.SpanFromContext(ctx)}
 	err := l.leased.Run(ctx, laneFinish, op)
 	if err != nil && !op.lost && pgconn.SafeToRetry(err) {

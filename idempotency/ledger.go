@@ -259,6 +259,14 @@ type Request struct {
 	// and those that meet run one after another in one shared transaction. It does not
 	// reach other processes (the asynq middleware's Redis lock does). At most 255 bytes.
 	Scope string
+	// TaskID and PayloadSum identify the delivered task, for the key's outbox intent: a
+	// completion or permanent failure settles the intent only when the task is the
+	// intent's own — TaskID the key or key#r<n> (IntentKey) and PayloadSum (see
+	// PayloadSum) its payload's — and never because another producer's task completed the
+	// key. The asynq middleware sets both. With TaskID empty, a completion settles the
+	// key's intent whatever task it ran.
+	TaskID     string
+	PayloadSum []byte
 }
 
 func (r *Request) validate() error {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
@@ -60,10 +61,17 @@ func ledgerCommand() command {
 			switch op {
 			case "show":
 				r, err := ledger.Get(ctx, rest[0])
+				in, ierr := outbox.ReadIntent(ctx, pool, rest[0])
+				if ierr != nil && !errors.Is(ierr, idempotency.ErrNotFound) {
+					return ierr
+				}
 				if err != nil {
+					if errors.Is(err, idempotency.ErrNotFound) && in != nil {
+						return fmt.Errorf("no ledger row for key %q: its outbox intent is %s%s", rest[0], in.State, intentNote(in))
+					}
 					return explain(err, rest[0])
 				}
-				return printRecords(stdout, []idempotency.Record{*r}, *asJSON, true)
+				return printRecord(stdout, *r, in, *asJSON)
 			case "list":
 				rs, err := ledger.List(ctx, *status, *limit)
 				if err != nil {
@@ -118,11 +126,39 @@ func printDone(w io.Writer, asJSON bool, v any, format string, args ...any) erro
 	return err
 }
 
+// printRecord prints one row and its outbox intent (nil: none).
+func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, asJSON bool) error {
+	if asJSON {
+		out := api.NewRecord(r)
+		if in != nil {
+			out.Intent = in.State
+			if in.State == outbox.IntentDead {
+				out.IntentError = in.LastError
+			}
+		}
+		return json.NewEncoder(w).Encode(out)
+	}
+	if err := printRecords(w, []idempotency.Record{r}, false, true); err != nil {
+		return err
+	}
+	if in != nil {
+		_, err := fmt.Fprintf(w, "intent  %s%s\n", in.State, intentNote(in))
+		return err
+	}
+	return nil
+}
+
+// intentNote says why a dead intent died: its task was refused, so the row's result (when
+// it has one) is not this job's.
+func intentNote(in *outbox.IntentInfo) string {
+	if in.State != outbox.IntentDead || in.LastError == "" {
+		return ""
+	}
+	return " (its task was refused: " + in.LastError + ")"
+}
+
 func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error {
 	if asJSON {
-		if one {
-			return json.NewEncoder(w).Encode(api.NewRecord(rs[0]))
-		}
 		out := make([]api.Record, len(rs))
 		for i, r := range rs {
 			out[i] = api.NewRecord(r)

@@ -113,6 +113,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
 		},
 		ObserveHandler: m.ObserveHandler,
+		ObserveIntentDead: func(taskType, reason string) {
+			m.IntentsDead.WithLabelValues(reason, taskType).Inc()
+		},
 	})
 
 	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(handlers.DefaultClient()))

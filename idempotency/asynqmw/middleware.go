@@ -94,6 +94,12 @@ type Config struct {
 	// must be fast and safe for concurrent use.
 	ObserveHandler func(ctx context.Context, taskType, outcome string, d time.Duration)
 
+	// ObserveIntentDead, if set, is called when a delivery settles its own outbox intent
+	// dead (see idempotency.Ledger.SettleIntent), with the task type and the reason
+	// (idempotency.IntentDeadMismatch, IntentDeadFailed, IntentDeadNeedsAttention,
+	// IntentDeadInvalid). It must be fast and safe for concurrent use.
+	ObserveIntentDead func(taskType, reason string)
+
 	// TracerProvider makes each delivery's span (see Leased): a consumer span "process
 	// <task type>", the child of the traceparent in the task's headers. Default: the
 	// global one (otel.GetTracerProvider), a no-op unless the program installed one.
@@ -268,16 +274,17 @@ func (h *handler[T]) ProcessTask(ctx context.Context, t *asynq.Task) error {
 }
 
 func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string, _ error) {
+	taskID, _ := asynq.GetTaskID(ctx)
 	if t.Type() != h.taskType {
-		return OutcomeRejected, fmt.Errorf("%s: handler got a task of type %q: %w", h.taskType, t.Type(), asynq.SkipRetry)
+		return h.refuse(ctx, t, taskID, fmt.Errorf("%s: handler got a task of type %q: %w", h.taskType, t.Type(), asynq.SkipRetry))
 	}
 	job, err := h.decode(t.Payload())
 	if err != nil {
-		return OutcomeRejected, fmt.Errorf("%s: bad payload: %v: %w", h.taskType, err, asynq.SkipRetry)
+		return h.refuse(ctx, t, taskID, fmt.Errorf("%s: bad payload: %v: %w", h.taskType, err, asynq.SkipRetry))
 	}
 	key := job.Key()
 	if err := idempotency.ValidateKey(key); err != nil {
-		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %.64q: %v: %w", h.taskType, key, err, asynq.SkipRetry)
+		return h.refuse(ctx, t, taskID, fmt.Errorf("%s: bad payload: key %.64q: %v: %w", h.taskType, key, err, asynq.SkipRetry))
 	}
 	span := trace.SpanFromContext(ctx)
 	if span.IsRecording() {
@@ -285,7 +292,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	}
 	canonical, err := json.Marshal(job)
 	if err != nil {
-		return OutcomeRejected, fmt.Errorf("%s: bad payload: key %s: encode: %v: %w", h.taskType, key, err, asynq.SkipRetry)
+		return h.refuse(ctx, t, taskID, fmt.Errorf("%s: bad payload: key %s: encode: %v: %w", h.taskType, key, err, asynq.SkipRetry))
 	}
 	log := h.w.log.With("task_type", h.taskType, "key", key)
 	if n, ok := asynq.GetRetryCount(ctx); ok {
@@ -329,7 +336,11 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		}
 	}
 
-	req := idempotency.Request{Key: key, TaskType: h.taskType, Fingerprint: idempotency.Fingerprint(h.taskType, canonical), Scope: lineScope}
+	req := idempotency.Request{Key: key, TaskType: h.taskType, Fingerprint: idempotency.Fingerprint(h.taskType, canonical), Scope: lineScope,
+		TaskID: taskID}
+	if own, ok := idempotency.IntentKey(taskID); ok && own == key {
+		req.PayloadSum = idempotency.PayloadSum(t.Type(), t.Payload())
+	}
 	if d, ok := ctx.Deadline(); ok {
 		req.Deadline = d
 	}
@@ -347,13 +358,24 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 				span.SetAttributes(idempotency.AttrFence.Int64(res.Fence))
 			}
 			if res.Cached {
+				// A cached answer settles nothing by itself: the intent of this task, when
+				// it is an outbox intent's own, is done now.
+				if _, err := h.w.ledger.SettleIntent(ctx, req, false, ""); err != nil {
+					return OutcomeError, fmt.Errorf("%s: key %s: %w", h.taskType, key, err)
+				}
 				return OutcomeCached, nil
 			}
 			return OutcomeCompleted, nil
 		}
 		var busy *idempotency.BusyError
 		if !errors.As(err, &busy) {
-			return h.mapError(err, key)
+			outcome, err := h.mapError(err, key)
+			if reason := deadReason(err); reason != "" {
+				if serr := h.settleDead(ctx, req, reason, err); serr != nil {
+					return OutcomeError, serr
+				}
+			}
+			return outcome, err
 		}
 		if age, known := busyAge(t, busy); known && age > h.w.cfg.BusyBudget {
 			return OutcomeError, &BusyTooLongError{Key: key, Owner: busy.Owner, Fence: busy.Fence, Age: age}
@@ -371,6 +393,55 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		case <-time.After(max(wait, 50*time.Millisecond)):
 		}
 	}
+}
+
+// refuse archives a delivery the worker cannot run (a payload it cannot decode, a bad
+// key), and settles its outbox intent dead with the reason when the task is an intent's
+// own by its TaskID: its key is then the TaskID's (the payload may not name one).
+func (h *handler[T]) refuse(ctx context.Context, t *asynq.Task, taskID string, err error) (string, error) {
+	key, ok := idempotency.IntentKey(taskID)
+	if !ok {
+		return OutcomeRejected, err
+	}
+	req := idempotency.Request{Key: key, TaskType: t.Type(), TaskID: taskID, PayloadSum: idempotency.PayloadSum(t.Type(), t.Payload())}
+	if serr := h.settleDead(ctx, req, idempotency.IntentDeadInvalid, err); serr != nil {
+		return OutcomeError, serr
+	}
+	return OutcomeRejected, err
+}
+
+// settleDead settles req's outbox intent dead (when the task is its own) with cause, an
+// error that archives the task. When that write fails, the error it returns is retried
+// instead: the next delivery meets the same answer and settles the intent then.
+func (h *handler[T]) settleDead(ctx context.Context, req idempotency.Request, reason string, cause error) error {
+	settled, err := h.w.ledger.SettleIntent(ctx, req, true, reason+": "+cause.Error())
+	if err != nil {
+		return fmt.Errorf("%s: key %s: archiving (%v) waits for its intent: %w", h.taskType, req.Key, cause, err)
+	}
+	if settled {
+		h.w.log.WarnContext(ctx, "accepted job's task refused; its intent is dead", "task_type", h.taskType, "key", req.Key,
+			"task_id", req.TaskID, "reason", reason, "err", cause)
+		if h.w.cfg.ObserveIntentDead != nil {
+			h.w.cfg.ObserveIntentDead(h.taskType, reason)
+		}
+	}
+	return nil
+}
+
+// deadReason is the reason an answer of the ledger settles the delivery's own outbox
+// intent dead, "" when it does not.
+func deadReason(err error) string {
+	switch {
+	case errors.Is(err, idempotency.ErrMismatch):
+		return idempotency.IntentDeadMismatch
+	case errors.Is(err, idempotency.ErrFailed):
+		return idempotency.IntentDeadFailed
+	case errors.Is(err, idempotency.ErrNeedsAttention):
+		return idempotency.IntentDeadNeedsAttention
+	case errors.Is(err, idempotency.ErrInvalidKey), errors.Is(err, idempotency.ErrInvalidRequest):
+		return idempotency.IntentDeadInvalid
+	}
+	return ""
 }
 
 func (h *handler[T]) mapError(err error, key string) (string, error) {

@@ -240,10 +240,12 @@ type IntentInfo struct {
 	TaskType          string
 	State             string
 	PublishGeneration int
-	LastError         string
-	CreatedAt         time.Time
-	PublishedAt       time.Time
-	FinishedAt        time.Time
+	// LastError is, while the intent is pending, why its last publish failed; once it is
+	// dead, why its task was refused (a mismatch, a failed key, an invalid payload).
+	LastError   string
+	CreatedAt   time.Time
+	PublishedAt time.Time
+	FinishedAt  time.Time
 	// TraceParent is the W3C traceparent recorded with the intent ("" when none).
 	TraceParent string
 }
@@ -263,8 +265,16 @@ const intentInfoSQL = `SELECT idempotency_key, task_type, state, publish_generat
 
 // Intent returns key's intent, or an error wrapping ErrNotFound.
 func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
+	return ReadIntent(ctx, c.pool, key)
+}
+
+// ReadIntent returns key's intent as q (a pool, a connection, a transaction) sees it, or
+// an error wrapping ErrNotFound: Client.Intent for a program without a Client.
+func ReadIntent(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, key string) (*IntentInfo, error) {
 	var i IntentInfo
-	err := c.pool.QueryRow(ctx, intentInfoSQL, key).Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration,
+	err := q.QueryRow(ctx, intentInfoSQL, key).Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration,
 		&i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt, &i.TraceParent)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w: no intent for %q", idempotency.ErrNotFound, key)

@@ -237,7 +237,8 @@ func TestReconcileRepublishesLostTasks(t *testing.T) {
 		t.Fatal(err)
 	}
 	rdb.HSet(ctx, "asynq:{default}:t:debit:orphan", "result", "late")
-	// A key the ledger completed: settled, not republished.
+	// A key the ledger completed by another task (a plain producer's): not settled by
+	// that, and republished, so that the intent's own task settles it.
 	mustExec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, completed_at)
 		VALUES ('debit:done', 'wallet:debit', 'completed', nextval('processed_jobs_fence_seq'), now())`)
 	if err := insp.DeleteTask(tasks.Queue, "debit:done"); err != nil {
@@ -245,44 +246,44 @@ func TestReconcileRepublishesLostTasks(t *testing.T) {
 	}
 
 	st, err := c.Reconcile(ctx, time.Hour)
-	if err != nil || st.Finished != 1 || st.Checked != 0 {
-		t.Fatalf("within the grace period: %+v %v; want only the done key settled", st, err)
+	if err != nil || st.Checked != 0 {
+		t.Fatalf("within the grace period: %+v %v; want nothing checked", st, err)
+	}
+	if info, _ := c.Intent(ctx, "debit:done"); info.State != outbox.IntentPublished {
+		t.Fatalf("intent of a key completed by another task: %s, want still published", info.State)
 	}
 	st, err = c.Reconcile(ctx, 0)
-	if err != nil || st.Checked != 3 || st.Missing != 2 || st.Republished != 2 {
-		t.Fatalf("after the grace period: %+v %v; want 3 checked, 2 missing and republished", st, err)
+	if err != nil || st.Checked != 4 || st.Missing != 3 || st.Republished != 3 {
+		t.Fatalf("after the grace period: %+v %v; want 4 checked, 3 missing and republished", st, err)
 	}
-	for _, id := range []string{"debit:deleted#r1", "debit:orphan#r1"} {
+	for _, id := range []string{"debit:deleted#r1", "debit:orphan#r1", "debit:done#r1"} {
 		if !taskExists(t, rdb, id) {
 			t.Errorf("%s not published", id)
 		}
 	}
-	if taskExists(t, rdb, "debit:done#r1") {
-		t.Error("a done key was republished")
-	}
 	// Redis loses everything (a restart without persistence): the whole queue is gone.
-	for _, id := range []string{"debit:kept", "debit:deleted#r1", "debit:orphan#r1"} {
+	for _, id := range []string{"debit:kept", "debit:deleted#r1", "debit:orphan#r1", "debit:done#r1"} {
 		insp.DeleteTask(tasks.Queue, id)
 	}
 	insp.DeleteQueue(tasks.Queue, true)
 	st, err = c.Reconcile(ctx, 0)
-	if err != nil || st.Missing != 3 || st.Republished != 3 {
-		t.Fatalf("after the queue vanished: %+v %v; want 3 republished", st, err)
+	if err != nil || st.Missing != 4 || st.Republished != 4 {
+		t.Fatalf("after the queue vanished: %+v %v; want 4 republished", st, err)
 	}
 	// The queue is registered again although this client enqueued to it before: asynq's
 	// Inspector (the dashboard) sees it.
 	if _, err := insp.GetQueueInfo(tasks.Queue); err != nil {
 		t.Fatalf("after republishing into an emptied Redis: %v; want the queue registered", err)
 	}
-	if alerts.Load() != 2 {
-		t.Fatalf("alerts = %d, want 2 (the second generation of deleted and orphan)", alerts.Load())
+	if alerts.Load() != 3 {
+		t.Fatalf("alerts = %d, want 3 (the second generation of deleted, orphan and done)", alerts.Load())
 	}
 	info, _ := c.Intent(ctx, "debit:orphan")
 	if info.PublishGeneration != 2 {
 		t.Fatalf("orphan intent generation %d, want 2", info.PublishGeneration)
 	}
 	s, err := c.Stats(ctx, 0)
-	if err != nil || s.Published != 3 || s.Pending != 0 {
+	if err != nil || s.Published != 4 || s.Pending != 0 {
 		t.Fatalf("stats: %+v %v", s, err)
 	}
 }

@@ -13,16 +13,6 @@ import (
 	"github.com/idemq/idemq/internal/asynqkeys"
 )
 
-// finishIntentsSQL settles intents whose key the ledger has completed or failed (a
-// completion normally does this itself; this catches keys completed by another path, such
-// as a duplicate answered from the ledger).
-const finishIntentsSQL = `
-UPDATE job_intents i
-SET state = CASE p.status WHEN 'completed' THEN 'done' ELSE 'dead' END, finished_at = now(), updated_at = now()
-FROM processed_jobs p
-WHERE p.idempotency_key = i.idempotency_key AND i.state IN ('pending', 'published')
-  AND p.status IN ('completed', 'failed')`
-
 // cutoffSQL is the publish time before which a round with grace $1 ms checks intents, on
 // the database clock.
 const cutoffSQL = `SELECT now() - $1::bigint * interval '1 millisecond'`
@@ -50,18 +40,19 @@ const reconcilePage = 1000
 
 // ReconcileStats says what one reconcile round did.
 type ReconcileStats struct {
-	Finished    int64 // intents settled from the ledger
-	Checked     int   // published intents older than the grace period, looked up in Redis
-	Missing     int   // of those, missing from Redis (no queue, no task, an orphaned hash, or another task under the TaskID)
-	Republished int   // republished under a new TaskID
+	Checked     int // published intents older than the grace period, looked up in Redis
+	Missing     int // of those, missing from Redis (no queue, no task, an orphaned hash, or another task under the TaskID)
+	Republished int // republished under a new TaskID
 }
 
-// Reconcile settles intents the ledger has finished, then republishes published intents
-// older than grace whose task Redis no longer has (or holds another task under its
-// TaskID, or holds as completed although the ledger has not finished the key: a
-// completion Postgres lost), under TaskID key#r<generation> (never colliding with an orphaned or archived
+// Reconcile republishes published intents older than grace whose task Redis no longer
+// has (or holds another task under its TaskID, or holds as completed although the intent
+// is not settled: a completion Postgres lost), under TaskID key#r<generation> (never colliding with an orphaned or archived
 // task; the ledger dedups across generations). With a grace period it checks the 1000
 // oldest such intents; with none (grace 0, as after Redis lost data) it checks them all.
+// It never settles an intent: only a delivery of the intent's own task does (see
+// idempotency.Request.TaskID), so a key that another producer's task completed is
+// republished, and its delivery, answered from the ledger, settles the intent then.
 // It republishes at most Config.RepublishPerSecond per second. If Redis loses data
 // during the round (a queue's epoch marker changes), the round runs again without grace.
 // Safe for concurrent use.
@@ -74,11 +65,6 @@ func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileS
 // markers the queues it checked had for the whole round.
 func (c *Client) reconcile(ctx context.Context, grace time.Duration, queues []string) (ReconcileStats, map[string]string, error) {
 	var st ReconcileStats
-	tag, err := c.pool.Exec(ctx, finishIntentsSQL)
-	if err != nil {
-		return st, nil, fmt.Errorf("outbox: settle intents: %w", err)
-	}
-	st.Finished = tag.RowsAffected()
 	limiter := rate.NewLimiter(rate.Limit(c.cfg.RepublishPerSecond), 1)
 	for attempt := 1; ; attempt++ {
 		marks, err := c.markEpochs(ctx, queues)
@@ -228,10 +214,10 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 		if err != nil {
 			return nil, fmt.Errorf("outbox: look up tasks in Redis: %w", err)
 		}
-		// A task asynq completed while the ledger has not finished its key (the round
-		// settled finished keys first) lost its completion: idemq's handlers return only
-		// after the ledger commits, so the commit was lost with the database, as when
-		// Postgres fails over to an asynchronous standby. It runs again.
+		// A task asynq completed while its intent is still published lost its
+		// completion: idemq's handlers return only after the ledger settled the intent
+		// (a completion, or a cached answer), so the commit was lost with the database,
+		// as when Postgres fails over to an asynchronous standby. It runs again.
 		out[i] = match == taskIsThisJob
 	}
 	return out, nil
@@ -295,8 +281,8 @@ func (c *Client) logRound(ctx context.Context, st ReconcileStats, err error) {
 		}
 		return
 	}
-	if st.Missing > 0 || st.Finished > 0 {
-		c.log.Info("reconciled", "settled", st.Finished, "checked", st.Checked, "missing", st.Missing, "republished", st.Republished)
+	if st.Missing > 0 {
+		c.log.Info("reconciled", "checked", st.Checked, "missing", st.Missing, "republished", st.Republished)
 	}
 }
 

@@ -38,6 +38,9 @@ type acceptReq struct {
 	fp       []byte
 	spec     outbox.Spec
 	rec      *idempotency.Record // the ledger's row, read by the round
+	// mismatch: the ledger holds the job with another payload; refused unless the request
+	// repeats an Idempotency-Key, whose stored answer stands.
+	mismatch bool
 
 	// The outcome, set by the round that committed.
 	code     int
@@ -52,7 +55,7 @@ type acceptReq struct {
 }
 
 func (r *acceptReq) reset() {
-	r.code, r.body, r.replayed, r.isNew = 0, nil, false, false
+	r.code, r.body, r.replayed, r.isNew, r.mismatch = 0, nil, false, false, false
 	r.refuseCode, r.refusal, r.failure = 0, "", nil
 }
 
@@ -160,11 +163,10 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err e
 	for _, r := range reqs {
 		r.rec = recs[r.spec.Key]
 		// A key the ledger knows with another payload (published without the outbox,
-		// say) would only be archived as a mismatch by the worker: refuse it now.
-		if r.rec != nil && r.rec.Fingerprint != nil && !bytes.Equal(r.rec.Fingerprint, r.fp) {
-			r.refuse(http.StatusUnprocessableEntity, "%s: job %q was already accepted with a different body", r.keyField, r.spec.Key)
-			continue
-		}
+		// say) would only be archived as a mismatch by the worker: it is refused below,
+		// unless the request repeats an Idempotency-Key, which gets its first answer (the
+		// key may have been taken after it was accepted).
+		r.mismatch = r.rec != nil && r.rec.Fingerprint != nil && !bytes.Equal(r.rec.Fingerprint, r.fp)
 		if r.code, r.body, err = answerOf(r, outbox.EnqueueResult{Key: r.spec.Key, State: outbox.IntentPending}); err != nil {
 			return err
 		}
@@ -232,24 +234,32 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err e
 		}
 	}
 
-	// The intents of the others.
+	// The intents of the others; a job the ledger holds with another payload is refused.
 	var todo []*acceptReq
 	var specs []outbox.Spec
+	var forget, answer struct {
+		routes, hks []string
+		codes       []int32
+		bodies      [][]byte
+	}
 	for _, r := range reqs {
-		if !r.replayed && r.refuseCode == 0 && r.failure == nil {
-			todo, specs = append(todo, r), append(specs, r.spec)
+		if r.replayed || r.refuseCode != 0 || r.failure != nil {
+			continue
 		}
+		if r.mismatch {
+			r.refuse(http.StatusUnprocessableEntity, "%s: job %q was already accepted with a different body", r.keyField, r.spec.Key)
+			if inserted[headerID{r.route, r.hk}] { // its header row goes, as if never written
+				forget.routes, forget.hks = append(forget.routes, r.route), append(forget.hks, r.hk)
+			}
+			continue
+		}
+		todo, specs = append(todo, r), append(specs, r.spec)
 	}
 	if len(todo) > 0 {
 		_, selfPublish := s.deps.Enqueuer.(publisher)
 		res, errs, err := s.deps.Enqueuer.EnqueueManyTx(ctx, tx, specs, selfPublish)
 		if err != nil {
 			return &stageError{stageIntents, err}
-		}
-		var forget, answer struct {
-			routes, hks []string
-			codes       []int32
-			bodies      [][]byte
 		}
 		for i, r := range todo {
 			provisional := r.body
@@ -278,15 +288,15 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err e
 			answer.routes, answer.hks = append(answer.routes, r.route), append(answer.hks, r.hk)
 			answer.codes, answer.bodies = append(answer.codes, int32(r.code)), append(answer.bodies, r.body)
 		}
-		if len(forget.routes) > 0 {
-			if _, err := tx.Exec(ctx, forgetHeadersSQL, outbox.PlanEach, forget.routes, forget.hks); err != nil {
-				return fmt.Errorf("forget the refused Idempotency-Keys: %w", err)
-			}
+	}
+	if len(forget.routes) > 0 {
+		if _, err := tx.Exec(ctx, forgetHeadersSQL, outbox.PlanEach, forget.routes, forget.hks); err != nil {
+			return fmt.Errorf("forget the refused Idempotency-Keys: %w", err)
 		}
-		if len(answer.routes) > 0 {
-			if _, err := tx.Exec(ctx, answerHeadersSQL, outbox.PlanEach, answer.routes, answer.hks, answer.codes, answer.bodies); err != nil {
-				return fmt.Errorf("record the answers: %w", err)
-			}
+	}
+	if len(answer.routes) > 0 {
+		if _, err := tx.Exec(ctx, answerHeadersSQL, outbox.PlanEach, answer.routes, answer.hks, answer.codes, answer.bodies); err != nil {
+			return fmt.Errorf("record the answers: %w", err)
 		}
 	}
 	if s.holdAccept != nil {

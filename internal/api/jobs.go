@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/internal/pgcode"
 )
 
@@ -22,8 +23,15 @@ type jobAccepted struct {
 	LastError string `json:"last_error,omitempty"`
 }
 
-// getJob answers GET /v1/jobs/{key}: the ledger row, or the intent's state while no
-// worker has claimed the job yet, or 404.
+// StatusDead is a job's status when its intent is dead: its task was refused (another
+// payload took its key, the key failed for good, its payload was invalid), so the job the
+// caller was told is accepted never takes effect. last_error says why.
+const StatusDead = "dead"
+
+// getJob answers GET /v1/jobs/{key}: the ledger row with its intent's state, or the
+// intent's state while no worker has claimed the job yet, or 404. A job whose intent is
+// dead is StatusDead whatever the row says: when another payload completed its key, the
+// row's result is that payload's, not this job's, and is left out.
 func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
 	if err := idempotency.ValidateKey(key); err != nil {
@@ -33,7 +41,22 @@ func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 	rec, err := s.deps.Ledger.Get(r.Context(), key)
 	switch {
 	case err == nil:
-		writeJSON(w, http.StatusOK, NewRecord(*rec))
+		out := NewRecord(*rec)
+		acc, ok, err := s.intent(r.Context(), key)
+		if err != nil {
+			s.internal(w, r, "read the job's intent", err)
+			return
+		}
+		if ok {
+			out.Intent = acc.Intent
+			if acc.Intent == outbox.IntentDead {
+				out.IntentError = acc.LastError
+				if out.Status != idempotency.StatusFailed {
+					out.Status, out.LastError, out.Result = StatusDead, acc.LastError, nil
+				}
+			}
+		}
+		writeJSON(w, http.StatusOK, out)
 		return
 	case !errors.Is(err, idempotency.ErrNotFound):
 		s.internal(w, r, "read the ledger", err)
@@ -62,7 +85,11 @@ func (s *Server) intent(ctx context.Context, key string) (jobAccepted, bool, err
 		if err != nil {
 			return jobAccepted{}, false, err
 		}
-		return jobAccepted{Key: key, Type: in.TaskType, Status: StatusAccepted, Intent: in.State, LastError: in.LastError}, true, nil
+		acc := jobAccepted{Key: key, Type: in.TaskType, Status: StatusAccepted, Intent: in.State, LastError: in.LastError}
+		if in.State == outbox.IntentDead {
+			acc.Status = StatusDead
+		}
+		return acc, true, nil
 	}
 	var typ string
 	err := s.deps.Pool.QueryRow(ctx, intentByHeaderSQL, key).Scan(&typ)

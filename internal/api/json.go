@@ -24,6 +24,10 @@ type Record struct {
 	UpdatedAt   time.Time       `json:"updated_at"`
 	CompletedAt *time.Time      `json:"completed_at,omitempty"`
 	TraceID     string          `json:"trace_id,omitempty"` // the delivery's whose claim holds or did the work
+	// Intent is the state of the job's outbox intent (pending, published, done, dead), when
+	// it was accepted through the outbox; IntentError is why a dead one died.
+	Intent      string `json:"intent,omitempty"`
+	IntentError string `json:"intent_error,omitempty"`
 }
 
 // NewRecord converts a ledger row to its JSON shape; zero times are left out.

@@ -33,6 +33,10 @@ type Metrics struct {
 	// CommitRequests observes how many ledger requests each shared commit carried, by
 	// kind (claim, complete, tx).
 	CommitRequests *prometheus.HistogramVec
+	// IntentsDead counts accepted jobs whose own task a worker refused, so that their
+	// outbox intent is dead, by reason (mismatch, failed, needs_attention, invalid) and
+	// task type.
+	IntentsDead *prometheus.CounterVec
 }
 
 // New returns a registry with the Go runtime and process collectors and idemq's own.
@@ -65,12 +69,16 @@ func New() *Metrics {
 			Help:    "Ledger requests per shared commit, by kind (claim, complete, tx).",
 			Buckets: []float64{1, 2, 4, 8, 16, 32, 64, 128},
 		}, []string{"kind"}),
+		IntentsDead: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_intents_dead_total",
+			Help: "Accepted jobs whose own task was refused, their intent dead, by reason (mismatch, failed, needs_attention, invalid) and task type.",
+		}, []string{"reason", "task_type"}),
 	}
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests,
+		m.CommitRequests, m.IntentsDead,
 	)
 	return m
 }

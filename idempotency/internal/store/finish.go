@@ -22,18 +22,24 @@ RETURNING locked_until`
 // on for the commit that follows.
 const xidColumns = `pg_current_xact_id()::text, pg_postmaster_start_time()::text, set_config('synchronous_commit', 'on', true)`
 
-// finishManySQL ends a batch of claims in one statement: $1..$6 are arrays with one
-// element per claim (key, fence, owner, action, result, error), where action is
+// intentOwn is the condition on an outbox intent j, joined to a finished row's
+// parameters r, under which the finish settles it: the delivery was of the intent's own
+// task (r.intent_sum, see FinishParams.IntentSum), or the caller did not say (NULL).
+const intentOwn = `(r.intent_sum IS NULL OR j.payload_sha256 = r.intent_sum)`
+
+// finishManySQL ends a batch of claims in one statement: $1..$7 are arrays with one
+// element per claim (key, fence, owner, action, result, error, intent sum), where action is
 // 'complete' (the row completed with its result), 'retry' (the lease ends at once, the
 // row stays in progress) or 'fail' (failed for good). Each row is updated only if its
 // claim still holds it; every row that was comes back with its ordinal and the
 // transaction id (see Round). Completions
-// and permanent failures settle their outbox intents in the same statement.
+// and permanent failures settle their outbox intents in the same statement, when the
+// delivery was of the intent's own task.
 func finishManySQL(f fenceChecks) string {
 	return `
 WITH r AS (
-	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
-		AS r(key, fence, owner, action, result, error, ord)
+	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[], $7::bytea[]) WITH ORDINALITY
+		AS r(key, fence, owner, action, result, error, intent_sum, ord)
 ), c AS (
 	UPDATE processed_jobs p
 	SET status = CASE r.action WHEN 'complete' THEN 'completed' WHEN 'fail' THEN 'failed' ELSE p.status END,
@@ -44,30 +50,31 @@ WITH r AS (
 	    updated_at = now()
 	FROM r
 	WHERE p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'in_progress'
-	RETURNING r.ord, p.idempotency_key, p.status
+	RETURNING r.ord, p.idempotency_key, p.status, p.last_error
 ), i AS (
 	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
-	       state = CASE WHEN c.status = 'completed' THEN 'done' ELSE 'dead' END
-	FROM c
+	       state = CASE WHEN c.status = 'completed' THEN 'done' ELSE 'dead' END,
+	       last_error = CASE WHEN c.status = 'completed' THEN j.last_error ELSE c.last_error END
+	FROM c JOIN r ON r.ord = c.ord
 	WHERE j.idempotency_key = c.idempotency_key AND c.status IN ('completed', 'failed')
-	  AND j.state IN ('pending', 'published')
+	  AND j.state IN ('pending', 'published') AND ` + intentOwn + `
 )
 SELECT c.ord, ` + xidColumns + ` FROM c`
 }
 
 // finishTxManySQL ends the rows of a shared DoTx transaction, which claimManySQL wrote
-// completed ($1..$6: key, fence, owner, action, error, result): 'complete' keeps the row (its
+// completed ($1..$7: key, fence, owner, action, error, result, intent sum): 'complete' keeps the row (its
 // result is already stored, fenced, by storeResultTxSQL), 'store' stores its result
 // ($6, as jsonb: a value jsonb refuses fails the statement), 'fail' records a permanent
 // failure, 'forget' undoes the claim of a handler that failed (the row it inserted is
 // deleted; a taken-over one is back in progress, its lease ended). Completions and
-// failures settle their outbox intents. Every row still held comes back with its ordinal
-// and the transaction id.
+// failures settle the outbox intents of their own tasks. Every row still held comes back
+// with its ordinal and the transaction id.
 func finishTxManySQL(f fenceChecks) string {
 	return `
 WITH r AS (
-	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
-		AS r(key, fence, owner, action, error, result, ord)
+	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[], $7::bytea[]) WITH ORDINALITY
+		AS r(key, fence, owner, action, error, result, intent_sum, ord)
 ), k AS (
 	SELECT r.ord, r.key, r.action FROM r JOIN processed_jobs p
 	  ON p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
@@ -95,9 +102,11 @@ WITH r AS (
 	RETURNING r.ord
 ), i AS (
 	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
-	       state = CASE WHEN x.action = 'complete' THEN 'done' ELSE 'dead' END
-	FROM (SELECT key, action FROM k UNION ALL SELECT key, action FROM s UNION ALL SELECT key, action FROM f) x
-	WHERE j.idempotency_key = x.key AND j.state IN ('pending', 'published')
+	       state = CASE WHEN x.action = 'complete' THEN 'done' ELSE 'dead' END,
+	       last_error = CASE WHEN x.action = 'complete' THEN j.last_error ELSE r.error END
+	FROM (SELECT ord, key, action FROM k UNION ALL SELECT ord, key, action FROM s UNION ALL SELECT ord, key, action FROM f) x
+	     JOIN r ON r.ord = x.ord
+	WHERE j.idempotency_key = x.key AND j.state IN ('pending', 'published') AND ` + intentOwn + `
 ), held AS (
 	-- Every completed or failed row must still be ours; if not, the statement fails
 	-- (division by zero) and the COMMIT sent after it cannot commit.
@@ -109,7 +118,8 @@ SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT or
 }
 
 // storeResultTxSQL stores a DoTx result ($4, NULL for none; $5 the error marker's
-// text) on the row the claim wrote completed, and settles the key's outbox intent. The
+// text) on the row the claim wrote completed, and settles the key's outbox intent when
+// the delivery was of its own task ($6, the intent sum: see FinishParams.IntentSum). The
 // division fails (SQLSTATE 22012) when the fenced update matched no row, which aborts
 // the transaction, so the COMMIT pipelined after it cannot commit the effect without its
 // completion. Only result and last_error change, which are not indexed: a HOT update.
@@ -120,8 +130,10 @@ WITH u AS (
 	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'completed'
 	RETURNING 1
 ), i AS (
-	UPDATE job_intents SET finished_at = now(), updated_at = now(), state = 'done'
-	WHERE idempotency_key = $1 AND state IN ('pending', 'published') AND EXISTS (SELECT 1 FROM u)
+	UPDATE job_intents j SET finished_at = now(), updated_at = now(), state = 'done'
+	FROM (SELECT $6::bytea AS intent_sum) r
+	WHERE j.idempotency_key = $1 AND j.state IN ('pending', 'published') AND EXISTS (SELECT 1 FROM u)
+	  AND ` + intentOwn + `
 )
 SELECT 1 / count(*) FROM u`
 }
@@ -130,16 +142,18 @@ SELECT 1 / count(*) FROM u`
 func FinishArgs(ps []FinishParams) []any {
 	keys, fences, owners := make([]string, len(ps)), make([]int64, len(ps)), make([]pgtype.UUID, len(ps))
 	actions, results, errs := make([]string, len(ps)), make([]pgtype.Text, len(ps)), make([]pgtype.Text, len(ps))
+	sums := make([][]byte, len(ps))
 	for i, p := range ps {
 		keys[i], fences[i], owners[i], actions[i], results[i], errs[i] = p.Key, p.Fence, p.Owner, string(p.Action), p.Result, p.Error
+		sums[i] = p.IntentSum
 	}
-	return []any{keys, fences, owners, actions, results, errs}
+	return []any{keys, fences, owners, actions, results, errs, sums}
 }
 
 // finishTxArgs returns FinishTxMany's arguments for ps.
 func finishTxArgs(ps []FinishParams) []any {
 	a := FinishArgs(ps)
-	return []any{a[0], a[1], a[2], a[3], a[5], a[4]}
+	return []any{a[0], a[1], a[2], a[3], a[5], a[4], a[6]}
 }
 
 // ScanFinished reads an answered row of FinishMany (in a Round: its ordinal is read).

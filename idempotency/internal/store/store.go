@@ -108,6 +108,11 @@ type FinishParams struct {
 	Owner         pgtype.UUID
 	Action        Action
 	Result, Error pgtype.Text
+	// IntentSum says whether a completion or permanent failure settles the key's outbox
+	// intent: nil settles it (the caller did not say which task it ran); otherwise only an
+	// intent whose payload_sha256 equals it (the delivery was of the intent's own task,
+	// whose payload is the intent's bytes) is settled. An empty, non-nil sum settles none.
+	IntentSum []byte
 }
 
 // Finished is what a finish answers for a row it changed: the transaction's id and the

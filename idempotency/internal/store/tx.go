@@ -114,7 +114,7 @@ func (w *Writes) StoreResult(ctx context.Context, conn *pgx.Conn, pre []string, 
 	for _, s := range pre {
 		batch.Queue(s)
 	}
-	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error))
+	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error), r.Finish.IntentSum)
 	return conn.SendBatch(ctx, batch).Close()
 }
 
@@ -124,7 +124,7 @@ func (w *Writes) StoreResult(ctx context.Context, conn *pgx.Conn, pre []string, 
 // anything but COMMIT (an aborted transaction answers ROLLBACK) is an error.
 func (w *Writes) StoreAndCommit(ctx context.Context, conn *pgx.Conn, r StoredResult) error {
 	batch := &pgx.Batch{}
-	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error))
+	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error), r.Finish.IntentSum)
 	batch.Queue("COMMIT")
 	return sendCommit(ctx, conn, batch)
 }
