@@ -12,6 +12,7 @@ import (
 type benchConfig struct {
 	config.Redis
 	config.Database
+	config.Log
 }
 
 func benchCommand() command {

@@ -10,6 +10,9 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/idemq/idemq/internal/config"
+	"github.com/idemq/idemq/internal/dial"
 )
 
 func main() {
@@ -92,6 +95,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
+	dial.SetRedisLogger(newLogger(stderr, config.LogLevel(spec)))
 	return c.run(ctx, spec, rest, stdout, stderr)
 }
 

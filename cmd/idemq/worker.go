@@ -6,10 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"runtime"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -51,13 +50,25 @@ func workerCommand() command {
 const purgeInterval = time.Hour
 
 func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error {
-	queues, err := parseQueues(cfg.Queues)
+	queues, err := config.QueueWeights(cfg.Queues)
 	if err != nil {
 		return fmt.Errorf("IDEMQ_QUEUES: %w", err)
 	}
 	busyBudget := max(2*cfg.Lease, 15*time.Minute)
 	if min := minRetention(busyBudget); cfg.Retention < min {
 		return fmt.Errorf("IDEMQ_RETENTION=%s is shorter than asynq's task retention plus the longest retry horizon (%s): a retried task could run again after its key was purged", cfg.Retention, min.Round(time.Hour))
+	}
+
+	// The metrics address is taken before anything else: a second worker on one host
+	// given the same one stops here, before it takes a task.
+	var metricsLn net.Listener
+	if cfg.MetricsAddr != "" {
+		metricsLn, err = net.Listen("tcp", cfg.MetricsAddr)
+		if err != nil {
+			return fmt.Errorf("IDEMQ_METRICS_ADDR=%s: %w: each worker on one host needs an address of its own "+
+				"(IDEMQ_METRICS_ADDR=:9092, :9093, …), or set it empty to serve no metrics", cfg.MetricsAddr, err)
+		}
+		defer metricsLn.Close()
 	}
 
 	stopTracing, err := startTracing(ctx, "idemq-worker", log)
@@ -159,13 +170,13 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	log.Info("worker started", "concurrency", cfg.Concurrency, "queues", cfg.Queues, "lease", cfg.Lease, "lock_ttl", cfg.LockTTL)
 
 	httpErr := make(chan error, 1)
-	if cfg.MetricsAddr != "" {
+	if metricsLn != nil {
 		h := m.Handler(map[string]metrics.Check{
 			"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
 			"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
 		}, log)
 		go func() {
-			httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second})
+			httpErr <- httpserver.Serve(ctx, cfg.MetricsAddr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second, Listener: metricsLn})
 		}()
 	}
 	// One replica an hour purges: whichever takes the purge lock, left to expire.
@@ -211,28 +222,6 @@ func minRetention(busyBudget time.Duration) time.Duration {
 		horizon += time.Duration(n*n*n*n+15+29*(n+1)) * time.Second
 	}
 	return tasks.DefaultRetention + horizon + busyBudget
-}
-
-// parseQueues reads "default,critical:6,low:1" into asynq's weights (weight 1 when
-// omitted).
-func parseQueues(list []string) (map[string]int, error) {
-	qs := make(map[string]int, len(list))
-	for _, q := range list {
-		name, w, found := strings.Cut(strings.TrimSpace(q), ":")
-		weight := 1
-		if found {
-			n, err := strconv.Atoi(w)
-			if err != nil || n <= 0 {
-				return nil, fmt.Errorf("queue %q: weight must be a positive whole number", q)
-			}
-			weight = n
-		}
-		if name == "" {
-			return nil, fmt.Errorf("queue %q: empty name", q)
-		}
-		qs[name] = weight
-	}
-	return qs, nil
 }
 
 // asynqLogger feeds asynq's log lines to slog.

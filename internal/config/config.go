@@ -7,8 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
 	"reflect"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -35,21 +37,30 @@ type Direct struct {
 	DirectDatabaseURL string `envconfig:"IDEMQ_DIRECT_DATABASE_URL" desc:"Postgres itself, bypassing a transaction-mode pooler in DATABASE_URL, for what needs a session or must not starve: migrate, the relays' LISTEN, heartbeats; default DATABASE_URL"`
 }
 
+// Log is the log level of a command that logs little of its own. Every subcommand reads
+// IDEMQ_LOG_LEVEL, so a bad value in an environment they share stops whichever runs first.
+type Log struct {
+	LogLevel string `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
+}
+
 // Migrate configures `idemq migrate`.
 type Migrate struct {
 	Database
 	Direct
+	Log
 }
 
 // Enqueue configures `idemq enqueue`.
 type Enqueue struct {
 	Redis
 	Database
+	Log
 }
 
 // Ledger configures `idemq ledger`.
 type Ledger struct {
 	Database
+	Log
 }
 
 // Worker configures `idemq worker`.
@@ -57,12 +68,12 @@ type Worker struct {
 	Redis
 	Database
 	Direct
-	Concurrency     int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" desc:"tasks one worker runs at once"`
-	Queues          []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, optionally weighted as name:weight"`
-	Lease           time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
-	LockTTL         time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
+	Concurrency     int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" max:"10000" desc:"tasks one worker runs at once"`
+	Queues          []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, each once, optionally weighted as name:weight"`
+	Lease           time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" min:"500ms" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
+	LockTTL         time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" min:"500ms" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
 	ShutdownTimeout time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
-	MetricsAddr     string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables"`
+	MetricsAddr     string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
 	FakepayURL      string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
 	Retention       time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept"`
 	MaxAge          time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
@@ -95,29 +106,65 @@ type Fakepay struct {
 	Database
 	Addr      string        `envconfig:"IDEMQ_FAKEPAY_ADDR" default:":8090" desc:"address of the stand-in payment provider"`
 	HonorKeys bool          `envconfig:"IDEMQ_FAKEPAY_HONOR_KEYS" default:"true" desc:"answer a repeated Idempotency-Key with the first charge, like Stripe"`
-	Delay     time.Duration `envconfig:"IDEMQ_FAKEPAY_DELAY" default:"0s" desc:"upper bound of a random delay added to each request"`
+	Delay     time.Duration `envconfig:"IDEMQ_FAKEPAY_DELAY" default:"0s" min:"0s" desc:"upper bound of a random delay added to each request"`
 	LogLevel  string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 }
 
-// kinds names envconfig's type names for people.
-var kinds = map[string]string{
-	"time.Duration": "duration (such as 500ms, 30s, 5m, 24h)",
-	"bool":          "boolean (true or false)",
-	"int":           "whole number",
-	"string":        "string",
+// kindName names envconfig's type names for people.
+func kindName(typeName string) string {
+	switch typeName {
+	case "time.Duration":
+		return "duration (such as 500ms, 30s, 5m, 24h)"
+	case "bool":
+		return "boolean (true or false)"
+	case "int", "int8", "int16", "int32", "int64", "uint", "uint8", "uint16", "uint32", "uint64":
+		return "whole number"
+	case "float32", "float64":
+		return "number"
+	}
+	return typeName
 }
 
 // Load fills spec (a pointer to one of the structs above) from the environment and checks
-// it. The error is one line naming the variable at fault.
+// it. The error is one line naming the variable at fault and, for a number out of bounds,
+// the bound.
+//
+// A number or duration follows its field's min and max tags (a bound written in the
+// field's own unit: 500ms, 10000); without a min tag a count must be at least 1 and a
+// duration greater than zero.
 func Load(spec any) error {
 	if err := envconfig.Process("", spec); err != nil {
 		var pe *envconfig.ParseError
 		if errors.As(err, &pe) {
-			return fmt.Errorf("%s=%q: not a valid %s", pe.KeyName, pe.Value, kinds[pe.TypeName])
+			if errors.Is(pe.Err, strconv.ErrRange) && strings.HasPrefix(strings.TrimSpace(pe.Value), "-") {
+				return fmt.Errorf("%s=%q: must be at least 1", pe.KeyName, pe.Value)
+			}
+			if errors.Is(pe.Err, strconv.ErrRange) {
+				return fmt.Errorf("%s=%q: must be at most %s", pe.KeyName, pe.Value, maxOf(spec, pe.FieldName))
+			}
+			return fmt.Errorf("%s=%q: not a valid %s", pe.KeyName, pe.Value, kindName(pe.TypeName))
 		}
 		return err
 	}
 	return check(reflect.ValueOf(spec).Elem())
+}
+
+// maxOf is the largest value field of spec takes: its max tag, else its type's.
+func maxOf(spec any, field string) string {
+	f, ok := reflect.TypeOf(spec).Elem().FieldByName(field)
+	if !ok {
+		return "?"
+	}
+	if m := f.Tag.Get("max"); m != "" {
+		return m
+	}
+	switch f.Type.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return strconv.FormatInt(int64(1)<<(f.Type.Bits()-1)-1, 10)
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return strconv.FormatUint(uint64(1)<<f.Type.Bits()-1, 10)
+	}
+	return "?"
 }
 
 // check walks the struct and validates each field by its variable name and type.
@@ -132,6 +179,9 @@ func check(v reflect.Value) error {
 			continue
 		}
 		key := f.Tag.Get("envconfig")
+		if err := checkBounds(f, fv); err != nil {
+			return fmt.Errorf("%s: %w", key, err)
+		}
 		if err := checkField(key, fv.Interface()); err != nil {
 			return fmt.Errorf("%s: %w", key, err)
 		}
@@ -139,19 +189,62 @@ func check(v reflect.Value) error {
 	return nil
 }
 
+var durationType = reflect.TypeOf(time.Duration(0))
+
+// checkBounds holds a signed number or a duration to its field's min and max tags.
+func checkBounds(f reflect.StructField, v reflect.Value) error {
+	switch v.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+	default:
+		return nil
+	}
+	isDuration := f.Type == durationType
+	format := func(n int64) string { return strconv.FormatInt(n, 10) }
+	if isDuration {
+		format = func(n int64) string { return time.Duration(n).String() }
+	}
+	n := v.Int()
+	if isDuration && n < 0 {
+		return fmt.Errorf("negative duration %s", format(n))
+	}
+	lo, hasLo := bound(f, "min", isDuration)
+	switch {
+	case hasLo && n < lo:
+		return fmt.Errorf("must be at least %s, got %s", format(lo), format(n))
+	case !hasLo && isDuration && n == 0:
+		return errors.New("must be greater than zero")
+	case !hasLo && !isDuration && n < 1:
+		return fmt.Errorf("must be at least 1, got %s", format(n))
+	}
+	if hi, ok := bound(f, "max", isDuration); ok && n > hi {
+		return fmt.Errorf("must be at most %s, got %s", format(hi), format(n))
+	}
+	return nil
+}
+
+// bound reads f's min or max tag. The tags are constants of this file, so one that does
+// not parse is a programming error (TestBoundTagsParse).
+func bound(f reflect.StructField, tag string, isDuration bool) (int64, bool) {
+	s := f.Tag.Get(tag)
+	if s == "" {
+		return 0, false
+	}
+	if isDuration {
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			panic(fmt.Sprintf("config: %s tag of %s: %v", tag, f.Name, err))
+		}
+		return int64(d), true
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		panic(fmt.Sprintf("config: %s tag of %s: %v", tag, f.Name, err))
+	}
+	return n, true
+}
+
 func checkField(key string, v any) error {
 	switch x := v.(type) {
-	case time.Duration:
-		if x < 0 {
-			return fmt.Errorf("negative duration %s", x)
-		}
-		if x == 0 && key != "IDEMQ_FAKEPAY_DELAY" {
-			return errors.New("must be greater than zero")
-		}
-	case int:
-		if x <= 0 {
-			return fmt.Errorf("must be greater than zero, got %d", x)
-		}
 	case []string:
 		if len(x) == 0 {
 			return errors.New("must not be empty")
@@ -174,6 +267,19 @@ func checkField(key string, v any) error {
 		if _, err := pgx.ParseConfig(v.(string)); err != nil {
 			return fmt.Errorf("not a valid Postgres URL or DSN: %w", URLError(v.(string), err))
 		}
+	case "IDEMQ_HTTP_ADDR", "IDEMQ_FAKEPAY_ADDR":
+		if v.(string) == "" {
+			return errors.New("must not be empty (set but empty would listen on every interface on a random port): " +
+				"give host:port, such as 127.0.0.1:8080 for this machine only or :8080 for every interface")
+		}
+		return checkAddr(v.(string))
+	case "IDEMQ_METRICS_ADDR":
+		if v.(string) != "" {
+			return checkAddr(v.(string))
+		}
+	case "IDEMQ_QUEUES":
+		_, err := QueueWeights(v.([]string))
+		return err
 	case "IDEMQ_FAKEPAY_URL":
 		u, err := url.Parse(v.(string))
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
@@ -196,7 +302,52 @@ func checkField(key string, v any) error {
 	return nil
 }
 
-const usageFormat = `{{range .}}  {{usage_key .}}	{{usage_default .}}	{{usage_description .}}
+// checkAddr accepts a listen address with a port: host:port, :port, [::1]:port.
+func checkAddr(addr string) error {
+	if _, port, err := net.SplitHostPort(addr); err != nil || port == "" {
+		return fmt.Errorf("%q is not host:port (such as 127.0.0.1:8080 or :8080)", addr)
+	}
+	return nil
+}
+
+// QueueWeights reads IDEMQ_QUEUES ("default,critical:6,low:1") into asynq's weights,
+// weight 1 when omitted. A queue listed twice is an error: its weights would not add up,
+// the last would silently win.
+func QueueWeights(list []string) (map[string]int, error) {
+	qs := make(map[string]int, len(list))
+	for _, q := range list {
+		name, w, found := strings.Cut(strings.TrimSpace(q), ":")
+		weight := 1
+		if found {
+			n, err := strconv.Atoi(w)
+			if err != nil || n <= 0 {
+				return nil, fmt.Errorf("queue %q: weight must be a positive whole number", q)
+			}
+			weight = n
+		}
+		if name == "" {
+			return nil, fmt.Errorf("queue %q: empty name", q)
+		}
+		if _, dup := qs[name]; dup {
+			return nil, fmt.Errorf("queue %q is listed more than once (%s): list each queue once, with its weight", name, strings.Join(list, ","))
+		}
+		qs[name] = weight
+	}
+	return qs, nil
+}
+
+// LogLevel is the IDEMQ_LOG_LEVEL that spec (one of the structs above, loaded) holds, or
+// "info" when spec is nil.
+func LogLevel(spec any) string {
+	if spec != nil {
+		if f := reflect.ValueOf(spec).Elem().FieldByName("LogLevel"); f.IsValid() {
+			return f.String()
+		}
+	}
+	return "info"
+}
+
+const usageFormat = `{{range .}}  {{usage_key .}}	{{usage_default .}}	{{usage_description .}}{{with .Tags.Get "min"}}{{if ne . "0s"}} (at least {{.}}){{end}}{{end}}{{with .Tags.Get "max"}} (at most {{.}}){{end}}
 {{end}}`
 
 // Usage writes one line per variable of spec: name, default, meaning.

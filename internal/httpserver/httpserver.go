@@ -45,6 +45,9 @@ type Options struct {
 	// Ready, when not nil, receives the bound address once the listener is open (useful
 	// with port 0).
 	Ready func(net.Addr)
+	// Listener, when not nil, is served instead of a new listener on addr, so a caller
+	// can take its address before it starts anything else. Serve closes it.
+	Listener net.Listener
 }
 
 // or returns d, or def when d is not positive.
@@ -62,9 +65,12 @@ func Serve(ctx context.Context, addr string, h http.Handler, log *slog.Logger, o
 	if opts != nil {
 		o = *opts
 	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("listen on %s: %w", addr, err)
+	ln := o.Listener
+	if ln == nil {
+		var err error
+		if ln, err = net.Listen("tcp", addr); err != nil {
+			return fmt.Errorf("listen on %s: %w", addr, err)
+		}
 	}
 	srv := &http.Server{
 		Handler:           h,
