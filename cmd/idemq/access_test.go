@@ -21,6 +21,15 @@ const (
 	tokenB = "tokenB-0123456789abcdefghijklmnopqrstuvwxyz"
 )
 
+// bearerTransport sends token as the bearer token of every request.
+type bearerTransport string
+
+func (b bearerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+string(b))
+	return http.DefaultTransport.RoundTrip(r)
+}
+
 // call sends one request to the process; headers are name, value pairs (Host sets the
 // request's). It returns the status and the body.
 func (a *apiProc) call(t *testing.T, method, path, body string, headers ...string) (int, string) {
