@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -37,6 +38,9 @@ func apiCommand() command {
 }
 
 func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
+	if cfg.DashboardPassword != "" && cfg.DashboardPassword != api.PlaceholderPassword && cfg.DashboardUser == "" {
+		return errors.New("api: IDEMQ_DASHBOARD_PASSWORD is set but IDEMQ_DASHBOARD_USER is empty: set the user name the dashboard and the ledger page admit")
+	}
 	stopTracing, err := startTracing(ctx, "idemq-api", log)
 	if err != nil {
 		return err
@@ -73,6 +77,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 		DashboardUser:     cfg.DashboardUser,
 		DashboardPassword: cfg.DashboardPassword,
 		ListenAddr:        cfg.HTTPAddr,
+		APITokens:         config.APITokens(cfg.APIToken),
 		DashboardActions:  !cfg.DashboardReadonly,
 		TraceURLTemplate:  cfg.TraceURLTemplate,
 		Logger:            log,
@@ -83,7 +88,20 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set (or is the placeholder "+api.PlaceholderPassword+") and IDEMQ_HTTP_ADDR is not a loopback address: "+
 			"/monitoring/ and /ledger/ answer 403 until a password is set; /v1/, /metrics, /healthz and /readyz are served", "addr", cfg.HTTPAddr)
 	case api.AccessLoopback:
-		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set: /monitoring/ and /ledger/ are open without a password to anyone on this machine", "addr", cfg.HTTPAddr)
+		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set: /monitoring/ and /ledger/ are open without a password to anyone on this machine "+
+			"(for requests to localhost or a loopback address; any other Host gets 421)", "addr", cfg.HTTPAddr)
+	case api.AccessPassword:
+		log.Info("/monitoring/ and /ledger/ ask for basic auth as IDEMQ_DASHBOARD_USER with IDEMQ_DASHBOARD_PASSWORD", "user", cfg.DashboardUser)
+	}
+	switch h.API() {
+	case api.AccessRefused:
+		log.Warn("IDEMQ_API_TOKEN is not set (or is the placeholder "+api.PlaceholderPassword+") and IDEMQ_HTTP_ADDR is not a loopback address: "+
+			"/v1/ answers 403 until a token is set", "addr", cfg.HTTPAddr)
+	case api.AccessLoopback:
+		log.Warn("IDEMQ_API_TOKEN is not set: /v1/ is open without a token to anyone on this machine "+
+			"(for requests to localhost or a loopback address; any other Host gets 421)", "addr", cfg.HTTPAddr)
+	case api.AccessToken:
+		log.Info("/v1/ asks for a bearer token of IDEMQ_API_TOKEN", "tokens", len(config.APITokens(cfg.APIToken)))
 	}
 
 	// The API's relay publishes what it accepted at once (woken after each commit); the
@@ -95,7 +113,11 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- client.RunRelay(relayCtx) }()
 
-	err = httpserver.Serve(ctx, cfg.HTTPAddr, tracing.Handler(h, "idemq-api"), log, &httpserver.Options{ShutdownTimeout: cfg.ShutdownTimeout})
+	err = httpserver.Serve(ctx, cfg.HTTPAddr, tracing.Handler(h, "idemq-api"), log, &httpserver.Options{
+		ShutdownTimeout: cfg.ShutdownTimeout,
+		IdleTimeout:     cfg.HTTPIdleTimeout,
+		MaxConns:        cfg.HTTPMaxConns,
+	})
 	stopRelay()
 	if err != nil {
 		err = fmt.Errorf("api: %w", err)

@@ -91,6 +91,7 @@ func postOnce(ctx context.Context, c *http.Client, url, body, key string) (int, 
 	if err != nil {
 		return 0, err
 	}
+	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
 	resp, err := c.Do(req)
 	if err != nil {

@@ -95,11 +95,14 @@ func TestAPIDashboardWithoutPassword(t *testing.T) {
 			t.Errorf("%s: %d, want 200", path, code)
 		}
 	}
-	if code, body := get("/v1/jobs/charge:o-1"); code != 404 || !strings.Contains(body, "no job") {
-		t.Errorf("/v1/jobs/charge:o-1: %d %s, want the API's 404", code, body)
+	if code, body := get("/v1/jobs/charge:o-1"); code != 403 || !strings.Contains(body, "set IDEMQ_API_TOKEN") {
+		t.Errorf("/v1/jobs/charge:o-1: %d %s, want 403 naming IDEMQ_API_TOKEN", code, body)
 	}
 	if log := stderr.String(); !strings.Contains(log, "/monitoring/ and /ledger/ answer 403 until a password is set") {
 		t.Errorf("no start-up line about the dashboard's 403:\n%s", log)
+	}
+	if log := stderr.String(); !strings.Contains(log, "/v1/ answers 403 until a token is set") {
+		t.Errorf("no start-up line about the API's 403:\n%s", log)
 	}
 }
 

@@ -145,6 +145,14 @@ func TestComposeFile(t *testing.T) {
 	if a := c.Services["api"]; !slices.Contains(a.Ports, "8080:8080") || a.Environment["IDEMQ_DASHBOARD_PASSWORD"] == "" {
 		t.Errorf("api: ports %v, dashboard password %q: want 8080 published and the dashboard behind a password", a.Ports, a.Environment["IDEMQ_DASHBOARD_PASSWORD"])
 	}
+	// The API listens on all interfaces in its container: it needs a token, and compose
+	// refuses to start without one rather than fall back on a placeholder.
+	if tok := c.Services["api"].Environment["IDEMQ_API_TOKEN"]; !strings.HasPrefix(tok, "${IDEMQ_API_TOKEN:?") {
+		t.Errorf("api: IDEMQ_API_TOKEN %q, want it required (${IDEMQ_API_TOKEN:?...})", tok)
+	}
+	if !strings.Contains(string(raw), "-H 'Content-Type: application/json'") || !strings.Contains(string(raw), `-H "Authorization: Bearer $IDEMQ_API_TOKEN"`) {
+		t.Errorf("compose.yaml's curl example does not send the JSON Content-Type and the token")
+	}
 	if !slices.Contains(c.Services["fakepay"].Ports, "8090:8090") {
 		t.Errorf("fakepay ports %v, want 8090", c.Services["fakepay"].Ports)
 	}

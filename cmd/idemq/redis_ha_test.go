@@ -32,7 +32,8 @@ type haResult struct {
 
 // haLoadRefusing is haLoad that keeps 503 answers (the API's "try again") apart.
 func haLoadRefusing(ctx context.Context, base string, rate int) (r haResult) {
-	client := &http.Client{Timeout: 15 * time.Second}
+	// The token of startHAStack's api; an api on loopback without one ignores it.
+	client := &http.Client{Timeout: 15 * time.Second, Transport: bearerTransport(tokenA)}
 	tick := time.NewTicker(time.Second / time.Duration(rate))
 	defer tick.Stop()
 	var mu sync.Mutex
@@ -109,7 +110,7 @@ func startHAStack(t *testing.T, ctx context.Context, redisURL string, cluster bo
 	port := testenv.FreePort(t)
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 	api := startIdemq(t, "api", append(env, "DATABASE_URL="+s.dsn, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", port),
-		"IDEMQ_LOG_LEVEL=warn", "IDEMQ_DASHBOARD_USER=ops", "IDEMQ_DASHBOARD_PASSWORD=pw"), "api")
+		"IDEMQ_LOG_LEVEL=warn", "IDEMQ_DASHBOARD_USER=ops", "IDEMQ_DASHBOARD_PASSWORD=pw", "IDEMQ_API_TOKEN="+tokenA), "api")
 	testenv.WaitHTTP(t, base+"/readyz", 30*time.Second)
 	return s, base, api, rdb
 }

@@ -132,6 +132,7 @@ func TestOneTraceFromTheRequestToEveryDelivery(t *testing.T) {
 	charge := tasks.Charge{OrderID: "o-traced", CustomerID: "c-1", AmountCents: 1250, Currency: "EUR"}
 	req, _ := http.NewRequestWithContext(ctx, "POST", base+"/v1/charges",
 		strings.NewReader(`{"order_id":"o-traced","customer_id":"c-1","amount_cents":1250,"currency":"EUR"}`))
+	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("traceparent", traceparent)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {

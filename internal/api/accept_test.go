@@ -19,6 +19,7 @@ func (a *testAPI) post(ctx context.Context, body string, headers ...string) (ans
 	if err != nil {
 		return answer{}, err
 	}
+	req.Header.Set("Content-Type", "application/json")
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Add(headers[i], headers[i+1])
 	}

@@ -6,6 +6,7 @@ import (
 	"crypto/subtle"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -53,9 +54,17 @@ type Options struct {
 	// Default: no password, and then they answer 403 unless ListenAddr is loopback.
 	DashboardUser     string
 	DashboardPassword string
+	// APITokens are the bearer tokens /v1/ admits (IDEMQ_API_TOKEN, split at its
+	// commas): a request sends one as "Authorization: Bearer <token>". Several tokens let
+	// clients move to a new one before the old one is dropped. Empty entries and
+	// PlaceholderPassword are ignored. Default none: /v1/ answers 403 unless ListenAddr is
+	// loopback.
+	APITokens []string
 	// ListenAddr is the address the server listens on (IDEMQ_HTTP_ADDR). Without a
 	// DashboardPassword, /monitoring/ and /ledger/ are served only when it is a loopback
-	// address (127.0.0.1:8080, [::1]:8080, localhost:8080). Default "": not loopback.
+	// address (127.0.0.1:8080, [::1]:8080, localhost:8080), and then only to requests whose
+	// Host is localhost or a loopback address (421 otherwise); without APITokens, so is
+	// /v1/. Default "": not loopback.
 	ListenAddr string
 	// DashboardActions allows the dashboard's actions (run, delete, archive, pause).
 	// Default false: read-only, because "run" on an archived duplicate whose ledger key
@@ -125,6 +134,9 @@ func New(deps Deps, opts *Options) *Server {
 	if s.opts.DashboardPassword == PlaceholderPassword {
 		s.opts.DashboardPassword = ""
 	}
+	s.opts.APITokens = slices.DeleteFunc(slices.Clone(s.opts.APITokens), func(t string) bool {
+		return t == "" || t == PlaceholderPassword
+	})
 	s.crossOrigin = newCrossOrigin()
 	tp := s.opts.TracerProvider
 	if tp == nil {
@@ -133,12 +145,16 @@ func New(deps Deps, opts *Options) *Server {
 	s.tracer = tp.Tracer("github.com/idemq/idemq/internal/api")
 	s.accepts = s.newAcceptCommitter()
 
-	s.mux.HandleFunc("POST /v1/charges", s.postCharge)
-	s.mux.HandleFunc("POST /v1/wallet/debits", s.postDebit)
-	s.mux.HandleFunc("GET /v1/jobs/{key...}", s.getJob)
-	s.mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
+	v1 := s.apiGuard()
+	s.mux.Handle("POST /v1/charges", v1(http.HandlerFunc(s.postCharge)))
+	s.mux.Handle("POST /v1/wallet/debits", v1(http.HandlerFunc(s.postDebit)))
+	s.mux.Handle("GET /v1/jobs/{key...}", v1(http.HandlerFunc(s.getJob)))
+	s.mux.Handle("/v1/charges", v1(allow("POST")))
+	s.mux.Handle("/v1/wallet/debits", v1(allow("POST")))
+	s.mux.Handle("/v1/jobs/{key...}", v1(allow("GET, HEAD")))
+	s.mux.Handle("/v1/", v1(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no route "+r.Method+" "+r.URL.Path)
-	})
+	})))
 
 	s.mux.Handle("GET /ledger/{$}", s.page(ledgerCSP, http.HandlerFunc(s.ledgerList)))
 	s.mux.Handle("GET /ledger/{key...}", s.page(ledgerCSP, http.HandlerFunc(s.ledgerRow)))
@@ -169,6 +185,14 @@ func New(deps Deps, opts *Options) *Server {
 	s.mux.Handle("GET /readyz", health)
 	s.mux.Handle("GET /{$}", http.RedirectHandler("/ledger/", http.StatusFound))
 	return s
+}
+
+// allow answers 405 naming the methods a route takes in Allow.
+func allow(methods string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Allow", methods)
+		writeError(w, http.StatusMethodNotAllowed, "method "+r.Method+" not allowed on "+r.URL.Path+"; allowed: "+methods)
+	})
 }
 
 // Close releases the dashboard's Redis connections.

@@ -37,7 +37,12 @@ type testAPI struct {
 
 func newTestAPI(t *testing.T, opts *Options) *testAPI {
 	t.Helper()
-	pool := testenv.Postgres(t)
+	return newTestAPIOn(t, testenv.Postgres(t), opts)
+}
+
+// newTestAPIOn is newTestAPI on pool, a migrated database.
+func newTestAPIOn(t *testing.T, pool *pgxpool.Pool, opts *Options) *testAPI {
+	t.Helper()
 	rurl := testenv.RedisURL(t)
 	rdb := testenv.RedisClient(t, rurl)
 	ledger := idempotency.New(pool, nil)
@@ -85,14 +90,28 @@ type answer struct {
 	json   map[string]any
 }
 
-// do sends a request; headers are name, value pairs.
+// do sends a request; headers are name, value pairs (Host sets the request's). A POST to /v1/ says its body is
+// application/json unless headers give a Content-Type ("" sends none).
 func (a *testAPI) do(t *testing.T, method, path, body string, headers ...string) answer {
 	t.Helper()
 	req, err := http.NewRequestWithContext(testenv.Context(t, 30*time.Second), method, a.URL+path, strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
+	if method == "POST" && strings.HasPrefix(path, "/v1/") {
+		req.Header.Set("Content-Type", "application/json")
+	}
 	for i := 0; i+1 < len(headers); i += 2 {
+		if http.CanonicalHeaderKey(headers[i]) == "Host" {
+			req.Host = headers[i+1]
+			continue
+		}
+		if http.CanonicalHeaderKey(headers[i]) == "Content-Type" {
+			req.Header.Del("Content-Type")
+			if headers[i+1] == "" {
+				continue
+			}
+		}
 		req.Header.Add(headers[i], headers[i+1])
 	}
 	resp, err := a.Client().Do(req)
@@ -200,8 +219,8 @@ func TestAcceptDuplicateMismatchWithoutHeader(t *testing.T) {
 		t.Fatalf("%d intents for charge:o-1, want 1", n)
 	}
 
-	// The body is JSON whatever the Content-Type says (curl -d sends a form type).
-	a.do(t, "POST", "/v1/charges", chargeBody("o-1", 1999), "Content-Type", "application/x-www-form-urlencoded").want(t, 200, `"duplicate":true`)
+	// The body must be declared JSON; parameters are allowed.
+	a.do(t, "POST", "/v1/charges", chargeBody("o-1", 1999), "Content-Type", "application/json; charset=utf-8").want(t, 200, `"duplicate":true`)
 
 	// Debits work the same way, keyed by reference.
 	a.do(t, "POST", "/v1/wallet/debits", `{"account_id":"a-1","amount_cents":500,"reference":"r-1"}`).want(t, 202, `"key":"debit:r-1"`)

@@ -129,6 +129,7 @@ func TestClientGoneIs499(t *testing.T) {
 			cancel()
 		}()
 		req, _ := http.NewRequestWithContext(ctx, "POST", a.URL+"/v1/charges", strings.NewReader(chargeBody("o-1", 5)))
+		req.Header.Set("Content-Type", "application/json")
 		if resp, err := a.Client().Do(req); !errors.Is(err, context.Canceled) {
 			t.Fatalf("want the client's own cancellation, got %v %v", resp, err)
 		}

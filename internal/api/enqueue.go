@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"strings"
 	"time"
@@ -108,12 +109,26 @@ func (s *Server) postDebit(w http.ResponseWriter, r *http.Request) {
 	s.accept(w, r, "reference", spec)
 }
 
-// decode reads at most MaxBodyBytes (413 past that) and decodes one JSON object strictly
-// (whatever the Content-Type says: `curl -d` sends a form type):
-// malformed JSON, a field sent twice and a case variant of a field's name ("REFERENCE",
+// decode checks that the body is declared JSON, reads at most MaxBodyBytes and decodes
+// one JSON object strictly. A Content-Type other than application/json (parameters
+// allowed) is 415: the types an HTML form can send (`curl -d` sends one of them too, so
+// curl needs -H 'Content-Type: application/json') would let any web page post a job,
+// while application/json makes a browser ask first with a CORS preflight, which the API
+// never grants. A body larger than MaxBodyBytes is 413, before anything is read when its
+// Content-Length says so (a client waiting on Expect: 100-continue gets no 100 Continue).
+// Malformed JSON, a field sent twice and a case variant of a field's name ("REFERENCE",
 // see tasks.CheckFieldNames) are 400; an unknown field or a value of the wrong type is
 // 422. Errors name the field.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
+	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
+		w.Header().Set("Accept-Post", "application/json")
+		writeError(w, http.StatusUnsupportedMediaType, "Content-Type: must be application/json")
+		return false
+	}
+	if r.ContentLength > s.opts.MaxBodyBytes {
+		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body: larger than %d bytes", s.opts.MaxBodyBytes))
+		return false
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.opts.MaxBodyBytes))
 	var tooBig *http.MaxBytesError
 	switch {

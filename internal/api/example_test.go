@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -39,7 +40,8 @@ func Example() {
 			RedisConnOpt:      asynq.RedisClientOpt{Addr: "127.0.0.1:6379"},
 			DashboardUser:     "ops",
 			DashboardPassword: os.Getenv("IDEMQ_DASHBOARD_PASSWORD"),
-			ListenAddr:        ":8080", // not loopback: without a password, /monitoring/ and /ledger/ answer 403
+			APITokens:         strings.Split(os.Getenv("IDEMQ_API_TOKEN"), ","),
+			ListenAddr:        ":8080", // not loopback: without a password, /monitoring/ and /ledger/ answer 403, without a token /v1/ does
 		})
 	defer h.Close()
 	go h.PurgeKeysEvery(ctx, time.Hour, 24*time.Hour)

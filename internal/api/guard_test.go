@@ -19,14 +19,15 @@ func TestLoopback(t *testing.T) {
 
 // TestDashboardNeedsPasswordOffLoopback: with no password (or the placeholder compose.yaml
 // ships) and a listen address that is not loopback, the dashboard and the ledger page
-// answer 403 naming IDEMQ_DASHBOARD_PASSWORD; the API, /metrics and the health endpoints
-// keep working. On loopback they are open; with a password they ask for it.
+// answer 403 naming IDEMQ_DASHBOARD_PASSWORD; the API (with its token), /metrics and the
+// health endpoints keep working. On loopback they are open; with a password they ask for
+// it.
 func TestDashboardNeedsPasswordOffLoopback(t *testing.T) {
 	t.Parallel()
 	guarded := []string{"/monitoring/", "/monitoring/api/queues", "/monitoring/static/js/main.5adda2da.chunk.js", "/ledger/", "/ledger/charge:o-1"}
 	for _, o := range []Options{
-		{ListenAddr: ":8080"},
-		{ListenAddr: "0.0.0.0:8080", DashboardUser: "idemq", DashboardPassword: PlaceholderPassword},
+		{ListenAddr: ":8080", APITokens: []string{testToken}},
+		{ListenAddr: "0.0.0.0:8080", DashboardUser: "idemq", DashboardPassword: PlaceholderPassword, APITokens: []string{testToken}},
 	} {
 		a := newTestAPI(t, &o)
 		if got := a.s.Dashboard(); got != AccessRefused {
@@ -38,8 +39,8 @@ func TestDashboardNeedsPasswordOffLoopback(t *testing.T) {
 			a.do(t, "GET", path, "", "Authorization", basic("idemq", PlaceholderPassword)).wantError(t, 403, "IDEMQ_DASHBOARD_PASSWORD")
 		}
 		a.do(t, "POST", "/monitoring/api/queues/default:pause", "").wantError(t, 403, "IDEMQ_DASHBOARD_PASSWORD")
-		a.do(t, "POST", "/v1/charges", chargeBody("o-2", 100)).want(t, 202)
-		a.do(t, "GET", "/v1/jobs/charge:o-1", "").want(t, 200, `"key":"charge:o-1"`)
+		a.do(t, "POST", "/v1/charges", chargeBody("o-2", 100), "Authorization", "Bearer "+testToken).want(t, 202)
+		a.do(t, "GET", "/v1/jobs/charge:o-1", "", "Authorization", "Bearer "+testToken).want(t, 200, `"key":"charge:o-1"`)
 		for _, path := range []string{"/metrics", "/healthz", "/readyz"} {
 			a.do(t, "GET", path, "").want(t, 200)
 		}

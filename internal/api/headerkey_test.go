@@ -73,7 +73,7 @@ func TestTooLargeClosesConnection(t *testing.T) {
 	defer conn.Close()
 	// Just over the limit: small enough that the server would otherwise read the rest.
 	body := `{"order_id":"` + strings.Repeat("x", DefaultMaxBodyBytes) + `"}`
-	go fmt.Fprintf(conn, "POST /v1/charges HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	go fmt.Fprintf(conn, "POST /v1/charges HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 	br := bufio.NewReader(conn)
 	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 	resp, err := http.ReadResponse(br, nil)

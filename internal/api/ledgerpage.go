@@ -84,8 +84,7 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 	}
 	rows, err := s.deps.Ledger.List(r.Context(), p.Status, p.Limit)
 	if err != nil {
-		s.log.Error("api: ledger page", "err", err)
-		http.Error(w, "read the ledger: internal error", http.StatusInternalServerError)
+		s.internal(w, r, "read the ledger", err) // 503 while Postgres is unavailable
 		return
 	}
 	p.Rows = rows
@@ -168,8 +167,7 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	p := rowPage{Key: key}
 	rec, err := s.deps.Ledger.Get(r.Context(), key)
 	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
-		s.log.Error("api: ledger row page", "key", key, "err", err)
-		http.Error(w, "read the ledger: internal error", http.StatusInternalServerError)
+		s.internal(w, r, "read the ledger", err)
 		return
 	}
 	p.Row = rec

@@ -44,6 +44,8 @@ func TestSharedAcceptSpan(t *testing.T) {
 				time.Sleep(50 * time.Millisecond) // after the first
 			}
 			req := httptest.NewRequestWithContext(ctx, "POST", "/v1/charges", strings.NewReader(chargeBody(fmt.Sprintf("o-%d", i), 100)))
+			req.Host = "localhost" // the server listens on loopback without a token
+			req.Header.Set("Content-Type", "application/json")
 			w := httptest.NewRecorder()
 			h.ServeHTTP(w, req)
 			if w.Code != http.StatusAccepted {

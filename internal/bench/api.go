@@ -364,7 +364,7 @@ func (e *env) apiSample(ctx context.Context, exe string, a APIOptions, st apiSte
 			return s, err
 		}
 		if api, err = startService(ctx, st.binary, "api", "http://"+addr+"/readyz",
-			append(slices.Clone(env), "IDEMQ_HTTP_ADDR="+addr, "IDEMQ_DASHBOARD_PASSWORD="+randomHex(16))); err != nil {
+			append(slices.Clone(env), apiAuthEnv("IDEMQ_HTTP_ADDR="+addr)...)); err != nil {
 			return s, err
 		}
 		services = append(services, api)
@@ -618,11 +618,22 @@ type load struct {
 	stderr *tailBuffer
 }
 
+// apiToken is the bearer token of the `idemq api` processes this run starts, which the
+// load generator sends, so that the API is measured as it runs in production. It is never
+// printed.
+var apiToken = randomHex(32)
+
+// apiAuthEnv is env with the settings that guard an `idemq api` process: a token for /v1/,
+// and a user and password for the dashboard.
+func apiAuthEnv(env ...string) []string {
+	return append(env, "IDEMQ_API_TOKEN="+apiToken, "IDEMQ_DASHBOARD_USER=bench", "IDEMQ_DASHBOARD_PASSWORD="+randomHex(16))
+}
+
 // startLoad starts exe with args, the run's Redis and Postgres in its environment. The
 // process dies with this one (see childAttr). ChildEnv routes it in a test binary.
 func startLoad(exe string, args []string, redisURL, databaseURL string) (*load, error) {
 	cmd := exec.Command(exe, args...)
-	cmd.Env = append(os.Environ(), "REDIS_URL="+redisURL, "DATABASE_URL="+databaseURL, ChildEnv+"=1")
+	cmd.Env = append(os.Environ(), "REDIS_URL="+redisURL, "DATABASE_URL="+databaseURL, ChildEnv+"=1", "IDEMQ_API_TOKEN="+apiToken)
 	cmd.SysProcAttr = childAttr()
 	l := &load{cmd: cmd, lines: make(chan string, 4), exited: make(chan struct{}), stderr: &tailBuffer{max: 4096}}
 	cmd.Stderr = l.stderr

@@ -100,7 +100,7 @@ func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []strin
 		}
 		tr := http.DefaultTransport.(*http.Transport).Clone()
 		tr.MaxIdleConns, tr.MaxIdleConnsPerHost = max(idle, 100), idle
-		client := &http.Client{Transport: tr}
+		client := &http.Client{Transport: bearerTransport{tr, os.Getenv("IDEMQ_API_TOKEN")}}
 		defer client.CloseIdleConnections()
 		switch *path {
 		case apiPathSustain:
@@ -251,6 +251,20 @@ func benchCharge(prefix string, i int) tasks.Charge {
 func postJob(ctx context.Context, client *http.Client, url string, body any, key string) error {
 	_, err := post(ctx, client, url, body, key, http.StatusAccepted)
 	return err
+}
+
+// bearerTransport sends token as the bearer token of every request (none when empty).
+type bearerTransport struct {
+	*http.Transport
+	token string
+}
+
+func (b bearerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if b.token != "" {
+		r = r.Clone(r.Context())
+		r.Header.Set("Authorization", "Bearer "+b.token)
+	}
+	return b.Transport.RoundTrip(r)
 }
 
 // post POSTs body as JSON to url, with an Idempotency-Key header when key is set, and

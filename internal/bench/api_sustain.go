@@ -243,9 +243,9 @@ func (e *env) apiSustain(ctx context.Context, exe string, a APIOptions, binary, 
 	if err != nil {
 		return run, err
 	}
-	api, err := startService(ctx, binary, "api", "http://"+addr+"/readyz", append(slices.Clone(env),
-		"IDEMQ_HTTP_ADDR="+addr, "IDEMQ_DASHBOARD_PASSWORD="+randomHex(16),
-		"IDEMQ_API_KEY_RETENTION="+sustainKeyRetention.String(), "IDEMQ_API_PURGE_INTERVAL="+sustainPurgeInterval.String()))
+	api, err := startService(ctx, binary, "api", "http://"+addr+"/readyz", append(slices.Clone(env), apiAuthEnv(
+		"IDEMQ_HTTP_ADDR="+addr,
+		"IDEMQ_API_KEY_RETENTION="+sustainKeyRetention.String(), "IDEMQ_API_PURGE_INTERVAL="+sustainPurgeInterval.String())...))
 	if err != nil {
 		return run, err
 	}

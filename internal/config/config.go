@@ -90,8 +90,11 @@ type API struct {
 	Database
 	Direct
 	HTTPAddr          string        `envconfig:"IDEMQ_HTTP_ADDR" default:":8080" desc:"address of the enqueue API, the dashboard, /metrics, /healthz and /readyz"`
-	DashboardUser     string        `envconfig:"IDEMQ_DASHBOARD_USER" desc:"basic-auth user for /monitoring/ and /ledger/"`
-	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password for /monitoring/ and /ledger/; unset (or change-me), they answer 403 unless IDEMQ_HTTP_ADDR is loopback"`
+	HTTPMaxConns      int           `envconfig:"IDEMQ_HTTP_MAX_CONNS" default:"1024" desc:"connections open at once (1 to 100000); more wait in the listen backlog until one closes"`
+	HTTPIdleTimeout   time.Duration `envconfig:"IDEMQ_HTTP_IDLE_TIMEOUT" default:"30s" desc:"how long an idle keep-alive connection stays open (1s to 1h)"`
+	APIToken          string        `envconfig:"IDEMQ_API_TOKEN" desc:"bearer tokens /v1/ admits (Authorization: Bearer TOKEN), comma-separated to rotate; each 32 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -; unset (or change-me), /v1/ answers 403 unless IDEMQ_HTTP_ADDR is loopback, and on loopback it serves only requests for localhost or a loopback address"`
+	DashboardUser     string        `envconfig:"IDEMQ_DASHBOARD_USER" desc:"basic-auth user for /monitoring/ and /ledger/; required with IDEMQ_DASHBOARD_PASSWORD (idemq api refuses to start without it)"`
+	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password for /monitoring/ and /ledger/; unset (or change-me), they answer 403 unless IDEMQ_HTTP_ADDR is loopback, and on loopback they serve only requests for localhost or a loopback address"`
 	DashboardReadonly bool          `envconfig:"IDEMQ_DASHBOARD_READONLY" default:"true" desc:"forbid dashboard actions (run, delete, archive)"`
 	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for requests in flight"`
 	KeyRetention      time.Duration `envconfig:"IDEMQ_API_KEY_RETENTION" default:"24h" desc:"how long an Idempotency-Key header is remembered (its job key dedups for longer)"`
@@ -291,6 +294,16 @@ func checkField(key string, v any) error {
 			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || !strings.Contains(t, "{trace_id}") {
 				return errors.New("not an http(s) URL with {trace_id} in it")
 			}
+		}
+	case "IDEMQ_API_TOKEN":
+		return checkAPIToken(v.(string))
+	case "IDEMQ_HTTP_MAX_CONNS":
+		if n := v.(int); n < 1 || n > MaxHTTPConns {
+			return fmt.Errorf("must be between 1 and %d, got %d", MaxHTTPConns, n)
+		}
+	case "IDEMQ_HTTP_IDLE_TIMEOUT":
+		if d := v.(time.Duration); d < MinHTTPIdleTimeout || d > MaxHTTPIdleTimeout {
+			return fmt.Errorf("must be between %s and %s, got %s", MinHTTPIdleTimeout, MaxHTTPIdleTimeout, d)
 		}
 	case "IDEMQ_LOG_LEVEL":
 		switch v.(string) {

@@ -1,6 +1,9 @@
 // Package httpserver runs an http.Handler until its context ends, then shuts it down
 // within a timeout. Every connection is bounded: a slow client cannot hold one open by
-// sending its request a byte at a time, and an idle keep-alive is closed.
+// sending its request a byte at a time, an idle keep-alive is closed, and the number open
+// at once is capped. A request framed by Transfer-Encoding closes its connection after
+// the answer, so bytes a proxy may have framed differently are never read as another
+// request.
 package httpserver
 
 import (
@@ -11,6 +14,8 @@ import (
 	"net"
 	"net/http"
 	"time"
+
+	"golang.org/x/net/netutil"
 )
 
 // The defaults of Options.
@@ -19,7 +24,8 @@ const (
 	DefaultReadHeaderTimeout = 10 * time.Second
 	DefaultReadTimeout       = 30 * time.Second
 	DefaultWriteTimeout      = 60 * time.Second
-	DefaultIdleTimeout       = 120 * time.Second
+	DefaultIdleTimeout       = 30 * time.Second
+	DefaultMaxConns          = 1024
 )
 
 // Options are a server's optional settings; a zero field (or nil Options) means the
@@ -40,8 +46,11 @@ type Options struct {
 	// DefaultWriteTimeout (60s).
 	WriteTimeout time.Duration
 	// IdleTimeout closes a keep-alive connection that sends no request for this long.
-	// Default DefaultIdleTimeout (120s).
+	// Default DefaultIdleTimeout (30s).
 	IdleTimeout time.Duration
+	// MaxConns caps the connections open at once; past it a new connection waits in the
+	// listen backlog until one closes. Default DefaultMaxConns (1024).
+	MaxConns int
 	// Ready, when not nil, receives the bound address once the listener is open (useful
 	// with port 0).
 	Ready func(net.Addr)
@@ -72,8 +81,13 @@ func Serve(ctx context.Context, addr string, h http.Handler, log *slog.Logger, o
 			return fmt.Errorf("listen on %s: %w", addr, err)
 		}
 	}
+	maxConns := o.MaxConns
+	if maxConns <= 0 {
+		maxConns = DefaultMaxConns
+	}
+	ln = netutil.LimitListener(ln, maxConns)
 	srv := &http.Server{
-		Handler:           h,
+		Handler:           closeAfterTransferEncoding(h),
 		ReadHeaderTimeout: or(o.ReadHeaderTimeout, DefaultReadHeaderTimeout),
 		ReadTimeout:       or(o.ReadTimeout, DefaultReadTimeout),
 		WriteTimeout:      or(o.WriteTimeout, DefaultWriteTimeout),
@@ -102,4 +116,18 @@ func Serve(ctx context.Context, addr string, h http.Handler, log *slog.Logger, o
 		return err
 	}
 	return nil
+}
+
+// closeAfterTransferEncoding closes the connection after a request that came with a
+// Transfer-Encoding (RFC 9112 section 6.1): with a Content-Length beside it, an
+// intermediary may have framed the body by the other header, and what net/http reads as
+// the next request on the connection may be the tail of this one, smuggled. net/http
+// drops the Content-Length before the handler runs, so any Transfer-Encoding closes.
+func closeAfterTransferEncoding(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(r.TransferEncoding) > 0 {
+			w.Header().Set("Connection", "close")
+		}
+		h.ServeHTTP(w, r)
+	})
 }

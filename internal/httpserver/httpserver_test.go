@@ -145,6 +145,9 @@ func TestWriteTimeoutCutsOffLateAnswers(t *testing.T) {
 // TestDefaults: with nil Options every bound is set, the write timeout above the read
 // timeout (a handler may spend up to the read timeout reading its body).
 func TestDefaults(t *testing.T) {
+	if DefaultIdleTimeout != 30*time.Second || DefaultMaxConns != 1024 {
+		t.Fatalf("DefaultIdleTimeout %s, DefaultMaxConns %d: want 30s and 1024", DefaultIdleTimeout, DefaultMaxConns)
+	}
 	if DefaultWriteTimeout <= DefaultReadTimeout {
 		t.Fatalf("DefaultWriteTimeout %s is not above DefaultReadTimeout %s", DefaultWriteTimeout, DefaultReadTimeout)
 	}
@@ -157,4 +160,129 @@ func TestDefaults(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d, want 200", resp.StatusCode)
 	}
+}
+
+// echoPath answers with the request's path.
+var echoPath = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	io.Copy(io.Discard, r.Body)
+	fmt.Fprintf(w, "%s\n", r.URL.Path)
+})
+
+// TestTransferEncodingClosesConnection sends a request with both Content-Length and
+// Transfer-Encoding, followed on the same connection by a second request that a proxy
+// framing by Content-Length would have taken as the first one's body: the server answers
+// the first, closes the connection, and never answers the smuggled one. A chunked request
+// alone closes too.
+func TestTransferEncodingClosesConnection(t *testing.T) {
+	t.Parallel()
+	addr := serve(t, echoPath, Options{})
+	for name, req := range map[string]string{
+		"Content-Length and Transfer-Encoding": "POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: 44\r\nTransfer-Encoding: chunked\r\n\r\n" +
+			"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+		"Transfer-Encoding alone": "POST /first HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n" +
+			"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+	} {
+		t.Run(name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			conn.SetDeadline(time.Now().Add(30 * time.Second)) // against a hang only
+			if _, err := io.WriteString(conn, req); err != nil {
+				t.Fatal(err)
+			}
+			br := bufio.NewReader(conn)
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 || string(body) != "/first\n" {
+				t.Fatalf("first answer %d %q, want 200 /first", resp.StatusCode, body)
+			}
+			if !resp.Close {
+				t.Errorf("the answer does not close the connection")
+			}
+			if second, err := http.ReadResponse(br, nil); err == nil {
+				body, _ := io.ReadAll(second.Body)
+				t.Fatalf("the smuggled request was answered: %d %q", second.StatusCode, body)
+			} else if !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+				t.Logf("after the first answer: %v", err)
+			}
+		})
+	}
+	// A request framed by Content-Length alone keeps its connection.
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabcGET /second HTTP/1.1\r\nHost: x\r\n\r\n")
+	br := bufio.NewReader(conn)
+	for _, want := range []string{"/first\n", "/second\n"} {
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(body) != want || resp.Close {
+			t.Fatalf("answer %q (close %v), want %q kept alive", body, resp.Close, want)
+		}
+	}
+}
+
+// TestMaxConnsCapsOpenConnections: with MaxConns connections open (idle keep-alives),
+// another connection is not served until one of them closes.
+func TestMaxConnsCapsOpenConnections(t *testing.T) {
+	t.Parallel()
+	const max = 2
+	addr := serve(t, echoPath, Options{MaxConns: max})
+	get := func(conn net.Conn, br *bufio.Reader, path string) error {
+		if _, err := fmt.Fprintf(conn, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path); err != nil {
+			return err
+		}
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		if string(body) != path+"\n" {
+			return fmt.Errorf("answer %q, want %q", body, path)
+		}
+		return nil
+	}
+	var open []net.Conn
+	for i := range max {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		if err := get(conn, bufio.NewReader(conn), fmt.Sprintf("/keep-%d", i)); err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, conn)
+	}
+	extra, err := net.Dial("tcp", addr) // the kernel's backlog takes it
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer extra.Close()
+	br := bufio.NewReader(extra)
+	fmt.Fprintf(extra, "GET /extra HTTP/1.1\r\nHost: x\r\n\r\n")
+	extra.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+	if _, err := br.Peek(1); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("connection %d was served while %d were open (MaxConns %d): %v", max+1, max, max, err)
+	}
+	open[0].Close()
+	extra.SetReadDeadline(time.Now().Add(30 * time.Second)) // against a hang only
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("connection %d not served after one of the %d closed: %v", max+1, max, err)
+	}
+	resp.Body.Close()
 }
