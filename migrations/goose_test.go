@@ -56,7 +56,7 @@ func appProvider(t *testing.T, db *sql.DB, fsys fstest.MapFS, opts ...goose.Prov
 }
 
 // missingTables returns those of names that are not tables of db's current schema.
-func missingTables(t *testing.T, ctx context.Context, db *sql.DB, names ...string) []string {
+func missingTables(ctx context.Context, t *testing.T, db *sql.DB, names ...string) []string {
 	t.Helper()
 	var missing []string
 	for _, n := range names {
@@ -72,7 +72,7 @@ func missingTables(t *testing.T, ctx context.Context, db *sql.DB, names ...strin
 }
 
 // versions returns the versions recorded in table (0 left out), in order, with repeats.
-func versions(t *testing.T, ctx context.Context, db *sql.DB, table string) []int64 {
+func versions(ctx context.Context, t *testing.T, db *sql.DB, table string) []int64 {
 	t.Helper()
 	rows, err := db.QueryContext(ctx, `SELECT version_id FROM `+table+` WHERE version_id > 0 ORDER BY version_id`)
 	if err != nil {
@@ -128,17 +128,17 @@ func TestBesideApplicationGooseMigrations(t *testing.T) {
 				}
 			}
 
-			if m := missingTables(t, ctx, db, append([]string{"app_customers", "app_orders"}, coreTables...)...); len(m) > 0 {
+			if m := missingTables(ctx, t, db, append([]string{"app_customers", "app_orders"}, coreTables...)...); len(m) > 0 {
 				t.Fatalf("tables missing: %v", m)
 			}
-			if got := versions(t, ctx, db, "goose_db_version"); !slices.Equal(got, []int64{1, 2}) {
+			if got := versions(ctx, t, db, "goose_db_version"); !slices.Equal(got, []int64{1, 2}) {
 				t.Errorf("goose_db_version holds %v, want the application's [1 2]", got)
 			}
 			idemq, err := migrations.NewProvider(ctx, db)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got, want := versions(t, ctx, db, migrations.VersionTable), sourceVersions(idemq); !slices.Equal(got, want) {
+			if got, want := versions(ctx, t, db, migrations.VersionTable), sourceVersions(idemq); !slices.Equal(got, want) {
 				t.Errorf("%s holds %v, want %v", migrations.VersionTable, got, want)
 			}
 			for _, p := range []*goose.Provider{app, idemq} {
@@ -178,7 +178,7 @@ DROP TABLE app_jobs;
 	if _, err := app.Up(ctx); err != nil {
 		t.Fatalf("the application's migrations: %v", err)
 	}
-	if m := missingTables(t, ctx, db, append([]string{"app_jobs"}, coreTables...)...); len(m) > 0 {
+	if m := missingTables(ctx, t, db, append([]string{"app_jobs"}, coreTables...)...); len(m) > 0 {
 		t.Fatalf("tables missing: %v", m)
 	}
 }
@@ -217,7 +217,7 @@ func TestUpCreatesNoExampleTables(t *testing.T) {
 	if err != nil || len(res) == 0 {
 		t.Fatalf("UpExample: %d applied, %v", len(res), err)
 	}
-	if m := missingTables(t, ctx, db, append(exampleTables, migrations.ExampleVersionTable)...); len(m) > 0 {
+	if m := missingTables(ctx, t, db, append(exampleTables, migrations.ExampleVersionTable)...); len(m) > 0 {
 		t.Fatalf("UpExample did not make %v", m)
 	}
 }
@@ -297,7 +297,7 @@ func TestUpgradeFromGooseDefaultTable(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got, want := versions(t, ctx, db, s.table), sourceVersions(p); !slices.Equal(got, want) {
+		if got, want := versions(ctx, t, db, s.table), sourceVersions(p); !slices.Equal(got, want) {
 			t.Errorf("%s holds %v, want %v once each", s.table, got, want)
 		}
 	}
@@ -336,8 +336,8 @@ func TestCarryOverRefusesObjectsOutOfOrder(t *testing.T) {
 			t.Fatalf("Up: %v, want a refusal naming %q", err, want)
 		}
 	}
-	if m := missingTables(t, ctx, db, migrations.VersionTable); len(m) == 0 {
-		if got := versions(t, ctx, db, migrations.VersionTable); len(got) != 0 {
+	if m := missingTables(ctx, t, db, migrations.VersionTable); len(m) == 0 {
+		if got := versions(ctx, t, db, migrations.VersionTable); len(got) != 0 {
 			t.Fatalf("%s holds %v after the refusal", migrations.VersionTable, got)
 		}
 	}

@@ -74,9 +74,9 @@ func migrateCommand() command {
 				}
 			}
 			if applied == 0 {
-				fmt.Fprintf(stdout, "schema is current (version %d, example %d); nothing to apply\n", versions[0], versions[1])
+				fmt.Fprintf(stdout, "schema is current (version %d; example tables at version %d); nothing to apply\n", versions[0], versions[1])
 			} else {
-				fmt.Fprintf(stdout, "schema is now at version %d, example %d\n", versions[0], versions[1])
+				fmt.Fprintf(stdout, "schema is now at version %d; example tables at version %d\n", versions[0], versions[1])
 			}
 			return nil
 		},
