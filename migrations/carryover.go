@@ -84,8 +84,8 @@ func (l carryOverLocker) SessionLock(ctx context.Context, conn *sql.Conn) error 
 //
 // The set's legacy objects decide: none of them means a schema idemq never migrated (its
 // first migration, processed_jobs or fakepay_requests, is absent), and nothing is
-// recorded; the first k of them, in version order, mean that versions 1..k ran, as an
-// older idemq applied them in order; any other mix is refused, naming what is there and
+// recorded; the objects of the first k versions, and no later one, mean that those k ran (an
+// older idemq applied them in order); any other mix is refused, naming what is there and
 // what is missing, since nothing says which migrations ran (a table of an application's
 // that happens to share a name, or a migration an older idemq left half done).
 // goose_db_version is neither read nor written.
@@ -94,18 +94,18 @@ func (s *set) carryOver(ctx context.Context, conn *sql.Conn) error {
 	if err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
-	// Only a check of pending versions creates the version table without the lock;
-	// if it did so while this transaction did too, the next attempt finds the table.
-	for attempt := 1; ; attempt++ {
-		err := s.carryOverTx(ctx, conn, store)
-		if err == nil || attempt == 3 {
-			return err
-		}
-		if exists, _ := s.tableExists(ctx, conn); !exists {
-			return err
+	err = s.carryOverTx(ctx, conn, store)
+	if errors.Is(err, errCreateVersionTable) {
+		// Only a check of pending versions creates the version table without the lock: if
+		// it did so at the same moment, the second attempt finds the table.
+		if exists, _ := s.tableExists(ctx, conn); exists {
+			err = s.carryOverTx(ctx, conn, store)
 		}
 	}
+	return err
 }
+
+var errCreateVersionTable = errors.New("migrations: carry over: create the version table")
 
 func (s *set) carryOverTx(ctx context.Context, conn *sql.Conn, store database.Store) error {
 	exists, err := s.tableExists(ctx, conn)
@@ -147,7 +147,7 @@ func (s *set) carryOverTx(ctx context.Context, conn *sql.Conn, store database.St
 		}
 		return fmt.Errorf("migrations: the schema holds %s of idemq's %s migrations, but not %s: "+
 			"not the objects of migrations applied in order, so which of them ran is unknown; "+
-			"rename those tables if they are not idemq's, then migrate again",
+			"rename those tables if they are not idemq's, or drop them if an older idemq left its migration half done, then migrate again",
 			strings.Join(there, ", "), s.name, strings.Join(missing, ", "))
 	}
 	if k == 0 {
@@ -162,7 +162,7 @@ func (s *set) carryOverTx(ctx context.Context, conn *sql.Conn, store database.St
 	if !exists {
 		// As goose creates it: the table, then version 0.
 		if err := store.CreateVersionTable(ctx, tx); err != nil {
-			return fmt.Errorf("migrations: carry over: %w", err)
+			return fmt.Errorf("%w: %w", errCreateVersionTable, err)
 		}
 		if err := store.Insert(ctx, tx, database.InsertRequest{Version: 0}); err != nil {
 			return fmt.Errorf("migrations: carry over: %w", err)

@@ -331,6 +331,7 @@ func TestCarryOverRefusesObjectsOutOfOrder(t *testing.T) {
 	}
 
 	_, err = migrations.Up(ctx, db)
+	t.Logf("refusal: %v", err)
 	for _, want := range []string{"table job_intents (version 20)", "table api_idempotency_keys (version 40)", "not table processed_jobs (version 1)"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Fatalf("Up: %v, want a refusal naming %q", err, want)

@@ -99,9 +99,9 @@ func mustSub(fsys fs.FS, dir string) fs.FS {
 }
 
 // NewProvider returns a goose provider for the core migrations on db, with idemq's
-// version table and lock (see the package documentation). Whatever the provider does
-// under its lock (Up, UpTo, Status, …) starts by carrying over a schema an older idemq
-// recorded in goose_db_version (see the package documentation).
+// version table and lock. Whatever the provider does under its lock (Up, UpTo, Status,
+// …) starts by carrying over a schema an older idemq recorded in goose_db_version (see
+// the package documentation).
 func NewProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error) {
 	return core.provider(ctx, db)
 }
