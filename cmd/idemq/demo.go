@@ -664,11 +664,14 @@ func guardedOnly(r *demoRun, v string) string {
 	return v
 }
 
-// migrateDSN applies the migrations to pool's schema.
+// migrateDSN applies the migrations, the example's too, to pool's schema.
 func migrateDSN(ctx context.Context, pool *pgxpool.Pool) error {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	_, err := migrations.Up(ctx, db)
+	if _, err := migrations.Up(ctx, db); err != nil {
+		return err
+	}
+	_, err := migrations.UpExample(ctx, db)
 	return err
 }
 

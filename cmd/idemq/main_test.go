@@ -124,18 +124,36 @@ func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 		t.Fatalf("third migrate: %v\n%s", err, again)
 	}
 
+	// Each set's versions once in its own table, none in goose's default one; the
+	// example's tables (which migrations.Up never creates) are there.
 	pool := testenv.Pool(t, dsn)
-	var rows, versions int
 	ctx := testenv.Context(t, 10*time.Second)
-	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT version_id) FROM goose_db_version WHERE version_id > 0`).Scan(&rows, &versions); err != nil {
+	for _, set := range []struct{ table, glob string }{
+		{"idemq_db_version", "../../migrations/*.sql"},
+		{"idemq_example_db_version", "../../migrations/example/*.sql"},
+	} {
+		var rows, versions int
+		if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT version_id) FROM `+set.table+` WHERE version_id > 0`).Scan(&rows, &versions); err != nil {
+			t.Fatal(err)
+		}
+		files, _ := filepath.Glob(set.glob)
+		if len(files) == 0 || rows != len(files) || versions != len(files) {
+			t.Fatalf("%s has %d rows, %d versions; want %d each", set.table, rows, versions, len(files))
+		}
+	}
+	var gooseTable, fakepayRequests, fakepayCharges, walletEntries bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass('goose_db_version') IS NOT NULL, to_regclass('fakepay_requests') IS NOT NULL,
+		to_regclass('fakepay_charges') IS NOT NULL, to_regclass('wallet_entries') IS NOT NULL`).Scan(&gooseTable, &fakepayRequests, &fakepayCharges, &walletEntries); err != nil {
 		t.Fatal(err)
 	}
-	files, _ := filepath.Glob("../../migrations/*.sql")
-	if rows != len(files) || versions != len(files) {
-		t.Fatalf("goose_db_version has %d rows, %d versions; want %d each", rows, versions, len(files))
+	if gooseTable || !fakepayRequests || !fakepayCharges || !walletEntries {
+		t.Fatalf("goose_db_version %v, fakepay_requests %v, fakepay_charges %v, wallet_entries %v; want only the example's tables",
+			gooseTable, fakepayRequests, fakepayCharges, walletEntries)
 	}
+	core, _ := filepath.Glob("../../migrations/*.sql")
+	example, _ := filepath.Glob("../../migrations/example/*.sql")
 	status, _, err := idemq(t, env, "migrate", "status")
-	if err != nil || strings.Count(status, "applied") != len(files) {
+	if err != nil || strings.Count(status, "applied") != len(core)+len(example) || !strings.Contains(status, "example/00011_wallet_entries.sql") {
 		t.Fatalf("migrate status: %v\n%s", err, status)
 	}
 }

@@ -20,7 +20,7 @@ func migrateCommand() command {
 	return command{
 		name:    "migrate",
 		usage:   "migrate [status]",
-		summary: "apply the ledger's schema migrations (safe to run concurrently and repeatedly); `status` lists them",
+		summary: "apply idemq's schema migrations, then the example's tables (safe to run concurrently and repeatedly); `status` lists them",
 		spec:    func() any { return &config.Migrate{} },
 		run: func(ctx context.Context, spec any, args []string, stdout, _ io.Writer) error {
 			cfg := spec.(*config.Migrate)
@@ -46,47 +46,62 @@ func migrateCommand() command {
 			}
 			db := stdlib.OpenDB(*pc)
 			defer db.Close()
-			p, err := migrations.NewProvider(ctx, db)
+			// The core set first, then the example's (the handlers' and fakepay's tables).
+			core, err := migrations.NewProvider(ctx, db)
+			if err != nil {
+				return err
+			}
+			example, err := migrations.NewExampleProvider(ctx, db)
 			if err != nil {
 				return err
 			}
 			if len(args) == 1 {
-				return printStatus(ctx, p, stdout)
+				return printStatus(ctx, stdout, core, example)
 			}
-			res, err := p.Up(ctx)
-			for _, r := range res {
-				fmt.Fprintf(stdout, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(1e6))
+			applied := 0
+			var versions [2]int64
+			for i, p := range []*goose.Provider{core, example} {
+				res, err := p.Up(ctx)
+				for _, r := range res {
+					fmt.Fprintf(stdout, "applied %s%s (%s)\n", setPrefix[i], r.Source.Path, r.Duration.Round(1e6))
+				}
+				if err != nil {
+					return fmt.Errorf("migrate: %w", err)
+				}
+				applied += len(res)
+				if versions[i], err = p.GetDBVersion(ctx); err != nil {
+					return fmt.Errorf("migrate: %w", err)
+				}
 			}
-			if err != nil {
-				return fmt.Errorf("migrate: %w", err)
-			}
-			v, err := p.GetDBVersion(ctx)
-			if err != nil {
-				return fmt.Errorf("migrate: %w", err)
-			}
-			if len(res) == 0 {
-				fmt.Fprintf(stdout, "schema is current (version %d); nothing to apply\n", v)
+			if applied == 0 {
+				fmt.Fprintf(stdout, "schema is current (version %d; example tables at version %d); nothing to apply\n", versions[0], versions[1])
 			} else {
-				fmt.Fprintf(stdout, "schema is now at version %d\n", v)
+				fmt.Fprintf(stdout, "schema is now at version %d; example tables at version %d\n", versions[0], versions[1])
 			}
 			return nil
 		},
 	}
 }
 
-func printStatus(ctx context.Context, p *goose.Provider, w io.Writer) error {
-	st, err := p.Status(ctx)
-	if err != nil {
-		return fmt.Errorf("migrate status: %w", err)
-	}
+// setPrefix names each set's files in migrate's output: the core set's bare, the
+// example's under example/, where they are in the source.
+var setPrefix = [2]string{"", "example/"}
+
+func printStatus(ctx context.Context, w io.Writer, providers ...*goose.Provider) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "VERSION\tMIGRATION\tSTATE\tAPPLIED AT")
-	for _, m := range st {
-		at := "-"
-		if !m.AppliedAt.IsZero() {
-			at = m.AppliedAt.Format("2006-01-02 15:04:05")
+	for i, p := range providers {
+		st, err := p.Status(ctx)
+		if err != nil {
+			return fmt.Errorf("migrate status: %w", err)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\n", m.Source.Version, m.Source.Path, m.State, at)
+		for _, m := range st {
+			at := "-"
+			if !m.AppliedAt.IsZero() {
+				at = m.AppliedAt.Format("2006-01-02 15:04:05")
+			}
+			fmt.Fprintf(tw, "%d\t%s%s\t%s\t%s\n", m.Source.Version, setPrefix[i], m.Source.Path, m.State, at)
+		}
 	}
 	return tw.Flush()
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"io"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/tracing"
@@ -43,20 +45,25 @@ func startTracing(ctx context.Context, service string, log *slog.Logger) (func()
 }
 
 // requireSchema refuses to start on a database that `idemq migrate` has not brought up to
-// date, naming the fix.
+// date (the core set and the example's, whose tables the binary's handlers and fakepay
+// use), naming the fix.
 func requireSchema(ctx context.Context, pool *pgxpool.Pool) error {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	p, err := migrations.NewProvider(ctx, db)
-	if err != nil {
-		return dial.PoolerHint(err)
-	}
-	pending, err := p.HasPending(ctx)
-	if err != nil {
-		return dial.PoolerHint(fmt.Errorf("check schema version: %w", err))
-	}
-	if pending {
-		return fmt.Errorf("the database schema is not current: run `idemq migrate` first")
+	for _, newProvider := range []func(context.Context, *sql.DB) (*goose.Provider, error){
+		migrations.NewProvider, migrations.NewExampleProvider,
+	} {
+		p, err := newProvider(ctx, db)
+		if err != nil {
+			return dial.PoolerHint(err)
+		}
+		pending, err := p.HasPending(ctx)
+		if err != nil {
+			return dial.PoolerHint(fmt.Errorf("check schema version: %w", err))
+		}
+		if pending {
+			return fmt.Errorf("the database schema is not current: run `idemq migrate` first")
+		}
 	}
 	return nil
 }

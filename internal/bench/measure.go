@@ -65,6 +65,9 @@ func setup(ctx context.Context, opt Options) (_ *env, err error) {
 	}
 	db := stdlib.OpenDBFromPool(e.admin)
 	_, err = migrations.Up(ctx, db)
+	if err == nil {
+		_, err = migrations.UpExample(ctx, db)
+	}
 	db.Close()
 	if err != nil {
 		return nil, fmt.Errorf("bench: %w", err)

@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"database/sql"
+	"net/url"
 	"testing"
 	"time"
 
@@ -18,7 +19,7 @@ const postgresHint = "start one with `pg_ctlcluster --skip-systemctl-redirect $(
 	"(or `docker compose up -d postgres`), or point TEST_DATABASE_URL at one"
 
 // PostgresURL creates a fresh schema on the shared test database, applies the migrations
-// to it and returns a URL whose connections use only that schema (search_path is set per
+// (the example's too: see Migrate) to it and returns a URL whose connections use only that schema (search_path is set per
 // connection). The schema is dropped when the test ends. The database is read from
 // TEST_DATABASE_URL, then DATABASE_URL, then DefaultDatabaseURL.
 func PostgresURL(t testing.TB) string {
@@ -30,6 +31,44 @@ func PostgresURL(t testing.TB) string {
 func EmptyPostgresURL(t testing.TB) string {
 	t.Helper()
 	return schemaURL(t, firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL"), false)
+}
+
+// EmptyDatabaseURL creates a database of its own on the shared test server and returns
+// its URL: unlike a schema, it has its own public schema and its own advisory locks (what
+// goose's default lock and a migration of "public" take). It is dropped when the test
+// ends.
+func EmptyDatabaseURL(t testing.TB) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	base := firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL")
+	u, err := url.Parse(base)
+	if err != nil {
+		fatalf(t, "parse %s: %v", localserver.Redact(base), err)
+	}
+	name := randomName("t_" + truncate(sanitize(t.Name()), 30) + "_")
+	conn, err := pgx.Connect(ctx, base)
+	if err != nil {
+		fatalf(t, "%v; %s", err, postgresHint)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		fatalf(t, "create database %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, base)
+		if err == nil {
+			defer conn.Close(context.WithoutCancel(ctx))
+			_, err = conn.Exec(ctx, "DROP DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+		}
+		if err != nil {
+			t.Errorf("testenv: drop database %s: %v", name, err)
+		}
+	})
+	u.Path = "/" + name
+	return u.String()
 }
 
 // Postgres returns a pool on a fresh migrated schema of its own (see PostgresURL), closed
@@ -78,7 +117,8 @@ func schemaURL(t testing.TB, base string, migrate bool) string {
 	return schema.URL
 }
 
-// Migrate applies idemq's migrations to the database at dsn.
+// Migrate applies idemq's migrations to the database at dsn, the example's too (the
+// handlers' and fakepay's tables), as `idemq migrate` does.
 func Migrate(ctx context.Context, dsn string) error {
 	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
@@ -86,7 +126,10 @@ func Migrate(ctx context.Context, dsn string) error {
 	}
 	db := stdlib.OpenDB(*cfg)
 	defer db.Close()
-	_, err = migrations.Up(ctx, db)
+	if _, err := migrations.Up(ctx, db); err != nil {
+		return err
+	}
+	_, err = migrations.UpExample(ctx, db)
 	return err
 }
 
