@@ -307,6 +307,8 @@ func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
 	for name, task := range bad {
 		s.enqueue(t, task, asynq.TaskID("bad-"+strings.ReplaceAll(name, " ", "-")), asynq.MaxRetry(5))
 	}
+	// A type no handler serves is archived at once too, not retried 25 times.
+	s.enqueue(t, asynq.NewTask("foo:bar", []byte(`{}`)), asynq.TaskID("unknown-type"), asynq.MaxRetry(25))
 	ok, _ := tasks.NewDebitTask(tasks.Debit{AccountID: "a", AmountCents: 5, Reference: "good-after-bad"})
 	s.enqueue(t, ok)
 	s.waitCompleted(t, 1, 60*time.Second)
@@ -315,15 +317,27 @@ func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
 	var archived []*asynq.TaskInfo
 	for time.Now().Before(deadline) {
 		archived, _ = s.insp.ListArchivedTasks(tasks.Queue)
-		if len(archived) == len(bad) {
+		if len(archived) == len(bad)+1 {
 			break
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	if len(archived) != len(bad) {
-		t.Fatalf("%d archived tasks, want %d", len(archived), len(bad))
+	if len(archived) != len(bad)+1 {
+		var retrying []string
+		if rs, err := s.insp.ListRetryTasks(tasks.Queue); err == nil {
+			for _, r := range rs {
+				retrying = append(retrying, fmt.Sprintf("%s (%s)", r.ID, r.LastErr))
+			}
+		}
+		t.Fatalf("%d archived tasks, want %d; retrying: %q", len(archived), len(bad)+1, retrying)
 	}
 	for _, info := range archived {
+		if info.ID == "unknown-type" {
+			if !strings.Contains(info.LastErr, `unknown task type "foo:bar"`) || info.Retried != 0 {
+				t.Errorf("foo:bar: archived after %d retries with %q; want no retry and the reason", info.Retried, info.LastErr)
+			}
+			continue
+		}
 		name := strings.ReplaceAll(strings.TrimPrefix(info.ID, "bad-"), "-", " ")
 		if !strings.Contains(info.LastErr, want[name]) || !strings.Contains(info.LastErr, "bad payload") || info.Retried != 0 {
 			t.Errorf("%s: archived after %d retries with %q; want no retry and a reason containing %q", name, info.Retried, info.LastErr, want[name])
