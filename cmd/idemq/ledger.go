@@ -31,12 +31,13 @@ func ledgerCommand() command {
 			fs.SetOutput(stderr)
 			asJSON := fs.Bool("json", false, "print JSON instead of a table")
 			status := fs.String("status", "", "list: only rows in this status (in_progress, completed, failed, needs_attention)")
-			limit := fs.Int("limit", 50, "list: at most this many rows, newest first")
+			limit := fs.Int("limit", 50, fmt.Sprintf("list: at most this many rows (1 to %d), newest first", maxListLimit))
 			olderThan := fs.Duration("older-than", 0, "purge: remove completed and failed rows that completed longer ago than this (e.g. 720h)")
-			if err := fs.Parse(args[1:]); err != nil {
+			op := args[0]
+			rest, err := parseInterleaved(fs, args[1:])
+			if err != nil {
 				return err
 			}
-			op, rest := args[0], fs.Args()
 			wantArgs := map[string]int{"show": 1, "release": 1, "rerun": 1, "list": 0, "purge": 0}
 			n, ok := wantArgs[op]
 			if !ok {
@@ -44,6 +45,14 @@ func ledgerCommand() command {
 			}
 			if len(rest) != n {
 				return fmt.Errorf("ledger %s: want %d argument(s), got %q", op, n, rest)
+			}
+			if n == 1 {
+				if err := idempotency.ValidateKey(rest[0]); err != nil {
+					return fmt.Errorf("ledger %s: key %.64q: %w", op, rest[0], err)
+				}
+			}
+			if op == "list" && (*limit < 1 || *limit > maxListLimit) {
+				return fmt.Errorf("ledger list: --limit: must be from 1 to %d, got %d", maxListLimit, *limit)
 			}
 
 			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 4)
@@ -95,6 +104,29 @@ func ledgerCommand() command {
 					"purged %d completed or failed rows older than %s", n, *olderThan)
 			}
 		},
+	}
+}
+
+// maxListLimit bounds `ledger list --limit`: each row may carry a result of up to 1 MiB.
+const maxListLimit = 10_000
+
+// parseInterleaved parses args with fs, letting flags follow the arguments as well as
+// precede them ("show KEY --json"), and returns the arguments. Everything after "--" is an
+// argument.
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var out []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return out, nil
+		}
+		if i := len(args) - len(rest) - 1; i >= 0 && args[i] == "--" {
+			return append(out, rest...), nil
+		}
+		out, args = append(out, rest[0]), rest[1:]
 	}
 }
 
