@@ -86,12 +86,16 @@ func ledgerCommand() command {
 				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "released": true},
 					"released %s: its lease has ended; the next delivery takes it over", rest[0])
 			case "rerun":
-				gen, err := ledger.Rerun(ctx, rest[0])
+				r, err := ledger.Rerun(ctx, rest[0])
 				if err != nil {
 					return explain(err, rest[0])
 				}
-				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": gen},
-					"reopened %s as generation %d: the next delivery of the key runs it again (enqueue one if none is pending)", rest[0], gen)
+				if r.TaskID == "" {
+					return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": r.Generation, "republished": false},
+						"reopened %s as generation %d; it has no outbox intent (enqueued without the outbox, or purged), so nothing was republished: the next delivery of the key under a new TaskID runs it", rest[0], r.Generation)
+				}
+				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": r.Generation, "republished": true, "task_id": r.TaskID},
+					"reopened %s as generation %d and republished it as task %s: a worker runs it again", rest[0], r.Generation, r.TaskID)
 			default: // purge
 				if *olderThan <= 0 {
 					return errors.New("ledger purge: --older-than is required and must be positive (e.g. --older-than 720h)")
@@ -168,7 +172,7 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 			{"key", r.Key}, {"type", r.TaskType}, {"status", r.Status},
 			{"fence", fmt.Sprint(r.Fence)}, {"owner", r.Owner}, {"generation", fmt.Sprint(r.Generation)},
 			{"attempts", fmt.Sprint(r.Attempts)}, {"last error", r.LastError},
-			{"lease until", stamp(r.LockedUntil)}, {"created", stamp(r.CreatedAt)},
+			{"lease until", leaseText(r)}, {"created", stamp(r.CreatedAt)},
 			{"updated", stamp(r.UpdatedAt)}, {"completed", stamp(r.CompletedAt)},
 			{"trace", r.TraceID}, {"result", string(r.Result)},
 		} {
@@ -189,6 +193,17 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 		fmt.Fprintln(tw, "(no rows)")
 	}
 	return tw.Flush()
+}
+
+// leaseText is r's lease end, saying whether an in-progress row's lease is still live.
+func leaseText(r idempotency.Record) string {
+	switch {
+	case r.Status != idempotency.StatusInProgress:
+		return stamp(r.LockedUntil)
+	case r.LeaseLive:
+		return stamp(r.LockedUntil) + " (live)"
+	}
+	return stamp(r.LockedUntil) + " (lapsed: the next delivery takes it over)"
 }
 
 func stamp(t time.Time) string {
