@@ -298,11 +298,15 @@ func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
 		"unknown field":   asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"r","extra":1}`)),
 		"duplicate field": asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"dup2","reference":"dup3"}`)),
 		"case variant":    asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"dup2","REFERENCE":"dup3"}`)),
+		"amount over max": asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":100000000000,"reference":"big"}`)),
+		"huge amount":     asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":"o","customer_id":"c","amount_cents":9`+strings.Repeat("0", 30_000)+`,"currency":"EUR"}`)),
 	}
 	want := map[string]string{
 		"malformed JSON": "malformed payload", "missing fields": "amount_cents", "negative amount": "amount_cents",
 		"300-byte key": "the limit is", "unknown field": `unknown field "extra"`,
 		"duplicate field": "reference: duplicate field", "case variant": "REFERENCE: field names are case-sensitive",
+		"amount over max": "amount_cents: must be a positive whole number of cents, at most 99999999999, got 100000000000",
+		"huge amount":     "at most 99999999999, got 900000000000000000000000… (30001 characters)",
 	}
 	for name, task := range bad {
 		s.enqueue(t, task, asynq.TaskID("bad-"+strings.ReplaceAll(name, " ", "-")), asynq.MaxRetry(5))
