@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -27,6 +28,10 @@ type Record struct {
 	Attempts    int
 	LastError   string
 	LockedUntil time.Time
+	// LeaseLive reports, for an in-progress row, whether its lease was still running when
+	// it was read (on the database clock): false means the lease lapsed at LockedUntil and
+	// the next delivery takes the key over. Always false for other statuses.
+	LeaseLive   bool
 	CreatedAt   time.Time
 	UpdatedAt   time.Time
 	StartedAt   time.Time
@@ -47,7 +52,7 @@ func scanRecord(row pgx.Row) (Record, error) {
 		createdAt, updatedAt, startedAtTime time.Time
 	)
 	err := row.Scan(&r.Key, &r.TaskType, &r.Status, &r.Fence, &owner, &gen, &r.Fingerprint,
-		&result, &attempts, &lastError, &lockedUntil, &createdAt, &updatedAt, &startedAtTime, &completedAt, &traceID)
+		&result, &attempts, &lastError, &lockedUntil, &createdAt, &updatedAt, &startedAtTime, &completedAt, &traceID, &r.LeaseLive)
 	if err != nil {
 		return Record{}, err
 	}
@@ -59,6 +64,7 @@ func scanRecord(row pgx.Row) (Record, error) {
 	}
 	r.Generation, r.Attempts, r.LastError, r.TraceID = int(gen), int(attempts), lastError.String, traceID.String
 	r.LockedUntil, r.CompletedAt = lockedUntil.Time, completedAt.Time
+	r.LeaseLive = r.LeaseLive && r.Status == StatusInProgress
 	r.CreatedAt, r.UpdatedAt, r.StartedAt = createdAt, updatedAt, startedAtTime
 	return r, nil
 }
@@ -136,23 +142,48 @@ func (l *Ledger) Release(ctx context.Context, key string) error {
 	return l.statusError(ctx, key, ErrNotInProgress)
 }
 
+// Reopened is what Ledger.Rerun did.
+type Reopened struct {
+	// Generation is the row's new generation.
+	Generation int
+	// TaskID is the TaskID under which the relays publish the key's outbox intent again
+	// ("<key>#r<n>"), or "" when the key has no intent (its task was enqueued without the
+	// outbox, or the intent was purged): then nothing was republished, and the next
+	// delivery of the key, under a TaskID asynq does not hold yet, runs it.
+	TaskID string
+}
+
 // Rerun reopens key, which must be completed, failed or needs_attention, as a new
-// generation: the next delivery of the key runs the work again (the stored result is
-// dropped; attempts and last_error are kept). It is the only way a terminal key runs
-// again, and it does not enqueue anything itself. It returns the new generation, or an
-// error wrapping ErrNotFound or ErrNotTerminal. Safe for concurrent use.
-func (l *Ledger) Rerun(ctx context.Context, key string) (int, error) {
-	var gen int32
-	err := l.pool.QueryRow(ctx, store.RerunSQL, key).Scan(&gen)
+// generation whose lease has already ended (the stored result is dropped; attempts and
+// last_error are kept), and, in the same statement, hands the key's outbox intent, if it
+// has one, back to the relays to publish under a TaskID no publish of it has used yet
+// (key#r<n>, n one past the highest republish so far): a worker runs the job again
+// without anyone enqueueing it, and the intent is no longer done until that run
+// completes. It is the only way a terminal key runs again. It returns the new generation
+// and TaskID, or an error wrapping ErrNotFound or ErrNotTerminal. Safe for concurrent use.
+func (l *Ledger) Rerun(ctx context.Context, key string) (Reopened, error) {
+	var (
+		gen     int32
+		pubGen  pgtype.Int4
+		notices int64
+	)
+	err := l.pool.QueryRow(ctx, store.RerunSQL, key, outboxWakeChannel).Scan(&gen, &pubGen, &notices)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, l.statusError(ctx, key, ErrNotTerminal)
+		return Reopened{}, l.statusError(ctx, key, ErrNotTerminal)
 	}
 	if err != nil {
-		return 0, fmt.Errorf("idempotency: rerun %s: %w", key, err)
+		return Reopened{}, fmt.Errorf("idempotency: rerun %s: %w", key, err)
 	}
-	l.log.Info("idempotency: key reopened by an operator", "key", key, "generation", gen)
-	return int(gen), nil
+	r := Reopened{Generation: int(gen)}
+	if pubGen.Valid {
+		r.TaskID = key + "#r" + strconv.Itoa(int(pubGen.Int32))
+	}
+	l.log.Info("idempotency: key reopened by an operator", "key", key, "generation", gen, "task_id", r.TaskID)
+	return r, nil
 }
+
+// outboxWakeChannel is the LISTEN/NOTIFY channel the outbox's relays wait on.
+const outboxWakeChannel = "idemq_outbox"
 
 // statusError explains why an operator update matched no row.
 func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error {

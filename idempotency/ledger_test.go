@@ -339,8 +339,8 @@ func TestPermanentFailureAndRerun(t *testing.T) {
 	if _, err := l.DoTx(ctx, req("p"), nil); !errors.Is(err, idempotency.ErrFailed) {
 		t.Fatalf("DoTx of a failed key: %v, want ErrFailed", err)
 	}
-	gen, err := l.Rerun(ctx, "p")
-	if err != nil || gen != 1 {
+	reopened, err := l.Rerun(ctx, "p")
+	if gen := reopened.Generation; err != nil || gen != 1 {
 		t.Fatalf("Rerun: %d, %v; want generation 1", gen, err)
 	}
 	res, err := l.Do(ctx, req("p"), func(ctx context.Context) (json.RawMessage, error) {
@@ -950,8 +950,8 @@ func TestPurgeAndMaxAge(t *testing.T) {
 	if _, err := l.DoTx(ctx, idempotency.Request{Key: "stuck", TaskType: "t"}, nil); !errors.Is(err, idempotency.ErrNeedsAttention) {
 		t.Fatalf("DoTx on a needs_attention key: %v", err)
 	}
-	if gen, err := l.Rerun(ctx, "stuck"); err != nil || gen != 1 {
-		t.Fatalf("Rerun of a needs_attention key: %d, %v", gen, err)
+	if reopened, err := l.Rerun(ctx, "stuck"); err != nil || reopened.Generation != 1 {
+		t.Fatalf("Rerun of a needs_attention key: %d, %v", reopened.Generation, err)
 	}
 	if res, err := l.Do(ctx, idempotency.Request{Key: "stuck", TaskType: "t"}, func(ctx context.Context) (json.RawMessage, error) { return nil, nil }); err != nil || res.Generation != 1 {
 		t.Fatalf("Do after Rerun: %+v, %v", res, err)
@@ -1017,5 +1017,51 @@ func TestDoTxFencedStore(t *testing.T) {
 	}
 	if _, err := l.Get(ctx, "tamper"); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Fatalf("ledger row: %v, want none", err)
+	}
+}
+
+func TestRerunRepublishesTheIntentUnderTheNextTaskID(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, nil)
+	done := func(key string) {
+		t.Helper()
+		if _, err := l.Do(ctx, req(key), func(ctx context.Context) (json.RawMessage, error) { return json.RawMessage(`{}`), nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	done("no-intent")
+	done("republished")
+	// Its intent was republished three times by the reconciler (key#r3) and settled.
+	mustExec(t, pool, `INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms,
+		state, publish_generation, published_at, finished_at)
+		VALUES ('republished', 't', '{}', sha256('{}'), 'default', 3, 1000, 1000, 'done', 3, now(), now())`)
+
+	r, err := l.Rerun(ctx, "no-intent")
+	if err != nil || r.Generation != 1 || r.TaskID != "" {
+		t.Fatalf("Rerun of a key without an intent: %+v, %v; want generation 1, no TaskID", r, err)
+	}
+	r, err = l.Rerun(ctx, "republished")
+	if err != nil || r.Generation != 1 || r.TaskID != "republished#r4" {
+		t.Fatalf("Rerun: %+v, %v; want generation 1, TaskID republished#r4", r, err)
+	}
+	var state string
+	var gen int
+	var finished *time.Time
+	if err := pool.QueryRow(ctx, `SELECT state, publish_generation, finished_at FROM job_intents WHERE idempotency_key = 'republished'`).Scan(&state, &gen, &finished); err != nil {
+		t.Fatal(err)
+	}
+	if state != "pending" || gen != 4 || finished != nil {
+		t.Fatalf("intent after Rerun: %s, publish generation %d, finished %v; want pending under 4, not finished", state, gen, finished)
+	}
+	if rec := get(t, l, "republished"); rec.Status != idempotency.StatusInProgress || rec.LeaseLive {
+		t.Fatalf("row after Rerun: %s, lease live %v; want in_progress with a lapsed lease", rec.Status, rec.LeaseLive)
+	}
+	// A refused rerun leaves the intent alone.
+	if _, err := l.Rerun(ctx, "republished"); !errors.Is(err, idempotency.ErrNotTerminal) {
+		t.Fatalf("second Rerun: %v, want ErrNotTerminal", err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT publish_generation FROM job_intents WHERE idempotency_key = 'republished'`).Scan(&gen); err != nil || gen != 4 {
+		t.Fatalf("publish generation after a refused Rerun: %d, %v; want 4", gen, err)
 	}
 }

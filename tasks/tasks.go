@@ -16,6 +16,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"reflect"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -29,6 +32,13 @@ const (
 	TypeCharge = "payment:charge"
 	TypeDebit  = "wallet:debit"
 )
+
+// MaxAmountCents is the largest amount_cents a charge or a debit may carry:
+// 99,999,999,999 cents (999,999,999.99 in the currency). It is far below 2^53, so every
+// JSON client reads it exactly, and a sum of many such amounts stays within int64. A
+// larger amount is refused by Validate, by the API (422) and, for a task already queued,
+// by DecodeCharge and DecodeDebit (the task is archived with the reason).
+const MaxAmountCents = 99_999_999_999
 
 // Queue is the asynq queue both example task types go to.
 const Queue = "default"
@@ -70,8 +80,8 @@ func (c Charge) Validate() error {
 	if err := checkID("customer_id", c.CustomerID, "customer:"); err != nil {
 		return err
 	}
-	if c.AmountCents <= 0 {
-		return fmt.Errorf("amount_cents: must be a positive number of cents, got %d", c.AmountCents)
+	if err := checkAmount(c.AmountCents); err != nil {
+		return err
 	}
 	if len(c.Currency) != 3 || !isLetters(c.Currency) {
 		return fmt.Errorf("currency: must be a three-letter ISO 4217 code (in any case: usd is USD), got %q", c.Currency)
@@ -107,8 +117,8 @@ func (d Debit) Validate() error {
 	if err := checkID("account_id", d.AccountID, "account:"); err != nil {
 		return err
 	}
-	if d.AmountCents <= 0 {
-		return fmt.Errorf("amount_cents: must be a positive number of cents, got %d", d.AmountCents)
+	if err := checkAmount(d.AmountCents); err != nil {
+		return err
 	}
 	return checkID("reference", d.Reference, "debit:")
 }
@@ -213,12 +223,75 @@ func decodeStrict(payload []byte, v any) error {
 	dec := json.NewDecoder(bytes.NewReader(payload))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
+		var typeErr *json.UnmarshalTypeError
+		if errors.As(err, &typeErr) && typeErr.Field != "" {
+			err = TypeError(typeErr)
+			if _, ok := err.(amountError); ok {
+				return err
+			}
+		}
 		return fmt.Errorf("malformed payload: %w", err)
 	}
 	if _, err := dec.Token(); err != io.EOF {
 		return errors.New("malformed payload: data after the JSON object")
 	}
 	return nil
+}
+
+// checkAmount reports an amount_cents outside 1..MaxAmountCents.
+func checkAmount(v int64) error {
+	if v <= 0 || v > MaxAmountCents {
+		return amountError(strconv.FormatInt(v, 10))
+	}
+	return nil
+}
+
+// amountError is an amount_cents outside 1..MaxAmountCents, as sent.
+type amountError string
+
+func (got amountError) Error() string {
+	return fmt.Sprintf("amount_cents: must be a positive whole number of cents, at most %d, got %s", MaxAmountCents, string(got))
+}
+
+// TypeError describes e, a JSON value of the wrong type (or out of range) for a field of
+// a payload, naming the field: "amount_cents: must be a JSON whole number, got string".
+// An amount_cents that is a number too large to decode is refused as Validate refuses an
+// amount over MaxAmountCents. The value is quoted as sent, cut to 24 bytes with its
+// length, so that an error never echoes a huge number back.
+func TypeError(e *json.UnmarshalTypeError) error {
+	got := e.Value
+	if num, ok := strings.CutPrefix(got, "number "); ok {
+		got = "number " + cutValue(num)
+		if e.Field == "amount_cents" && isDigits(strings.TrimPrefix(num, "-")) {
+			return amountError(cutValue(num))
+		}
+	}
+	want := e.Type.Kind().String()
+	switch e.Type.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		want = "whole number"
+	case reflect.Float32, reflect.Float64:
+		want = "number"
+	}
+	return fmt.Errorf("%s: must be a JSON %s, got %s", e.Field, want, got)
+}
+
+// cutValue is v cut to 24 bytes, followed by its length when it was longer.
+func cutValue(v string) string {
+	if len(v) <= 24 {
+		return v
+	}
+	return fmt.Sprintf("%s… (%d characters)", v[:24], len(v))
+}
+
+func isDigits(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // checkID checks an identifier that becomes part of a key (or scope) after prefix, by the

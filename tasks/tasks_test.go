@@ -119,3 +119,45 @@ func TestEnqueueReportsDuplicate(t *testing.T) {
 		t.Fatalf("pending tasks = %d, want 1", n.Pending)
 	}
 }
+
+func TestAmountHasAMaximum(t *testing.T) {
+	t.Parallel()
+	huge := "9" + strings.Repeat("0", 49_999) // 50,000 digits
+	for _, tc := range []struct {
+		name, amount string
+		ok           bool
+	}{
+		{"the maximum", "99999999999", true},
+		{"one over", "100000000000", false},
+		{"int64's maximum", "9223372036854775807", false},
+		{"past int64", "9223372036854775808", false},
+		{"50,000 digits", huge, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			charge := `{"order_id":"o","customer_id":"c","amount_cents":` + tc.amount + `,"currency":"EUR"}`
+			debit := `{"account_id":"a","amount_cents":` + tc.amount + `,"reference":"r"}`
+			_, cerr := tasks.DecodeCharge([]byte(charge))
+			_, derr := tasks.DecodeDebit([]byte(debit))
+			for _, err := range []error{cerr, derr} {
+				if tc.ok {
+					if err != nil {
+						t.Fatalf("got error %v, want none", err)
+					}
+					continue
+				}
+				if err == nil || !strings.Contains(err.Error(), "amount_cents") || !strings.Contains(err.Error(), "99999999999") {
+					t.Fatalf("got error %.300v, want one naming amount_cents and the maximum 99999999999", err)
+				}
+				if len(err.Error()) > 200 {
+					t.Fatalf("error is %d bytes, want the value cut short: %.300s", len(err.Error()), err)
+				}
+			}
+		})
+	}
+	if _, err := tasks.ChargeSpec(tasks.Charge{OrderID: "o", CustomerID: "c", AmountCents: tasks.MaxAmountCents + 1, Currency: "EUR"}); err == nil {
+		t.Fatal("ChargeSpec accepted an amount over MaxAmountCents")
+	}
+	if _, err := tasks.DebitSpec(tasks.Debit{AccountID: "a", AmountCents: tasks.MaxAmountCents, Reference: "r"}); err != nil {
+		t.Fatalf("DebitSpec refused MaxAmountCents: %v", err)
+	}
+}

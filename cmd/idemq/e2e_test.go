@@ -298,15 +298,21 @@ func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
 		"unknown field":   asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"r","extra":1}`)),
 		"duplicate field": asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"dup2","reference":"dup3"}`)),
 		"case variant":    asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":1,"reference":"dup2","REFERENCE":"dup3"}`)),
+		"amount over max": asynq.NewTask(tasks.TypeDebit, []byte(`{"account_id":"a","amount_cents":100000000000,"reference":"big"}`)),
+		"huge amount":     asynq.NewTask(tasks.TypeCharge, []byte(`{"order_id":"o","customer_id":"c","amount_cents":9`+strings.Repeat("0", 30_000)+`,"currency":"EUR"}`)),
 	}
 	want := map[string]string{
 		"malformed JSON": "malformed payload", "missing fields": "amount_cents", "negative amount": "amount_cents",
 		"300-byte key": "the limit is", "unknown field": `unknown field "extra"`,
 		"duplicate field": "reference: duplicate field", "case variant": "REFERENCE: field names are case-sensitive",
+		"amount over max": "amount_cents: must be a positive whole number of cents, at most 99999999999, got 100000000000",
+		"huge amount":     "at most 99999999999, got 900000000000000000000000… (30001 characters)",
 	}
 	for name, task := range bad {
 		s.enqueue(t, task, asynq.TaskID("bad-"+strings.ReplaceAll(name, " ", "-")), asynq.MaxRetry(5))
 	}
+	// A type no handler serves is archived at once too, not retried 25 times.
+	s.enqueue(t, asynq.NewTask("foo:bar", []byte(`{}`)), asynq.TaskID("unknown-type"), asynq.MaxRetry(25))
 	ok, _ := tasks.NewDebitTask(tasks.Debit{AccountID: "a", AmountCents: 5, Reference: "good-after-bad"})
 	s.enqueue(t, ok)
 	s.waitCompleted(t, 1, 60*time.Second)
@@ -315,15 +321,27 @@ func TestEndToEndBadPayloadsAreArchivedWithReason(t *testing.T) {
 	var archived []*asynq.TaskInfo
 	for time.Now().Before(deadline) {
 		archived, _ = s.insp.ListArchivedTasks(tasks.Queue)
-		if len(archived) == len(bad) {
+		if len(archived) == len(bad)+1 {
 			break
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	if len(archived) != len(bad) {
-		t.Fatalf("%d archived tasks, want %d", len(archived), len(bad))
+	if len(archived) != len(bad)+1 {
+		var retrying []string
+		if rs, err := s.insp.ListRetryTasks(tasks.Queue); err == nil {
+			for _, r := range rs {
+				retrying = append(retrying, fmt.Sprintf("%s (%s)", r.ID, r.LastErr))
+			}
+		}
+		t.Fatalf("%d archived tasks, want %d; retrying: %q", len(archived), len(bad)+1, retrying)
 	}
 	for _, info := range archived {
+		if info.ID == "unknown-type" {
+			if !strings.Contains(info.LastErr, `unknown task type "foo:bar"`) || info.Retried != 0 {
+				t.Errorf("foo:bar: archived after %d retries with %q; want no retry and the reason", info.Retried, info.LastErr)
+			}
+			continue
+		}
 		name := strings.ReplaceAll(strings.TrimPrefix(info.ID, "bad-"), "-", " ")
 		if !strings.Contains(info.LastErr, want[name]) || !strings.Contains(info.LastErr, "bad payload") || info.Retried != 0 {
 			t.Errorf("%s: archived after %d retries with %q; want no retry and a reason containing %q", name, info.Retried, info.LastErr, want[name])

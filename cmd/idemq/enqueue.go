@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/codes"
@@ -40,19 +41,25 @@ func enqueueCommand() command {
 				var c tasks.Charge
 				fs.StringVar(&c.OrderID, "order-id", "", "order to charge (the key is charge:<order-id>)")
 				fs.StringVar(&c.CustomerID, "customer-id", "", "customer charged (lock scope customer:<customer-id>)")
-				fs.Int64Var(&c.AmountCents, "amount-cents", 0, "amount in cents, > 0")
+				fs.Int64Var(&c.AmountCents, "amount-cents", 0, fmt.Sprintf("amount in cents, 1 to %d", tasks.MaxAmountCents))
 				fs.StringVar(&c.Currency, "currency", "EUR", "ISO 4217 currency code")
 				if err := fs.Parse(args[1:]); err != nil {
 					return err
+				}
+				if err := c.Canonical().Validate(); err != nil {
+					return flagError(err)
 				}
 				job, err = tasks.ChargeSpec(c)
 			case "debit":
 				var d tasks.Debit
 				fs.StringVar(&d.AccountID, "account-id", "", "account debited (lock scope account:<account-id>)")
-				fs.Int64Var(&d.AmountCents, "amount-cents", 0, "amount in cents, > 0")
+				fs.Int64Var(&d.AmountCents, "amount-cents", 0, fmt.Sprintf("amount in cents, 1 to %d", tasks.MaxAmountCents))
 				fs.StringVar(&d.Reference, "reference", "", "debit reference (the key is debit:<reference>)")
 				if err := fs.Parse(args[1:]); err != nil {
 					return err
+				}
+				if err := d.Validate(); err != nil {
+					return flagError(err)
 				}
 				job, err = tasks.DebitSpec(d)
 			default:
@@ -103,4 +110,14 @@ func enqueueCommand() command {
 			return nil
 		},
 	}
+}
+
+// flagError renames the payload field that err, a Validate error, starts with to the
+// flag that sets it: "order_id: required" becomes "--order-id: required".
+func flagError(err error) error {
+	field, rest, ok := strings.Cut(err.Error(), ": ")
+	if !ok || field == "" || strings.Trim(field, "abcdefghijklmnopqrstuvwxyz_") != "" {
+		return err
+	}
+	return fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), rest)
 }

@@ -32,12 +32,13 @@ func ledgerCommand() command {
 			fs.SetOutput(stderr)
 			asJSON := fs.Bool("json", false, "print JSON instead of a table")
 			status := fs.String("status", "", "list: only rows in this status (in_progress, completed, failed, needs_attention)")
-			limit := fs.Int("limit", 50, "list: at most this many rows, newest first")
+			limit := fs.Int("limit", 50, fmt.Sprintf("list: at most this many rows (1 to %d), newest first", maxListLimit))
 			olderThan := fs.Duration("older-than", 0, "purge: remove completed and failed rows that completed longer ago than this (e.g. 720h)")
-			if err := fs.Parse(args[1:]); err != nil {
+			op := args[0]
+			rest, err := parseInterleaved(fs, args[1:])
+			if err != nil {
 				return err
 			}
-			op, rest := args[0], fs.Args()
 			wantArgs := map[string]int{"show": 1, "release": 1, "rerun": 1, "list": 0, "purge": 0}
 			n, ok := wantArgs[op]
 			if !ok {
@@ -45,6 +46,14 @@ func ledgerCommand() command {
 			}
 			if len(rest) != n {
 				return fmt.Errorf("ledger %s: want %d argument(s), got %q", op, n, rest)
+			}
+			if n == 1 {
+				if err := idempotency.ValidateKey(rest[0]); err != nil {
+					return fmt.Errorf("ledger %s: key %.64q: %w", op, rest[0], err)
+				}
+			}
+			if op == "list" && (*limit < 1 || *limit > maxListLimit) {
+				return fmt.Errorf("ledger list: --limit: must be from 1 to %d, got %d", maxListLimit, *limit)
 			}
 
 			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 4)
@@ -85,12 +94,16 @@ func ledgerCommand() command {
 				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "released": true},
 					"released %s: its lease has ended; the next delivery takes it over", rest[0])
 			case "rerun":
-				gen, err := ledger.Rerun(ctx, rest[0])
+				r, err := ledger.Rerun(ctx, rest[0])
 				if err != nil {
 					return explain(err, rest[0])
 				}
-				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": gen},
-					"reopened %s as generation %d: the next delivery of the key runs it again (enqueue one if none is pending)", rest[0], gen)
+				if r.TaskID == "" {
+					return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": r.Generation, "republished": false},
+						"reopened %s as generation %d; it has no outbox intent (enqueued without the outbox, or purged), so nothing was republished: the next delivery of the key under a new TaskID runs it", rest[0], r.Generation)
+				}
+				return printDone(stdout, *asJSON, map[string]any{"key": rest[0], "generation": r.Generation, "republished": true, "task_id": r.TaskID},
+					"reopened %s as generation %d and republished it as task %s: a worker runs it again", rest[0], r.Generation, r.TaskID)
 			default: // purge
 				if *olderThan <= 0 {
 					return errors.New("ledger purge: --older-than is required and must be positive (e.g. --older-than 720h)")
@@ -103,6 +116,29 @@ func ledgerCommand() command {
 					"purged %d completed or failed rows older than %s", n, *olderThan)
 			}
 		},
+	}
+}
+
+// maxListLimit bounds `ledger list --limit`: each row may carry a result of up to 1 MiB.
+const maxListLimit = 10_000
+
+// parseInterleaved parses args with fs, letting flags follow the arguments as well as
+// precede them ("show KEY --json"), and returns the arguments. Everything after "--" is an
+// argument.
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var out []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return out, nil
+		}
+		if i := len(args) - len(rest) - 1; i >= 0 && args[i] == "--" {
+			return append(out, rest...), nil
+		}
+		out, args = append(out, rest[0]), rest[1:]
 	}
 }
 
@@ -172,7 +208,7 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 			{"key", r.Key}, {"type", r.TaskType}, {"status", r.Status},
 			{"fence", fmt.Sprint(r.Fence)}, {"owner", r.Owner}, {"generation", fmt.Sprint(r.Generation)},
 			{"attempts", fmt.Sprint(r.Attempts)}, {"last error", r.LastError},
-			{"lease until", stamp(r.LockedUntil)}, {"created", stamp(r.CreatedAt)},
+			{"lease until", leaseText(r)}, {"created", stamp(r.CreatedAt)},
 			{"updated", stamp(r.UpdatedAt)}, {"completed", stamp(r.CompletedAt)},
 			{"trace", r.TraceID}, {"result", string(r.Result)},
 		} {
@@ -193,6 +229,17 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 		fmt.Fprintln(tw, "(no rows)")
 	}
 	return tw.Flush()
+}
+
+// leaseText is r's lease end, saying whether an in-progress row's lease is still live.
+func leaseText(r idempotency.Record) string {
+	switch {
+	case r.Status != idempotency.StatusInProgress:
+		return stamp(r.LockedUntil)
+	case r.LeaseLive:
+		return stamp(r.LockedUntil) + " (live)"
+	}
+	return stamp(r.LockedUntil) + " (lapsed: the next delivery takes it over)"
 }
 
 func stamp(t time.Time) string {

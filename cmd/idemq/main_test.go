@@ -202,3 +202,45 @@ func TestReadmeListsEveryVariable(t *testing.T) {
 		}
 	}
 }
+
+func TestCommandsRefuseBadInputNamingTheRule(t *testing.T) {
+	t.Parallel()
+	env := []string{"DATABASE_URL=" + testenv.PostgresURL(t), "REDIS_URL=" + testenv.RedisURL(t)}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"enqueue", "charge", "--customer-id", "c", "--amount-cents", "1"}, "--order-id: required"},
+		{[]string{"enqueue", "debit", "--account-id", "a", "--amount-cents", "1"}, "--reference: required"},
+		{[]string{"enqueue", "charge", "--order-id", "o", "--amount-cents", "1"}, "--customer-id: required"},
+		{[]string{"enqueue", "charge", "--order-id", "o", "--customer-id", "c", "--amount-cents", "100000000000"}, "--amount-cents: must be a positive whole number of cents, at most 99999999999"},
+		{[]string{"enqueue", "debit", "--account-id", "a", "--reference", "r", "--amount-cents", "9223372036854775807"}, "at most 99999999999"},
+		{[]string{"ledger", "show", "\xff"}, `invalid key: byte 0xff at offset 0, must be printable ASCII`},
+		{[]string{"ledger", "rerun", "has space"}, `invalid key: byte 0x20 at offset 3`},
+		{[]string{"ledger", "release", ""}, `invalid key: empty`},
+		{[]string{"ledger", "list", "--limit", "-1"}, "--limit: must be from 1 to 10000, got -1"},
+		{[]string{"ledger", "list", "--limit", "0"}, "--limit: must be from 1 to 10000, got 0"},
+		{[]string{"ledger", "list", "--limit", "99999999999"}, "--limit: must be from 1 to 10000, got 99999999999"},
+	} {
+		_, stderr, err := idemq(t, env, tc.args...)
+		if err == nil || !strings.Contains(stderr, tc.want) {
+			t.Errorf("idemq %q: %v, stderr %q; want a failure naming %q", tc.args, err, stderr, tc.want)
+		}
+		if strings.Contains(stderr, "SQLSTATE") || strings.Contains(stderr, "order_id") || strings.Contains(stderr, "amount_cents") {
+			t.Errorf("idemq %q: stderr %q names a column or field instead of the flag or rule", tc.args, stderr)
+		}
+	}
+
+	// Flags may follow the key, as the usage shows.
+	pool := testenv.Pool(t, env[0][len("DATABASE_URL="):])
+	testenv.Exec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, payload_sha256, result, completed_at)
+		VALUES ('debit:flags-after', 'wallet:debit', 'completed', nextval('processed_jobs_fence_seq'), gen_random_uuid(), sha256('x'), '{"entry_id":1}', now())`)
+	out, stderr, err := idemq(t, env, "ledger", "show", "debit:flags-after", "--json")
+	if err != nil || !strings.Contains(out, `"key":"debit:flags-after"`) || !strings.Contains(out, `"status":"completed"`) {
+		t.Fatalf("ledger show KEY --json: %v\n%s%s", err, out, stderr)
+	}
+	out, stderr, err = idemq(t, env, "ledger", "list", "--limit", "10000", "--json")
+	if err != nil || !strings.Contains(out, `"key":"debit:flags-after"`) {
+		t.Fatalf("ledger list --limit 10000 --json: %v\n%s%s", err, out, stderr)
+	}
+}

@@ -181,6 +181,10 @@ func TestBadRequests(t *testing.T) {
 		{"wrong type", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":"5","currency":"EUR"}`, nil, 422, "amount_cents: must be a JSON whole number"},
 		{"missing order", "/v1/charges", `{"customer_id":"c","amount_cents":5,"currency":"EUR"}`, nil, 422, "order_id: required"},
 		{"zero amount", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":0,"currency":"EUR"}`, nil, 422, "amount_cents"},
+		{"amount over the maximum", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":100000000000,"currency":"EUR"}`, nil, 422, "amount_cents: must be a positive whole number of cents, at most 99999999999, got 100000000000"},
+		{"int64's maximum amount", "/v1/wallet/debits", `{"account_id":"a-1","amount_cents":9223372036854775807,"reference":"r"}`, nil, 422, "at most 99999999999"},
+		{"50,000-digit amount", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":` + "9" + strings.Repeat("0", 49_999) + `,"currency":"EUR"}`, nil, 422, "at most 99999999999, got 900000000000000000000000… (50000 characters)"},
+		{"50,000-digit float", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":` + "9" + strings.Repeat("0", 49_997) + `.5,"currency":"EUR"}`, nil, 422, "amount_cents: must be a JSON whole number, got number 900000000000000000000000… (50000 characters)"},
 		{"bad currency", "/v1/charges", `{"order_id":"o-1","customer_id":"c","amount_cents":5,"currency":"EURO"}`, nil, 422, "currency: must be a three-letter ISO 4217 code"},
 		{"space in order", "/v1/charges", `{"order_id":"o 1","customer_id":"c","amount_cents":5,"currency":"EUR"}`, nil, 422, "order_id"},
 		{"missing reference", "/v1/wallet/debits", `{"account_id":"a-1","amount_cents":5}`, nil, 422, "reference: required"},
@@ -193,7 +197,11 @@ func TestBadRequests(t *testing.T) {
 		{"two headers", "/v1/charges", chargeBody("o-1", 5), []string{"Idempotency-Key", "a", "Idempotency-Key", "b"}, 400, "one value"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			a.do(t, "POST", tc.path, tc.body, tc.headers...).wantError(t, tc.code, tc.msg)
+			got := a.do(t, "POST", tc.path, tc.body, tc.headers...)
+			got.wantError(t, tc.code, tc.msg)
+			if len(got.body) > 400 {
+				t.Fatalf("answer is %d bytes, want a short error (the value cut): %.400s", len(got.body), got.body)
+			}
 		})
 	}
 	if n := a.intents(t, "charge:o-1"); n != 0 {

@@ -118,7 +118,8 @@ func (s *Server) postDebit(w http.ResponseWriter, r *http.Request) {
 // Content-Length says so (a client waiting on Expect: 100-continue gets no 100 Continue).
 // Malformed JSON, a field sent twice and a case variant of a field's name ("REFERENCE",
 // see tasks.CheckFieldNames) are 400; an unknown field or a value of the wrong type is
-// 422. Errors name the field.
+// 422. Errors name the field, and quote a value at most 24 bytes long (tasks.TypeError):
+// an amount_cents of 50,000 digits is not echoed back.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
 	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
 		w.Header().Set("Accept-Post", "application/json")
@@ -156,7 +157,7 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
 	var typeErr *json.UnmarshalTypeError
 	switch {
 	case errors.As(err, &typeErr) && typeErr.Field != "":
-		writeError(w, http.StatusUnprocessableEntity, fmt.Sprintf("%s: must be a JSON %s, got %s", typeErr.Field, jsonKind(typeErr.Type.Kind().String()), typeErr.Value))
+		writeError(w, http.StatusUnprocessableEntity, tasks.TypeError(typeErr).Error())
 	case strings.HasPrefix(err.Error(), "json: unknown field "):
 		writeError(w, http.StatusUnprocessableEntity, strings.Trim(strings.TrimPrefix(err.Error(), "json: unknown field "), `"`)+": unknown field")
 	case errors.As(err, &typeErr):
@@ -167,16 +168,6 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
 		writeError(w, http.StatusBadRequest, "body: malformed JSON: "+err.Error())
 	}
 	return false
-}
-
-func jsonKind(goKind string) string {
-	switch goKind {
-	case "string":
-		return "string"
-	case "int", "int64", "int32", "uint", "uint64", "float64":
-		return "whole number"
-	}
-	return goKind
 }
 
 // headerKey reads the Idempotency-Key header: absent is fine; present, it must be one

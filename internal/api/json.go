@@ -20,6 +20,7 @@ type Record struct {
 	LastError   string          `json:"last_error,omitempty"`
 	Result      json.RawMessage `json:"result,omitempty"`
 	LockedUntil *time.Time      `json:"locked_until,omitempty"`
+	LeaseLive   *bool           `json:"lease_live,omitempty"` // in-progress rows only: false once the lease lapsed (the next delivery takes the key over)
 	CreatedAt   time.Time       `json:"created_at"`
 	UpdatedAt   time.Time       `json:"updated_at"`
 	CompletedAt *time.Time      `json:"completed_at,omitempty"`
@@ -38,9 +39,13 @@ func NewRecord(r idempotency.Record) Record {
 		}
 		return &t
 	}
+	var live *bool
+	if r.Status == idempotency.StatusInProgress {
+		live = &r.LeaseLive
+	}
 	return Record{Key: r.Key, Type: r.TaskType, Status: r.Status, Fence: r.Fence, Owner: r.Owner,
 		Generation: r.Generation, Attempts: r.Attempts, LastError: r.LastError, Result: r.Result,
-		LockedUntil: opt(r.LockedUntil), CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt), TraceID: r.TraceID}
+		LockedUntil: opt(r.LockedUntil), LeaseLive: live, CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt), TraceID: r.TraceID}
 }
 
 // writeJSON writes v with status code.

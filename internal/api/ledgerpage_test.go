@@ -394,3 +394,32 @@ func TestLedgerPageFindsTasksInAnyQueue(t *testing.T) {
 		t.Fatalf("the list links a task in queue default:\n%s", list.body)
 	}
 }
+
+func TestJobAndRowPageTellLiveLeaseFromLapsed(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	// A live lease: claimed, not finished.
+	if _, err := a.ledger.Claim(ctx, idempotency.Request{Key: "charge:live", TaskType: tasks.TypeCharge}); err != nil {
+		t.Fatal(err)
+	}
+	// A lapsed one: a completed key re-run by an operator, which no worker has taken yet.
+	a.complete(t, "rerun", `{"charge_id":"ch_1"}`)
+	if _, err := a.ledger.Rerun(ctx, "charge:rerun"); err != nil {
+		t.Fatal(err)
+	}
+
+	a.do(t, "GET", "/v1/jobs/charge:live", "").want(t, 200, `"status":"in_progress"`, `"lease_live":true`)
+	a.do(t, "GET", "/v1/jobs/charge:rerun", "").want(t, 200, `"status":"in_progress"`, `"generation":1`, `"lease_live":false`)
+	if job := a.do(t, "GET", "/v1/jobs/charge:o-done", ""); strings.Contains(job.body, "lease_live") {
+		t.Fatalf("a job that is not in progress names its lease: %s", job.body)
+	}
+	a.complete(t, "o-done", `{"charge_id":"ch_2"}`)
+	if job := a.do(t, "GET", "/v1/jobs/charge:o-done", "").want(t, 200, `"status":"completed"`); strings.Contains(job.body, "lease_live") {
+		t.Fatalf("a completed job names its lease: %s", job.body)
+	}
+
+	a.do(t, "GET", "/ledger/charge:live", "").want(t, 200, "live: a worker holds the key")
+	a.do(t, "GET", "/ledger/charge:rerun", "").want(t, 200, "lapsed at <code>", "no worker holds the key")
+	a.do(t, "GET", "/ledger/?status=in_progress", "").want(t, 200, "(lapsed)")
+}

@@ -4,7 +4,8 @@ package store
 // and the lost-commit resolution.
 
 const RecordColumns = `idempotency_key, task_type, status, fence, owner, generation, payload_sha256,
-	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at, trace_id`
+	result, attempts, last_error, locked_until, created_at, updated_at, started_at, completed_at, trace_id,
+	coalesce(locked_until > now(), false)`
 
 const GetSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs WHERE idempotency_key = $1`
 
@@ -22,14 +23,30 @@ SET fence = nextval('processed_jobs_fence_seq'), owner = gen_random_uuid(), lock
 WHERE idempotency_key = $1 AND status = 'in_progress'`
 
 // RerunSQL reopens a terminal row as a new generation whose lease has already ended, so
-// the next delivery claims it with a new fence.
+// the next delivery claims it with a new fence, and, in the same statement, hands the
+// key's outbox intent (if it has one) back to the relays for a publish under the next
+// TaskID: its publish_generation goes one past the highest the relays and the reconciler
+// have used (they record every TaskID they publish under there), so the new task is
+// key#r<n> and never collides with a TaskID asynq still holds. The relays are woken
+// (channel $2) when the statement commits. It returns the new generation and the new
+// publish generation (NULL without an intent).
 const RerunSQL = `
-UPDATE processed_jobs
-SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
-    owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
-    result = NULL, completed_at = NULL, trace_id = NULL
-WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
-RETURNING generation`
+WITH p AS (
+	UPDATE processed_jobs
+	SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
+	    owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
+	    result = NULL, completed_at = NULL, trace_id = NULL
+	WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
+	RETURNING generation
+), i AS (
+	UPDATE job_intents
+	SET state = 'pending', publish_generation = publish_generation + 1, relay_until = NULL,
+	    last_error = NULL, finished_at = NULL, updated_at = now()
+	WHERE idempotency_key = $1 AND EXISTS (SELECT FROM p)
+	RETURNING publish_generation
+)
+SELECT p.generation, i.publish_generation, (SELECT count(pg_notify($2, '')) FROM i)
+FROM p LEFT JOIN i ON true`
 
 // PurgeSQL deletes one batch of terminal rows older than the window. A row completed
 // before the cutoff also started before it, which lets the started_at index find them.
