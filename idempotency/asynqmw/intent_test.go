@@ -18,7 +18,8 @@ import (
 // task: a plain producer's task (random TaskID) that completes its key first leaves it
 // published until the intent's task is answered from the ledger (same payload: done) or
 // refused (another payload: dead, mismatch); a payload the worker refuses kills it as
-// invalid. The Client's status read says so, and the worker counts the dead ones.
+// invalid (so does an amount over tasks.MaxAmountCents queued before the limit existed).
+// The Client's status read says so, and the worker counts the dead ones.
 func TestIntentSettledOnlyByItsOwnTask(t *testing.T) {
 	t.Parallel()
 	dead := map[string]int{}
@@ -64,6 +65,9 @@ func TestIntentSettledOnlyByItsOwnTask(t *testing.T) {
 	accept(spec(tasks.Debit{AccountID: "a", AmountCents: 2, Reference: "other"}))
 	accept(outbox.Spec{Key: "debit:bad", Type: tasks.TypeDebit, Payload: []byte(`{"account_id":"a","amount_cents":-5,"reference":"bad"}`),
 		Queue: tasks.Queue, MaxRetry: 3, Timeout: time.Minute, Retention: time.Hour})
+	// Queued before the amount had a maximum: refused at decode, its intent dead.
+	accept(outbox.Spec{Key: "debit:huge", Type: tasks.TypeDebit, Payload: []byte(`{"account_id":"a","amount_cents":9223372036854775807,"reference":"huge"}`),
+		Queue: tasks.Queue, MaxRetry: 3, Timeout: time.Minute, Retention: time.Hour})
 
 	cfg := asynq.Config{Concurrency: 1, Queues: map[string]int{tasks.Queue: 1}, LogLevel: asynq.FatalLevel}
 	asynqmw.Configure(&cfg)
@@ -79,6 +83,7 @@ func TestIntentSettledOnlyByItsOwnTask(t *testing.T) {
 		"debit:same":  {outbox.IntentDone, ""},
 		"debit:other": {outbox.IntentDead, "mismatch"},
 		"debit:bad":   {outbox.IntentDead, "invalid"},
+		"debit:huge":  {outbox.IntentDead, "invalid"},
 	}
 	for key, w := range want {
 		var in *outbox.IntentInfo
@@ -101,7 +106,7 @@ func TestIntentSettledOnlyByItsOwnTask(t *testing.T) {
 	}
 	deadMu <- struct{}{}
 	defer func() { <-deadMu }()
-	if dead["mismatch"] != 1 || dead["invalid"] != 1 || len(dead) != 2 {
-		t.Errorf("intents counted dead: %v, want one mismatch and one invalid", dead)
+	if dead["mismatch"] != 1 || dead["invalid"] != 2 || len(dead) != 2 {
+		t.Errorf("intents counted dead: %v, want one mismatch and two invalid", dead)
 	}
 }
