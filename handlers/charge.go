@@ -8,11 +8,13 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
 
+	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -30,23 +32,55 @@ type ChargeResult struct {
 // same idempotency key (HTTP 409); a later retry gets the outcome.
 var ErrProviderBusy = errors.New("handlers: provider is processing a request with this key")
 
-// idleConns is how many connections to the provider a default Charger keeps open.
-const idleConns = 128
+// ErrLeaseEnding reports that too little of the handler's lease is left to call the
+// provider (see Charger.Charge): the charge is not attempted, and a retry, after the
+// lease, calls under a fresh one.
+var ErrLeaseEnding = errors.New("handlers: too little of the lease is left to call the provider")
+
+// HeaderFence is the request header carrying the fence of the claim a call is made under,
+// for the provider's records (never part of the idempotency key).
+const HeaderFence = "Idemq-Fence"
+
+const (
+	// idleConns is how many connections to the provider a default Charger keeps open.
+	idleConns = 128
+	// callTimeout bounds a provider call.
+	callTimeout = 30 * time.Second
+	// MinCallTime is the least time a provider call is started with (or the fence margin,
+	// when that is shorter: a short lease).
+	MinCallTime = time.Second
+	// DefaultFenceMargin is a Charger's default fence margin: the default ledger's
+	// idempotency.Config.SelfFenceMargin (a tenth of its 30 s lease).
+	DefaultFenceMargin = 3 * time.Second
+)
 
 // Charger charges through the payment provider's HTTP API. It is safe for concurrent use.
 type Charger struct {
-	url  string
-	http *http.Client
+	url    string
+	http   *http.Client
+	margin time.Duration
 }
 
 // NewCharger returns a Charger calling the provider at baseURL (e.g.
 // http://127.0.0.1:8090). A nil client means one with a 30 s timeout that keeps up to
-// idleConns connections to the provider open between calls.
+// idleConns connections to the provider open between calls. Its fence margin is
+// DefaultFenceMargin (see WithFenceMargin).
 func NewCharger(baseURL string, client *http.Client) *Charger {
 	if client == nil {
 		client = DefaultClient()
 	}
-	return &Charger{url: strings.TrimRight(baseURL, "/") + "/v1/charges", http: client}
+	return &Charger{url: strings.TrimRight(baseURL, "/") + "/v1/charges", http: client, margin: DefaultFenceMargin}
+}
+
+// WithFenceMargin returns a copy of ch whose calls under a lease end margin before the
+// handler's self-fence deadline (idempotency.LeaseDeadline). Give it the ledger's
+// Ledger.SelfFenceMargin: the lease then ends twice the margin after the call's deadline,
+// time for the provider to finish a request whose caller hung up before anyone else may
+// take the key over.
+func (ch *Charger) WithFenceMargin(margin time.Duration) *Charger {
+	c := *ch
+	c.margin = margin
+	return &c
 }
 
 // DefaultClient is the HTTP client NewCharger uses when given none: a 30 s timeout, and
@@ -62,20 +96,41 @@ func DefaultClient() *http.Client {
 }
 
 // Charge asks the provider to charge c, passing key as its Idempotency-Key, so that a
-// repeated call (after a crash) returns the first charge instead of making another. It
-// returns the charge as JSON. A 4xx answer other than 409 is permanent (wraps
-// asynq.SkipRetry); 409 returns ErrProviderBusy; transport errors and 5xx are retryable.
+// repeated call (after a crash) returns the first charge instead of making another, and
+// the claim's fence as HeaderFence. It returns the charge as JSON. A 4xx answer other
+// than 409 is permanent (wraps asynq.SkipRetry); 409 returns ErrProviderBusy; transport
+// errors and 5xx are retryable.
+//
+// Under a ledger lease the call's deadline is min(30 s, LeaseDeadline - now - the fence
+// margin), so that the call ends while the lease surely holds; with less than
+// min(MinCallTime, the fence margin) of it left, Charge returns ErrLeaseEnding
+// (retryable) without calling.
 func (ch *Charger) Charge(ctx context.Context, key string, c tasks.Charge) (json.RawMessage, error) {
 	body, err := json.Marshal(c)
 	if err != nil {
 		return nil, err
 	}
+	timeout := callTimeout
+	if fenceAt, ok := idempotency.LeaseDeadline(ctx); ok {
+		if left := time.Until(fenceAt) - ch.margin; left < timeout {
+			timeout = left
+		}
+		if least := min(MinCallTime, ch.margin); timeout < least {
+			return nil, fmt.Errorf("charge %s: %s left before the lease's self-fence deadline, less than %s and the margin %s: %w",
+				key, time.Until(fenceAt).Round(time.Millisecond), least, ch.margin, ErrLeaseEnding)
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, ch.url, bytes.NewReader(body))
 	if err != nil {
 		return nil, fmt.Errorf("charge %s: %w", key, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
+	if _, fence, ok := idempotency.FromContext(ctx); ok && fence > 0 {
+		req.Header.Set(HeaderFence, strconv.FormatInt(fence, 10))
+	}
 	resp, err := ch.http.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("charge %s: %w", key, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -120,5 +121,82 @@ func TestDebitWritesOneEntryInTheLedgersTransaction(t *testing.T) {
 	defer tx.Rollback(ctx)
 	if _, err := handlers.Debit(ctx, tx, d); err == nil {
 		t.Fatal("Debit ran outside the ledger")
+	}
+}
+
+func chargeRequest(key string) idempotency.Request {
+	return idempotency.Request{Key: key, TaskType: tasks.TypeCharge, Fingerprint: idempotency.Fingerprint(tasks.TypeCharge, []byte(key))}
+}
+
+// Under a lease the charger sends its claim's fence, which the provider records with the
+// request.
+func TestChargeSendsItsFence(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	srv := httptest.NewServer(fakepay.New(pool, fakepay.Config{HonorKeys: true}))
+	defer srv.Close()
+	ctx := testenv.Context(t, 30*time.Second)
+	l := idempotency.New(pool, nil)
+	defer l.Close()
+	ch := handlers.NewCharger(srv.URL, nil).WithFenceMargin(l.SelfFenceMargin())
+	res, err := l.Do(ctx, chargeRequest("charge:o-1"), func(ctx context.Context) (json.RawMessage, error) {
+		return ch.Charge(ctx, "charge:o-1", charge)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fence *int64
+	if err := pool.QueryRow(ctx, `SELECT fence FROM fakepay_requests WHERE idempotency_key = 'charge:o-1'`).Scan(&fence); err != nil {
+		t.Fatal(err)
+	}
+	if fence == nil || *fence != res.Fence {
+		t.Fatalf("recorded fence %v, want the claim's %d", fence, res.Fence)
+	}
+	// Outside a lease there is no fence to send.
+	if _, err := ch.Charge(ctx, "charge:o-2", tasks.Charge{OrderID: "o-2", CustomerID: "c-1", AmountCents: 1, Currency: "EUR"}); err != nil {
+		t.Fatal(err)
+	}
+	if n := testenv.Count(t, pool, `SELECT count(*) FROM fakepay_requests WHERE idempotency_key = 'charge:o-2' AND fence IS NULL`); n != 1 {
+		t.Fatalf("%d requests of charge:o-2 without a fence, want 1", n)
+	}
+}
+
+// Under a lease a call's deadline ends the fence margin before the self-fence deadline,
+// and with too little of the lease left the charger does not call at all.
+func TestChargeKeepsInsideTheLease(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	calls := make(chan struct{}, 10)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls <- struct{}{}
+		io.Copy(io.Discard, r.Body) // then the server sees the client hang up
+		<-r.Context().Done()        // a provider that never answers
+	}))
+	defer srv.Close()
+	ctx := testenv.Context(t, 30*time.Second)
+	const lease, margin = 3 * time.Second, 300 * time.Millisecond
+	l := idempotency.New(pool, &idempotency.Config{Lease: lease, SelfFenceMargin: margin})
+	defer l.Close()
+
+	// Heartbeats keep moving the self-fence deadline; the call's own deadline, set when it
+	// started, ends it while the handler still holds its lease.
+	ch := handlers.NewCharger(srv.URL, nil).WithFenceMargin(time.Second)
+	var live bool
+	_, err := l.Do(ctx, chargeRequest("charge:slow"), func(fctx context.Context) (json.RawMessage, error) {
+		out, err := ch.Charge(fctx, "charge:slow", charge)
+		live = fctx.Err() == nil
+		return out, err
+	})
+	if !errors.Is(err, context.DeadlineExceeded) || !live || len(calls) != 1 {
+		t.Fatalf("Do: %v (handler live after the call: %t, %d calls); want the call's deadline, inside the lease", err, live, len(calls))
+	}
+
+	// A margin as long as the lease leaves no time to call.
+	ch = handlers.NewCharger(srv.URL, nil).WithFenceMargin(lease)
+	_, err = l.Do(ctx, chargeRequest("charge:late"), func(fctx context.Context) (json.RawMessage, error) {
+		return ch.Charge(fctx, "charge:late", charge)
+	})
+	if !errors.Is(err, handlers.ErrLeaseEnding) || errors.Is(err, asynq.SkipRetry) || len(calls) != 1 {
+		t.Fatalf("Do: %v (%d calls); want ErrLeaseEnding, retryable, without a call", err, len(calls))
 	}
 }

@@ -63,8 +63,8 @@ const maxClaimRounds = 5
 // new *Claim (run the work, then Complete or Fail it; Do does all of this), or the stored
 // Result of a completed key. Otherwise the error is a *BusyError (ErrBusy: another claim
 // holds the key, retry when it ends), a *FailedError (ErrFailed), a *MismatchError
-// (ErrMismatch), or wraps ErrNeedsAttention, ErrInvalidKey, ErrInvalidRequest, a context
-// error or a database error. A claim commits before Claim returns. Safe for concurrent
+// (ErrMismatch), or wraps ErrNeedsAttention, ErrInvalidKey, ErrInvalidRequest,
+// ErrUnavailable, a context error or a database error. A claim commits before Claim returns. Safe for concurrent
 // use.
 func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 	if err := req.validate(); err != nil {
@@ -81,14 +81,14 @@ func (l *Ledger) Claim(ctx context.Context, req Request) (ClaimResult, error) {
 			err = fmt.Errorf("no answer for the key")
 		}
 		if err != nil {
-			return ClaimResult{}, l.claimError(req, err)
+			return ClaimResult{}, asUnavailable(ctx, l.claimError(req, err))
 		}
 		r := &op.row
 		if !r.Claimed && r.Attempted {
 			// Lost a race with a concurrent change: look again with a fresh snapshot (a
 			// row deleted meanwhile reads as none, which decide counts as a race).
 			if err := store.ReadRow(ctx, l.pool, req.Key, r); err != nil {
-				return ClaimResult{}, fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
+				return ClaimResult{}, asUnavailable(ctx, fmt.Errorf("idempotency: claim %s: %w", req.Key, err))
 			}
 		}
 		res, stuck, again, err := l.decide(ctx, req, c, r, round)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 )
 
@@ -21,13 +22,17 @@ import (
 // fn's context is cancelled, with context.Cause wrapping ErrLeaseLost, as soon as a
 // heartbeat finds the lease taken, or when no heartbeat reached the database by the
 // self-fence deadline (send time of the last successful heartbeat + lease -
-// Config.SelfFenceMargin, on the monotonic clock). fn should then stop; its result is
-// still offered to Complete, which refuses it (ErrLeaseLost) unless nobody took over.
+// Config.SelfFenceMargin, on the monotonic clock; LeaseDeadline reads it from fn's
+// context). fn should then stop; its result is still offered to Complete, which refuses
+// it (ErrLeaseLost) unless nobody took over.
 //
 // When fn returns an error, Do records it with Fail (permanent if IsPermanent, else the
 // lease ends at once for a retry) and returns fn's error, joined with Fail's error if
 // Fail failed. When fn panics, Do ends the lease at once (a fenced, retryable Fail) and
-// panics again with the same value.
+// panics again with the same value. But when Do itself cancelled fn (lease lost or
+// self-fenced), a retryable error or a panic leaves the lease as it is, to lapse on the
+// database clock: a call fn had in flight may still be taking effect, and no other
+// delivery may take the key over before the lease ends.
 //
 // Honest limit: if the process dies after fn's external call but before the completion,
 // a later delivery runs fn again with the same key; exactly-once then rests on the
@@ -47,13 +52,15 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	c := cr.Claim
 
 	hctx, span := l.startSpan(ctx, "idemq.handler", req.Key)
-	fctx, cancel := context.WithCancelCause(withClaim(hctx, c.Key, c.Fence))
+	fence := &fenceClock{}
+	fence.set(l.selfFenceAt(c.sentAt, c.lease))
+	fctx, cancel := context.WithCancelCause(context.WithValue(withClaim(hctx, c.Key, c.Fence), fenceClockKey{}, fence))
 	defer cancel(nil)
 	stop := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		l.heartbeatLoop(fctx, c, stop, cancel)
+		l.heartbeatLoop(fctx, c, fence, stop, cancel)
 	}()
 	endHeartbeats := func() {
 		close(stop)
@@ -71,13 +78,25 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	var finishErr error // the completion's or the Fail's own error
 	defer func() { endFinishSpan(span, c, ferr, finishErr, context.Cause(fctx)) }()
 
+	// Cancelled by Do (lease lost or self-fenced): whatever fn had in flight may still take
+	// effect, so a retryable outcome leaves the lease to lapse instead of ending it.
+	lapse := errors.Is(context.Cause(fctx), ErrLeaseLost)
+	if lapse && (panicked || (ferr != nil && !IsPermanent(ferr))) {
+		l.log.WarnContext(ctx, "idempotency: handler stopped after its lease was lost; the lease is left to lapse", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence)
+	}
 	if panicked {
+		if lapse {
+			panic(pval)
+		}
 		if finishErr = l.Fail(ctx, c, fmt.Errorf("handler panicked: %v", pval)); finishErr != nil {
 			l.log.ErrorContext(ctx, "idempotency: end lease after panic", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", finishErr)
 		}
 		panic(pval)
 	}
 	if ferr != nil {
+		if lapse && !IsPermanent(ferr) {
+			return Result{}, withLeaseLoss(ferr, fctx)
+		}
 		if finishErr = l.Fail(ctx, c, ferr); finishErr != nil {
 			return Result{}, errors.Join(withLeaseLoss(ferr, fctx), finishErr)
 		}
@@ -109,17 +128,48 @@ func runFn(ctx context.Context, fn func(ctx context.Context) (json.RawMessage, e
 	return out, err, false, nil
 }
 
-// heartbeatLoop extends c's lease every Lease/3 until stop closes. It cancels the handler
-// (cause ErrLeaseLost) when the lease is lost or when it can no longer be sure to hold it.
-func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct{}, cancel context.CancelCauseFunc) {
+// LeaseDeadline returns the self-fence deadline of the leased handler (Do's fn) that ctx
+// belongs to: when Do cancels the handler unless a heartbeat reaches the database first
+// (send time of the last successful heartbeat + lease - Config.SelfFenceMargin, on the
+// local monotonic clock). Each successful heartbeat moves it later, so read it just before
+// each external call and give the call a deadline inside it, with room for the provider
+// to finish what it received: the lease ends Config.SelfFenceMargin after it by the
+// database clock, and only then may another delivery take the key over. ok is false
+// outside a leased handler (DoTx handlers hold their key by a transaction instead).
+// Safe for concurrent use.
+func LeaseDeadline(ctx context.Context) (deadline time.Time, ok bool) {
+	f, ok := ctx.Value(fenceClockKey{}).(*fenceClock)
+	if !ok {
+		return time.Time{}, false
+	}
+	return f.get(), true
+}
+
+type fenceClockKey struct{}
+
+// fenceClock holds a leased handler's self-fence deadline; the heartbeat loop moves it.
+type fenceClock struct{ at atomic.Pointer[time.Time] }
+
+func (f *fenceClock) set(t time.Time) { f.at.Store(&t) }
+func (f *fenceClock) get() time.Time  { return *f.at.Load() }
+
+// selfFenceAt is the self-fence deadline of a lease asked for at sent.
+func (l *Ledger) selfFenceAt(sent time.Time, lease time.Duration) time.Time {
+	if l.cfg.UnsafeNoFencing {
+		return time.Now().Add(100 * 365 * 24 * time.Hour) // never: negative controls only
+	}
+	return sent.Add(lease - l.cfg.SelfFenceMargin)
+}
+
+// heartbeatLoop extends c's lease every Lease/3 until stop closes, moving the self-fence
+// deadline (fence) with each success. It cancels the handler (cause ErrLeaseLost) when the
+// lease is lost or when it can no longer be sure to hold it.
+func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, fence *fenceClock, stop <-chan struct{}, cancel context.CancelCauseFunc) {
 	interval := l.cfg.Lease / 3
 	// The claim itself counts as the first successful heartbeat.
-	fenceAt := c.sentAt.Add(c.lease - l.cfg.SelfFenceMargin)
+	fenceAt := fence.get()
 	next := time.NewTimer(interval)
 	defer next.Stop()
-	if l.cfg.UnsafeNoFencing {
-		fenceAt = time.Now().Add(100 * 365 * 24 * time.Hour) // never: negative controls only
-	}
 	selfFence := time.NewTimer(time.Until(fenceAt))
 	defer selfFence.Stop()
 	for {
@@ -149,7 +199,8 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, stop <-chan struct
 			next.Reset(min(interval, max(time.Until(fenceAt)/4, time.Millisecond)))
 		default:
 			if !l.cfg.UnsafeNoFencing {
-				fenceAt = sent.Add(lease - l.cfg.SelfFenceMargin)
+				fenceAt = l.selfFenceAt(sent, lease)
+				fence.set(fenceAt)
 				selfFence.Reset(time.Until(fenceAt))
 			}
 			next.Reset(interval)

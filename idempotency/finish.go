@@ -18,13 +18,13 @@ import (
 // Heartbeat extends c's lease by Config.Lease from now (database clock), never past the
 // request's Deadline and never shortening it, on the heartbeat pool. It returns the new
 // lease end. ErrLeaseLost means the claim no longer holds the key: stop the work. Other
-// errors (the database unreachable) leave the lease as it was. Safe for concurrent use,
+// errors (the database unreachable: ErrUnavailable) leave the lease as it was. Safe for concurrent use,
 // but not concurrently with Complete or Fail on the same claim.
 func (l *Ledger) Heartbeat(ctx context.Context, c *Claim) (time.Time, error) {
 	lease := l.leaseFor(c.deadline)
 	until, held, err := l.writes.ExtendLease(ctx, l.hbPool, c.Key, c.Fence, c.owner, lease)
 	if err != nil {
-		return time.Time{}, fmt.Errorf("idempotency: heartbeat %s: %w", c.Key, err)
+		return time.Time{}, asUnavailable(ctx, fmt.Errorf("idempotency: heartbeat %s: %w", c.Key, err))
 	}
 	if !held {
 		l.leaseLost(ctx, c, "heartbeat")
@@ -45,6 +45,8 @@ func (l *Ledger) leaseLost(ctx context.Context, c *Claim, what string) {
 // last_error): the key still completes and never runs again. It runs detached from ctx's
 // cancellation, bounded by Config.WriteTimeout. If the connection drops while committing,
 // the outcome is learned from the transaction id; ErrCommitUnknown when it cannot be.
+// An error that says Postgres could not be reached or did not answer within
+// Config.WriteTimeout wraps ErrUnavailable.
 func (l *Ledger) Complete(ctx context.Context, c *Claim, result json.RawMessage) error {
 	_, err := l.complete(ctx, c, result)
 	return err
@@ -98,8 +100,14 @@ func (l *Ledger) Fail(ctx context.Context, c *Claim, cause error) error {
 // round of the leased committer, shared with whatever other completions and failures are
 // being committed, or alone with Config.DisableGroupCommit. It returns once the round's
 // commit is durable. The update's answer carries its transaction id, read before the
-// commit is asked for, which resolves a commit whose answer was lost.
+// commit is asked for, which resolves a commit whose answer was lost. ctx is the write's
+// own (Complete and Fail detach it from their caller): its timeout, like a lost or refused
+// connection, makes the error ErrUnavailable.
 func (l *Ledger) finish(ctx context.Context, c *Claim, action store.Action, result, errMsg pgtype.Text) error {
+	return asUnavailable(context.WithoutCancel(ctx), l.finishOnce(ctx, c, action, result, errMsg))
+}
+
+func (l *Ledger) finishOnce(ctx context.Context, c *Claim, action store.Action, result, errMsg pgtype.Text) error {
 	op := &leasedOp{key: c.Key, finish: &store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, Action: action, Result: result, Error: errMsg,
 		IntentSum: c.intentSum},
 		span: trace.SpanFromContext(ctx)}

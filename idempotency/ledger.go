@@ -348,3 +348,7 @@ func FromContext(ctx context.Context) (key string, fence int64, ok bool) {
 
 // Lease returns the lease a claim holds a key for without a heartbeat (Config.Lease).
 func (l *Ledger) Lease() time.Duration { return l.cfg.Lease }
+
+// SelfFenceMargin returns Config.SelfFenceMargin: how long before a lease's end, by the
+// local clock, Do cancels a handler that no heartbeat has confirmed (see LeaseDeadline).
+func (l *Ledger) SelfFenceMargin() time.Duration { return l.cfg.SelfFenceMargin }

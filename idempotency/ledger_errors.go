@@ -1,9 +1,14 @@
 package idempotency
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // Sentinel errors. Compare with errors.Is: the errors returned by the Ledger wrap them,
@@ -40,9 +45,45 @@ var (
 	// ErrNotTerminal is returned by Ledger.Rerun for a key that is still in progress.
 	ErrNotTerminal = errors.New("idempotency: key not terminal")
 	// ErrCommitUnknown means the connection was lost while a completion committed and the
-	// outcome could not be learned from the transaction id before the context ended.
+	// outcome could not be learned from the transaction id before the context ended. The
+	// error also wraps ErrUnavailable.
 	ErrCommitUnknown = errors.New("idempotency: commit outcome unknown")
+	// ErrUnavailable means a ledger write (a claim, heartbeat, completion or failure, or
+	// the resolution of a commit whose answer was lost) could not reach Postgres or hear
+	// its answer: a connection refused or lost, a server shutting down, starting or not yet
+	// promoted, no connection slot free, or a write that timed out (Config.WriteTimeout, a
+	// connect or read timeout). Nothing says the request is wrong: retry soon. The end of
+	// the caller's own context (a delivery's deadline) is not unavailability, nor is an
+	// error a handler returns. The write's effect, if any, is read from the ledger by the
+	// next attempt (a completed key answers with its result; an unended lease is busy).
+	ErrUnavailable = errors.New("idempotency: database unavailable")
 )
+
+// unavailableError marks a ledger write's error as ErrUnavailable, keeping its message.
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string        { return e.err.Error() }
+func (e *unavailableError) Unwrap() error        { return e.err }
+func (e *unavailableError) Is(target error) bool { return target == ErrUnavailable }
+
+// asUnavailable marks err, a ledger write's error, as ErrUnavailable when it says that
+// Postgres could not be reached or did not answer in time (see ErrUnavailable). A timeout
+// counts only while caller, the context the write was made for, has not ended: a write
+// cut short by the caller's own deadline is the caller's doing.
+func asUnavailable(caller context.Context, err error) error {
+	if err == nil || errors.Is(err, ErrUnavailable) {
+		return err
+	}
+	if pgcode.Unavailable(err) || (caller.Err() == nil && timedOut(err)) {
+		return &unavailableError{err: err}
+	}
+	return err
+}
+
+// timedOut reports a timeout: a context deadline, or a network timeout pgx reports.
+func timedOut(err error) bool {
+	return errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err)
+}
 
 // BusyError reports a key held by another claim. Owner, Fence and Until are zero when
 // the holder is an uncommitted transaction (DoTx) or when a lock or serialization wait

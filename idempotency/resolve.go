@@ -23,7 +23,8 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 	}
 	committed, err := l.resolveXact(ctx, c)
 	if err != nil {
-		return fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)
+		// The connection was lost and no other reached the server in time.
+		return &unavailableError{err: fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)}
 	}
 	l.observe(EventCommitResolved, c.TaskType)
 	l.log.WarnContext(ctx, "idempotency: commit outcome resolved by transaction id", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "xid", xid, "committed", committed)

@@ -129,7 +129,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		},
 	})
 
-	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(handlers.DefaultClient()))
+	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(handlers.DefaultClient())).WithFenceMargin(ledger.SelfFenceMargin())
 	mux := asynq.NewServeMux()
 	charge := func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
 		return charger.Charge(ctx, c.Key(), c)

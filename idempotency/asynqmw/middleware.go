@@ -46,7 +46,9 @@ type Config struct {
 	// BusyBudget bounds how long a task may keep retrying as busy, counted from its
 	// first enqueue (the idempotency.HeaderFirstEnqueued header) or, for a task without
 	// the header (a plain asynq producer's), from when the ledger row's generation
-	// started; past it, busy is a counted failure naming the owner, fence and age.
+	// started; past it, busy is a counted failure naming the owner, fence and age. It
+	// bounds the retries of a task that finds Postgres unavailable too, counted from its
+	// first enqueue (a task without the header is retried as long as that lasts).
 	// Default: max(2 × the ledger's lease, 15m).
 	BusyBudget time.Duration
 
@@ -369,6 +371,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		}
 		var busy *idempotency.BusyError
 		if !errors.As(err, &busy) {
+			if age, known := taskAge(t); known && age > h.w.cfg.BusyBudget && unavailable(err) {
+				return OutcomeError, &UnavailableTooLongError{Key: key, Age: age, Err: err}
+			}
 			outcome, err := h.mapError(err, key)
 			if reason := deadReason(err); reason != "" {
 				if serr := h.settleDead(ctx, req, reason, err); serr != nil {
@@ -497,11 +502,32 @@ func (e *BusyTooLongError) Error() string {
 	return fmt.Sprintf("asynqmw: key %s still busy after %s (owner %s, fence %d)", e.Key, e.Age.Round(time.Second), e.Owner, e.Fence)
 }
 
+// UnavailableTooLongError reports a task that kept finding Postgres unavailable past the
+// busy budget, counted from its first enqueue: unlike idempotency.ErrUnavailable, it is a
+// counted failure. It does not wrap Err, whose text it carries.
+type UnavailableTooLongError struct {
+	Key string
+	Age time.Duration // since the first enqueue
+	Err error         // the last attempt's error
+}
+
+func (e *UnavailableTooLongError) Error() string {
+	return fmt.Sprintf("asynqmw: key %s: Postgres still unavailable %s after the first enqueue: %v", e.Key, e.Age.Round(time.Second), e.Err)
+}
+
+// unavailable reports an error that says Postgres cannot be reached right now: a ledger
+// write's (idempotency.ErrUnavailable: refused, lost, timed out) or pgx's own.
+func unavailable(err error) bool {
+	return errors.Is(err, idempotency.ErrUnavailable) || pgcode.Unavailable(err)
+}
+
 // IsFailure tells asynq which errors count as failures (asynq.Config.IsFailure): a busy
 // key or lock does not, nor a Postgres that cannot be reached right now (a restart, a
-// failover under way), so neither burns the retry budget.
+// failover under way, a ledger write that timed out), so neither burns the retry budget
+// (until the busy budget ends: BusyTooLongError, UnavailableTooLongError). A handler's own
+// timeout and the delivery's deadline are failures.
 func IsFailure(err error) bool {
-	return !errors.Is(err, idempotency.ErrBusy) && !errors.Is(err, ErrLockBusy) && !pgcode.Unavailable(err)
+	return !errors.Is(err, idempotency.ErrBusy) && !errors.Is(err, ErrLockBusy) && !unavailable(err)
 }
 
 // RetryDelay tells asynq when to run a task again (asynq.Config.RetryDelayFunc): a busy
@@ -530,7 +556,7 @@ func RetryDelay(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 			return min(max(d, 200*time.Millisecond), time.Minute) + jitter(250*time.Millisecond)
 		case errors.Is(err, ErrLockBusy):
 			return 500*time.Millisecond + jitter(500*time.Millisecond)
-		case pgcode.Unavailable(err), errors.Is(err, idempotency.ErrLeaseLost):
+		case unavailable(err), errors.Is(err, idempotency.ErrLeaseLost):
 			return 500*time.Millisecond + jitter(time.Second)
 		}
 		return next(n, err, t)

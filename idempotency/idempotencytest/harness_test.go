@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
@@ -57,7 +58,8 @@ func chargeCase(pool *pgxpool.Pool) idempotencytest.Case {
 func provider(t *testing.T, pool *pgxpool.Pool, honorKeys bool) *handlers.Charger {
 	srv := httptest.NewServer(fakepay.New(pool, fakepay.Config{HonorKeys: honorKeys}))
 	t.Cleanup(srv.Close)
-	return handlers.NewCharger(srv.URL, nil)
+	// The harness ledgers have the default margin, a tenth of their 1 s lease.
+	return handlers.NewCharger(srv.URL, nil).WithFenceMargin(100 * time.Millisecond)
 }
 
 // Our handlers, registered as idemq worker registers them, pass every schedule.

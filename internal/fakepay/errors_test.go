@@ -97,3 +97,37 @@ func TestInternalErrorsAreNotShown(t *testing.T) {
 		t.Errorf("the cause was not logged:\n%s", logs.String())
 	}
 }
+
+// An Idemq-Fence header that is not one fence is refused, naming the header; a valid one
+// is recorded with the request.
+func TestFenceHeader(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	srv := httptest.NewServer(fakepay.New(pool, fakepay.Config{HonorKeys: true}))
+	defer srv.Close()
+	post := func(fences ...string) (int, string) {
+		req, _ := http.NewRequest("POST", srv.URL+"/v1/charges", strings.NewReader(order1))
+		req.Header.Set("Idempotency-Key", "charge:o-1")
+		for _, f := range fences {
+			req.Header.Add("Idemq-Fence", f)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(raw)
+	}
+	for _, fences := range [][]string{{"x"}, {"-1"}, {"1", "2"}, {"99999999999999999999"}} {
+		if code, body := post(fences...); code != http.StatusBadRequest || !strings.Contains(body, "Idemq-Fence") {
+			t.Errorf("fence %q: %d %s, want 400 naming Idemq-Fence", fences, code, body)
+		}
+	}
+	if code, body := post("42"); code != http.StatusCreated {
+		t.Fatalf("fence 42: %d %s, want 201", code, body)
+	}
+	if n := testenv.Count(t, pool, `SELECT count(*) FROM fakepay_requests WHERE fence = 42 AND status_code = 201`); n != 1 {
+		t.Fatalf("%d requests recorded with fence 42, want 1", n)
+	}
+}

@@ -1,6 +1,7 @@
 // Package fakepay is a stand-in payment provider for idemq's example domain and tests.
 //
-// It records every request in fakepay_requests and every charge it creates in
+// It records every request in fakepay_requests (with the time it arrived and the fence of
+// its Idemq-Fence header, when it has one) and every charge it creates in
 // fakepay_charges. Like Stripe, it honours the Idempotency-Key header (when HonorKeys is
 // set): a repeated key returns the first charge, a key reused with other parameters is
 // refused with 400, and a request whose key is still being processed gets 409. With
@@ -21,6 +22,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -91,6 +93,26 @@ var errKeyReused = errors.New("Idempotency-Key was used before with different pa
 // errInternal answers a failure that is not the caller's; the cause is only logged.
 var errInternal = errors.New("internal error")
 
+// headerFence is the request header carrying the caller's fence (idemq's claim), recorded
+// with the request.
+const headerFence = "Idemq-Fence"
+
+// fence returns the request's Idemq-Fence header, 0 without one.
+func fence(h http.Header) (int64, error) {
+	vs := h.Values(headerFence)
+	switch {
+	case len(vs) == 0:
+		return 0, nil
+	case len(vs) > 1:
+		return 0, fmt.Errorf("%s header: given %d times, must be given once", headerFence, len(vs))
+	}
+	n, err := strconv.ParseInt(vs[0], 10, 64)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("%s header: %.32q is not a fence (a non-negative integer)", headerFence, vs[0])
+	}
+	return n, nil
+}
+
 // idempotencyKey returns the request's Idempotency-Key header, "" without one. A key is
 // stored and compared as text, so it must be given once and follow the ledger's key rules.
 func idempotencyKey(h http.Header) (string, error) {
@@ -111,7 +133,9 @@ func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
 	// Like a real provider, finish what was asked even if the caller hangs up: the charge
 	// exists whether or not the caller hears about it (the crash window idemq guards).
 	ctx := context.WithoutCancel(r.Context())
+	rec := record{received: time.Now()}
 	key, keyErr := idempotencyKey(r.Header)
+	rec.fence, rec.fenceErr = fence(r.Header)
 	var req ChargeRequest
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))
 	dec.DisallowUnknownFields()
@@ -119,11 +143,14 @@ func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
 	if err == nil {
 		err = tasks.Charge(req).Validate()
 	}
-	if keyErr != nil { // the header is reported first; the body is still recorded
+	if rec.fenceErr != nil {
+		err = rec.fenceErr
+	}
+	if keyErr != nil { // the headers are reported first; the body is still recorded
 		err = keyErr
 	}
 	if err != nil {
-		s.answer(ctx, w, key, req, nil, http.StatusBadRequest, err)
+		s.answer(ctx, w, rec, key, req, nil, http.StatusBadRequest, err)
 		return
 	}
 	var ch *Charge
@@ -134,15 +161,15 @@ func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case errors.Is(err, errInFlight):
-		s.answer(ctx, w, key, req, nil, http.StatusConflict, err)
+		s.answer(ctx, w, rec, key, req, nil, http.StatusConflict, err)
 	case errors.Is(err, errKeyReused):
-		s.answer(ctx, w, key, req, nil, http.StatusBadRequest, err)
+		s.answer(ctx, w, rec, key, req, nil, http.StatusBadRequest, err)
 	case err != nil:
-		s.answer(ctx, w, key, req, nil, http.StatusInternalServerError, err)
+		s.answer(ctx, w, rec, key, req, nil, http.StatusInternalServerError, err)
 	case ch.Replayed:
-		s.answer(ctx, w, key, req, ch, http.StatusOK, nil)
+		s.answer(ctx, w, rec, key, req, ch, http.StatusOK, nil)
 	default:
-		s.answer(ctx, w, key, req, ch, http.StatusCreated, nil)
+		s.answer(ctx, w, rec, key, req, ch, http.StatusCreated, nil)
 	}
 }
 
@@ -218,10 +245,17 @@ func scanCharge(row pgx.Row) (*Charge, error) {
 	return &c, nil
 }
 
+// record is what answer records of a request besides its key and body.
+type record struct {
+	received time.Time // when it arrived
+	fence    int64     // its Idemq-Fence header, 0 for none
+	fenceErr error     // why the header could not be read
+}
+
 // answer records the request and writes the response. Recording uses its own context:
 // a client that hung up still leaves a trace. The cause of a 5xx is logged, and the caller
 // gets errInternal instead.
-func (s *Server) answer(ctx context.Context, w http.ResponseWriter, key string, req ChargeRequest, ch *Charge, code int, cause error) {
+func (s *Server) answer(ctx context.Context, w http.ResponseWriter, rec record, key string, req ChargeRequest, ch *Charge, code int, cause error) {
 	if code >= http.StatusInternalServerError {
 		s.cfg.Logger.ErrorContext(ctx, "charge request failed", "key", key, "order_id", req.OrderID, "err", cause)
 		cause = errInternal
@@ -234,8 +268,12 @@ func (s *Server) answer(ctx context.Context, w http.ResponseWriter, key string, 
 	}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if _, err := s.pool.Exec(rctx, `INSERT INTO fakepay_requests (idempotency_key, order_id, body, status_code, charge_id, replayed)
-		VALUES (nullif($1, ''), nullif($2, ''), $3, $4, $5, $6)`, key, req.OrderID, body, code, chargeID, replayed); err != nil {
+	var fence *int64
+	if rec.fence > 0 && rec.fenceErr == nil {
+		fence = &rec.fence
+	}
+	if _, err := s.pool.Exec(rctx, `INSERT INTO fakepay_requests (idempotency_key, order_id, body, status_code, charge_id, replayed, received_at, fence)
+		VALUES (nullif($1, ''), nullif($2, ''), $3, $4, $5, $6, $7, $8)`, key, req.OrderID, body, code, chargeID, replayed, rec.received, fence); err != nil {
 		s.cfg.Logger.ErrorContext(ctx, "record request", "err", err)
 	}
 	s.cfg.Logger.InfoContext(ctx, "charge request", "key", key, "order_id", req.OrderID, "status", code, "replayed", replayed)

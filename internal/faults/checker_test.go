@@ -43,6 +43,14 @@ type verdict struct {
 	BadArchived     int            `json:"bad_payloads_archived"`
 	BadProblems     []string       `json:"bad_payload_problems,omitempty"`
 	Examples        []string       `json:"examples,omitempty"` // a few offending keys
+
+	// FencedRequests counts the provider requests that carried their claim's fence;
+	// LateRequests those received after a request of a higher fence for the same key, or
+	// after a higher fence completed the key: a stale owner's call that landed after the
+	// key was taken over, although a takeover waits for the lease to end and a call ends
+	// inside its lease.
+	FencedRequests int `json:"provider_requests_fenced"`
+	LateRequests   int `json:"provider_requests_after_takeover"`
 }
 
 type effects struct {
@@ -150,6 +158,9 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 		(SELECT count(*) n FROM fakepay_requests WHERE idempotency_key IS NOT NULL GROUP BY idempotency_key HAVING count(*) > 1) x`).Scan(&v.KeyReuses, &v.ReusedRequests); err != nil {
 		return v, err
 	}
+	if err := c.lateRequests(ctx, &v, example); err != nil {
+		return v, err
+	}
 	v.LatencyP50, v.LatencyP99 = quantile(latencies, 0.5), quantile(latencies, 0.99)
 
 	var rec []float64
@@ -171,6 +182,51 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 	}
 	v.Leftover, v.BadArchived, v.BadProblems = left, bad, problems
 	return v, nil
+}
+
+// lateRequests counts the fenced provider requests and those that arrived late: after a
+// request of a higher fence for the same key (which was sent by a claim made after this
+// fence's lease ended), or after the ledger row was completed by a higher fence. The
+// ledger keeps only a key's newest lease, so these bound when an older fence's lease
+// ended from above; received_at is the provider's arrival time, on the same host's clock
+// as the database's.
+func (c *cluster) lateRequests(ctx context.Context, v *verdict, example func(string, ...any)) error {
+	if err := c.pool.QueryRow(ctx, `SELECT count(*) FROM fakepay_requests WHERE fence IS NOT NULL`).Scan(&v.FencedRequests); err != nil {
+		return err
+	}
+	rows, err := c.pool.Query(ctx, `SELECT r.idempotency_key, r.fence, r.received_at,
+			(SELECT min(n.fence) FROM fakepay_requests n
+				WHERE n.idempotency_key = r.idempotency_key AND n.fence > r.fence AND n.received_at < r.received_at),
+			(SELECT p.fence FROM processed_jobs p
+				WHERE p.idempotency_key = r.idempotency_key AND p.status = 'completed' AND p.fence > r.fence AND p.completed_at < r.received_at)
+		FROM fakepay_requests r
+		WHERE r.fence IS NOT NULL AND (
+			EXISTS (SELECT 1 FROM fakepay_requests n
+				WHERE n.idempotency_key = r.idempotency_key AND n.fence > r.fence AND n.received_at < r.received_at)
+			OR EXISTS (SELECT 1 FROM processed_jobs p
+				WHERE p.idempotency_key = r.idempotency_key AND p.status = 'completed' AND p.fence > r.fence AND p.completed_at < r.received_at))
+		ORDER BY r.received_at`)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var key string
+		var fence int64
+		var at time.Time
+		var newerRequest, completedBy *int64
+		if err := rows.Scan(&key, &fence, &at, &newerRequest, &completedBy); err != nil {
+			return err
+		}
+		v.LateRequests++
+		switch {
+		case newerRequest != nil:
+			example("%s: request of fence %d received at %s, after one of fence %d", key, fence, at.Format(time.RFC3339Nano), *newerRequest)
+		default:
+			example("%s: request of fence %d received at %s, after fence %d completed the key", key, fence, at.Format(time.RFC3339Nano), *completedBy)
+		}
+	}
+	return rows.Err()
 }
 
 func (c *cluster) effects(ctx context.Context, query string) (map[string]effects, error) {

@@ -316,6 +316,8 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
 	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
 	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
+	fail(v.FencedRequests > 0, "no provider request carried its fence: the late-request check saw nothing")
+	fail(v.LateRequests == 0, "%d provider requests arrived after the key was taken over (a request of a higher fence, or its completion, came first)", v.LateRequests)
 	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
 	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
 	fail(len(r.ResultOnly) == 0, "%d asynq hashes without a task message (a result written after Redis lost the task): %v", len(r.ResultOnly), r.ResultOnly)
@@ -615,6 +617,9 @@ func table(rep *report) string {
 	row("takeovers after lease expiry", func(r runReport) any { return r.Counters["ledger:takeover"] })
 	row("fenced completions (lease_lost)", func(r runReport) any { return r.Counters["ledger:lease_lost"] })
 	row("self-fenced", func(r runReport) any { return r.Counters["ledger:self_fenced"] })
+	row("provider requests fenced / after a takeover", func(r runReport) any {
+		return fmt.Sprintf("%d / %d", r.Verdict.FencedRequests, r.Verdict.LateRequests)
+	})
 	row("provider keys reused (requests)", func(r runReport) any {
 		return fmt.Sprintf("%d (%d)", r.Verdict.KeyReuses, r.Verdict.ReusedRequests)
 	})
@@ -656,9 +661,9 @@ func table(rep *report) string {
 			fmt.Fprintf(&b, "negative control %s: SKIPPED: %s\n", c.Name, c.Skipped)
 			continue
 		}
-		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results, %d results naming an older charge; takeovers %v, fenced completions %v: %s\n",
+		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results, %d results naming an older charge, %d of %d fenced provider requests after a takeover; takeovers %v, fenced completions %v: %s\n",
 			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult, c.Verdict.OlderResult,
-			c.Counters["ledger:takeover"], c.Counters["ledger:lease_lost"], passFail(c.Pass))
+			c.Verdict.LateRequests, c.Verdict.FencedRequests, c.Counters["ledger:takeover"], c.Counters["ledger:lease_lost"], passFail(c.Pass))
 		for _, f := range c.Failures {
 			fmt.Fprintf(&b, "  FAILURE: %s\n", f)
 		}

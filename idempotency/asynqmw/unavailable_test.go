@@ -1,0 +1,150 @@
+package asynqmw_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/internal/testenv"
+	"github.com/idemq/idemq/tasks"
+)
+
+// freezePostgres stops a private Postgres with SIGSTOP: the postmaster (its process group:
+// no new connection is answered) and the backends of the open connections, which leave
+// that group. It returns the backends' pids, for thawPostgres.
+func freezePostgres(t *testing.T, ctx context.Context, pg *testenv.PrivatePostgres) []int {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, pg.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pg.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range pids {
+		syscall.Kill(pid, syscall.SIGSTOP) // gone already: nothing to stop
+	}
+	return pids
+}
+
+// thawPostgres resumes what freezePostgres stopped.
+func thawPostgres(t *testing.T, pg *testenv.PrivatePostgres, pids []int) {
+	t.Helper()
+	for _, pid := range pids {
+		syscall.Kill(pid, syscall.SIGCONT)
+	}
+	if err := pg.Resume(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestLedgerWriteTimeoutIsUnavailable: a ledger write that times out because Postgres
+// does not answer (a private server and its backends stopped with SIGSTOP) is "Postgres unavailable", like
+// a refused connection: retried within 1.5 s and not a failure, until the busy budget from
+// the first enqueue ends. A handler's own timeout, and a write cut short by the caller's
+// deadline, are not.
+func TestLedgerWriteTimeoutIsUnavailable(t *testing.T) {
+	t.Parallel()
+	pg := testenv.StartPostgres(t)
+	ctx := testenv.Context(t, 2*time.Minute)
+	if err := testenv.Migrate(ctx, pg.URL); err != nil {
+		t.Fatal(err)
+	}
+	l := idempotency.New(testenv.Pool(t, pg.URL), &idempotency.Config{WriteTimeout: time.Second})
+	t.Cleanup(l.Close)
+	next := func(int, error, *asynq.Task) time.Duration { return time.Hour }
+	soon := func(err error) bool {
+		d := asynqmw.RetryDelay(next)(5, err, nil)
+		return d >= 500*time.Millisecond && d <= 1500*time.Millisecond
+	}
+	unavailable := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, idempotency.ErrUnavailable) || asynqmw.IsFailure(err) || !soon(err) {
+			t.Errorf("%s: %v (unavailable %t, failure %t); want ErrUnavailable, not a failure, retried within 0.5-1.5 s",
+				what, err, errors.Is(err, idempotency.ErrUnavailable), asynqmw.IsFailure(err))
+		}
+	}
+	failure := func(what string, err error) {
+		t.Helper()
+		if err == nil || errors.Is(err, idempotency.ErrUnavailable) || !asynqmw.IsFailure(err) || soon(err) {
+			t.Errorf("%s: %v; want an ordinary failure, retried by next", what, err)
+		}
+	}
+	var frozen []int
+	pause := func() {
+		t.Helper()
+		frozen = freezePostgres(t, ctx, pg)
+	}
+	resume := func() {
+		t.Helper()
+		thawPostgres(t, pg, frozen)
+	}
+	request := func(key string) idempotency.Request {
+		return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(key))}
+	}
+
+	// The completion's commit gets no answer within the write timeout.
+	_, err := l.Do(ctx, request("complete"), func(context.Context) (json.RawMessage, error) {
+		pause()
+		return json.RawMessage(`{"ok":true}`), nil
+	})
+	resume()
+	unavailable("completion timed out", err)
+	// Its outcome is the next attempt's to read: not completed, so the lease still holds.
+	if _, err := l.Claim(ctx, request("complete")); !errors.Is(err, idempotency.ErrBusy) {
+		t.Errorf("claim after the timed-out completion: %v, want busy until the lease ends", err)
+	}
+
+	// A claim that gets no answer.
+	pause()
+	_, err = l.Claim(ctx, request("claim"))
+	unavailable("claim timed out", err)
+	// The same claim cut short by the caller's own deadline, before the write timeout.
+	cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = l.Claim(cctx, request("claim-deadline"))
+	cancel()
+	resume()
+	failure("claim cut by the caller's deadline", err)
+
+	// A handler's own timeout is its failure, recorded as such.
+	_, err = l.Do(ctx, request("handler"), func(context.Context) (json.RawMessage, error) {
+		return nil, context.DeadlineExceeded
+	})
+	failure("handler's own timeout", err)
+
+	// Through the middleware: unavailable is retried soon until the busy budget from the
+	// first enqueue ends, then it is a counted failure.
+	w := asynqmw.NewWorker(l, nil, &asynqmw.Config{BusyBudget: time.Minute})
+	h := asynqmw.Leased(w, tasks.TypeCharge, tasks.DecodeCharge, func(context.Context, tasks.Charge) (json.RawMessage, error) {
+		return json.RawMessage(`{}`), nil
+	})
+	payload := chargeTask(t, "o-unavailable", 1).Payload()
+	fresh := asynq.NewTaskWithHeaders(tasks.TypeCharge, payload, idempotency.FirstEnqueuedHeader(time.Now()))
+	old := asynq.NewTaskWithHeaders(tasks.TypeCharge, payload, idempotency.FirstEnqueuedHeader(time.Now().Add(-time.Hour)))
+	pause()
+	err = h.ProcessTask(ctx, fresh)
+	unavailable("delivery within the budget", err)
+	err = h.ProcessTask(ctx, old)
+	resume()
+	var tooLong *asynqmw.UnavailableTooLongError
+	if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || soon(err) {
+		t.Errorf("delivery past the budget: %v; want a counted UnavailableTooLongError", err)
+	}
+}
