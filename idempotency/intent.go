@@ -68,7 +68,8 @@ const (
 // dead with reason for a mismatch, a failed or stuck row, or a payload the worker refused
 // (its key then comes from the TaskID: see IntentKey). Only a delivery of the intent's own
 // task settles it (req.TaskID and req.PayloadSum; see Request); it reports whether it
-// did. An intent already settled is left as it is. Safe for concurrent use.
+// did. An intent already settled is left as it is. An error that says Postgres could not
+// be reached or did not answer in time wraps ErrUnavailable. Safe for concurrent use.
 func (l *Ledger) SettleIntent(ctx context.Context, req Request, dead bool, reason string) (bool, error) {
 	sum := req.intentSum()
 	if len(sum) == 0 {
@@ -78,11 +79,11 @@ func (l *Ledger) SettleIntent(ctx context.Context, req Request, dead bool, reaso
 	if dead {
 		state = store.IntentDead
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 	defer cancel()
-	ok, err := store.SettleIntent(ctx, l.pool, req.Key, req.TaskType, sum, state, cleanText(reason))
+	ok, err := store.SettleIntent(wctx, l.pool, req.Key, req.TaskType, sum, state, cleanText(reason))
 	if err != nil {
-		return false, fmt.Errorf("idempotency: settle the intent of %s: %w", req.Key, err)
+		return false, asUnavailable(ctx, fmt.Errorf("idempotency: settle the intent of %s: %w", req.Key, err))
 	}
 	return ok, nil
 }
