@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -23,6 +24,8 @@ type Server struct {
 	dir        string
 	ready      func() error
 	stopSignal syscall.Signal
+	// settle, if set, waits until what a killed server left behind lets it start again.
+	settle func()
 }
 
 // Close kills the server and removes its directory.
@@ -46,6 +49,9 @@ func (s *Server) Stop() error { return s.p.stop(s.stopSignal, false, 30*time.Sec
 // Start starts a stopped or killed server again on the same port and data, and waits until
 // it answers.
 func (s *Server) Start() error {
+	if s.settle != nil {
+		s.settle()
+	}
 	if err := s.p.start(); err != nil {
 		return err
 	}
@@ -149,6 +155,7 @@ func newPostgres(root string, cred *syscall.Credential, settings []string) (*Pos
 	for _, kv := range settings {
 		s.p.argv = append(s.p.argv, "-c", kv)
 	}
+	s.settle = s.waitSharedMemoryFree
 	s.ready = func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
@@ -159,6 +166,39 @@ func newPostgres(root string, cred *syscall.Credential, settings []string) (*Pos
 		return conn.Close(ctx)
 	}
 	return s, nil
+}
+
+// waitSharedMemoryFree waits (up to 15 s) until no process is attached to the shared
+// memory segment a killed postmaster left (named in its postmaster.pid): its backends exit
+// on their own once they notice the postmaster is gone, and a Postgres started while one is
+// still attached refuses to run ("pre-existing shared memory block is still in use").
+func (s *Postgres) waitSharedMemoryFree() {
+	pid, err := os.ReadFile(filepath.Join(s.dataDir(), "postmaster.pid"))
+	if err != nil {
+		return // stopped cleanly, or never started
+	}
+	lines := strings.Split(string(pid), "\n")
+	if len(lines) < 7 {
+		return
+	}
+	f := strings.Fields(lines[6]) // "<shm key> <shm id>"
+	if len(f) < 2 {
+		return
+	}
+	id := f[1]
+	waitFor(15*time.Second, func() error {
+		b, err := os.ReadFile("/proc/sysvipc/shm")
+		if err != nil {
+			return nil // not Linux: nothing to look at
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			// key shmid perms size cpid lpid nattch ...
+			if c := strings.Fields(line); len(c) > 6 && c[1] == id && c[6] != "0" {
+				return fmt.Errorf("shared memory %s still attached by %s processes", id, c[6])
+			}
+		}
+		return nil
+	})
 }
 
 // dataDir is the server's cluster directory.
