@@ -368,7 +368,9 @@ func holdAnswers(t *testing.T, target string, hold time.Duration) string {
 
 func TestEndToEndWorkerKilledMidCharge(t *testing.T) {
 	t.Parallel()
-	s := startStack(t, 0, []string{"IDEMQ_FAKEPAY_HONOR_KEYS=true"}, nil)
+	// A charge's call must end before its lease's self-fence deadline, less the margin
+	// (about 0.8 of the lease): 8 s leaves room for the 4 s the proxy holds each answer.
+	s := startStack(t, 0, []string{"IDEMQ_FAKEPAY_HONOR_KEYS=true"}, []string{"IDEMQ_LEASE=8s"})
 	proxy := holdAnswers(t, s.fakepayURL, 4*time.Second)
 	s.workerEnv = append(s.workerEnv, "IDEMQ_FAKEPAY_URL="+proxy) // the later value wins
 	s.startWorker(t, 0)
@@ -399,7 +401,7 @@ func TestEndToEndWorkerKilledMidCharge(t *testing.T) {
 	}
 
 	// asynq would redeliver only after its own recovery (60–120 s); a duplicate delivery
-	// under another TaskID forces the takeover once our 2 s lease has run out.
+	// under another TaskID forces the takeover once our 8 s lease has run out.
 	s.startWorker(t, 0)
 	dup, _ := tasks.NewChargeTask(charge)
 	s.enqueue(t, dup, asynq.TaskID(charge.Key()+"#dup"))
@@ -479,8 +481,10 @@ func TestDemo(t *testing.T) {
 
 func TestWorkerDrainsOnSIGTERM(t *testing.T) {
 	t.Parallel()
-	// Each charge takes 1–2 s at the provider; SIGTERM arrives while they run.
-	s := startStack(t, 1, []string{"IDEMQ_FAKEPAY_DELAY=2s"}, nil)
+	// Each charge takes up to 2 s at the provider; SIGTERM arrives while they run. A
+	// charge's call must end before its lease's self-fence deadline, less the margin
+	// (about 0.8 of the lease): a 5 s lease gives it 4 s.
+	s := startStack(t, 1, []string{"IDEMQ_FAKEPAY_DELAY=2s"}, []string{"IDEMQ_LEASE=5s"})
 	ctx := testenv.Context(t, time.Minute)
 	for i := range 5 {
 		task, _ := tasks.NewChargeTask(tasks.Charge{OrderID: fmt.Sprintf("drain-%d", i), CustomerID: fmt.Sprintf("c-%d", i), AmountCents: 1, Currency: "EUR"})
