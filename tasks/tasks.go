@@ -89,6 +89,12 @@ func (c Charge) Validate() error {
 	return nil
 }
 
+// fields are c's fields for decodePlain, by their JSON names.
+func (c *Charge) fields() []field {
+	return []field{{name: "order_id", str: &c.OrderID}, {name: "customer_id", str: &c.CustomerID},
+		{name: "amount_cents", num: &c.AmountCents}, {name: "currency", str: &c.Currency}}
+}
+
 // Canonical returns c with its enumerated fields in canonical form: Currency in upper
 // case, as ISO 4217 writes it (only ASCII letters change). "usd" and "USD" are one
 // payload, so one fingerprint and one job; ChargeSpec, NewChargeTask and DecodeCharge
@@ -123,14 +129,24 @@ func (d Debit) Validate() error {
 	return checkID("reference", d.Reference, "debit:")
 }
 
+// fields are d's fields for decodePlain, by their JSON names.
+func (d *Debit) fields() []field {
+	return []field{{name: "account_id", str: &d.AccountID}, {name: "amount_cents", num: &d.AmountCents},
+		{name: "reference", str: &d.Reference}}
+}
+
 // DecodeCharge strictly decodes and validates a payment:charge payload and returns it in
 // canonical form (Charge.Canonical): unknown, duplicate and case-variant fields (see
 // CheckFieldNames), trailing data, a payload over idempotency.MaxPayloadBytes and invalid fields are
 // errors that name the problem.
 func DecodeCharge(payload []byte) (Charge, error) {
 	var c Charge
-	if err := decodeStrict(payload, &c); err != nil {
-		return Charge{}, err
+	if !decodePlain(payload, c.fields()) {
+		var slow Charge
+		if err := decodeStrict(payload, &slow); err != nil {
+			return Charge{}, err
+		}
+		c = slow
 	}
 	c = c.Canonical()
 	return c, c.Validate()
@@ -139,8 +155,12 @@ func DecodeCharge(payload []byte) (Charge, error) {
 // DecodeDebit strictly decodes and validates a wallet:debit payload, like DecodeCharge.
 func DecodeDebit(payload []byte) (Debit, error) {
 	var d Debit
-	if err := decodeStrict(payload, &d); err != nil {
-		return Debit{}, err
+	if !decodePlain(payload, d.fields()) {
+		var slow Debit
+		if err := decodeStrict(payload, &slow); err != nil {
+			return Debit{}, err
+		}
+		d = slow
 	}
 	return d, d.Validate()
 }
@@ -213,6 +233,9 @@ func Enqueue(ctx context.Context, c Enqueuer, task *asynq.Task, opts ...asynq.Op
 	return info, false, nil
 }
 
+// decodeStrict decodes payload into v with encoding/json after CheckFieldNames, and
+// explains every refusal; DecodeCharge and DecodeDebit call it for a payload decodePlain
+// does not take.
 func decodeStrict(payload []byte, v any) error {
 	if len(payload) > idempotency.MaxPayloadBytes {
 		return fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), idempotency.MaxPayloadBytes)

@@ -102,11 +102,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		UnsafeNoFencing: cfg.UnsafeNoFencing,
 		Logger:          log,
 		Observe: func(ev idempotency.Event, taskType string) {
-			m.LedgerEvents.WithLabelValues(string(ev), taskType).Inc()
+			m.ObserveLedger(string(ev), taskType)
 		},
-		ObserveBatch: func(kind string, n int) {
-			m.CommitRequests.WithLabelValues(kind).Observe(float64(n))
-		},
+		ObserveBatch: m.ObserveBatch,
 	})
 	defer ledger.Close()
 	locker := lock.New(rdb, &lock.Config{Logger: log})
@@ -121,7 +119,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		Redis:        rdb,
 		Logger:       log,
 		ObserveLock: func(ev asynqmw.LockEvent, taskType string) {
-			m.LockEvents.WithLabelValues(string(ev), taskType).Inc()
+			m.ObserveLock(string(ev), taskType)
 		},
 		ObserveHandler: m.ObserveHandler,
 		ObserveIntentDead: func(taskType, reason string) {
@@ -192,7 +190,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		Listen: db.Session,
 		Logger: log.With("component", "outbox"),
 		Observe: func(ev outbox.Event, taskType string) {
-			m.OutboxEvents.WithLabelValues(string(ev), taskType).Inc()
+			m.ObserveOutbox(string(ev), taskType)
 		},
 	})
 	m.Registry.MustRegister(metrics.NewOutboxCollector(client, cfg.ReconcileGrace))

@@ -296,11 +296,6 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 	if err != nil {
 		return h.refuse(ctx, t, taskID, fmt.Errorf("%s: bad payload: key %s: encode: %v: %w", h.taskType, key, err, asynq.SkipRetry))
 	}
-	log := h.w.log.With("task_type", h.taskType, "key", key)
-	if n, ok := asynq.GetRetryCount(ctx); ok {
-		log = log.With("attempt", n)
-	}
-
 	scope := job.LockScope()
 	if scope == "" {
 		scope = key
@@ -326,7 +321,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			return OutcomeError, err
 		case err != nil:
 			// Redis is a fast path: without it the ledger still guards the work.
-			log.WarnContext(ctx, "lock unavailable; relying on the ledger", "scope", scope, "err", err)
+			h.log(ctx, key).WarnContext(ctx, "lock unavailable; relying on the ledger", "scope", scope, "err", err)
 		}
 		runCtx, leave = hold.ctx, hold.leave
 		defer hold.leave()
@@ -355,7 +350,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			if hook := testhook.From(ctx); hook != nil {
 				hook.Answered(ctx, res)
 			}
-			h.writeResult(ctx, t, res.Result, log)
+			h.writeResult(ctx, t, res.Result, key)
 			if span.IsRecording() { // a cached answer names the run that did the work
 				span.SetAttributes(idempotency.AttrFence.Int64(res.Fence))
 			}
@@ -391,13 +386,24 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		// On the last attempt a busy answer would archive the task: wait for the lease to
 		// end instead (bounded by the delivery's deadline), then claim again.
 		wait := time.Until(busy.Until) + 50*time.Millisecond
-		log.InfoContext(ctx, "last attempt finds the key busy; waiting for the lease to end", "owner", busy.Owner, "fence", busy.Fence, "wait", wait)
+		h.log(ctx, key).InfoContext(ctx, "last attempt finds the key busy; waiting for the lease to end", "owner", busy.Owner, "fence", busy.Fence, "wait", wait)
 		select {
 		case <-runCtx.Done():
 			return OutcomeError, fmt.Errorf("%s: key %s: waiting for lease of fence %d: %w", h.taskType, key, busy.Fence, context.Cause(runCtx))
 		case <-time.After(max(wait, 50*time.Millisecond)):
 		}
 	}
+}
+
+// log returns the logger of a line about the delivery of key: the worker's, with the
+// task type, the key and, when ctx has it, the attempt. It is built for each line, so
+// that a delivery that writes none pays nothing for it.
+func (h *handler[T]) log(ctx context.Context, key string) *slog.Logger {
+	log := h.w.log.With("task_type", h.taskType, "key", key)
+	if n, ok := asynq.GetRetryCount(ctx); ok {
+		log = log.With("attempt", n)
+	}
+	return log
 }
 
 // refuse archives a delivery the worker cannot run (a payload it cannot decode, a bad
@@ -464,13 +470,13 @@ func (h *handler[T]) mapError(err error, key string) (string, error) {
 
 // writeResult shows the result in asynq (the dashboard) after the durable completion,
 // while the delivery is still live, when it fits; errors are only logged.
-func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json.RawMessage, log *slog.Logger) {
+func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json.RawMessage, key string) {
 	w := t.ResultWriter()
 	if w == nil || len(result) == 0 || ctx.Err() != nil {
 		return
 	}
 	if len(result) > MaxResultWriteBytes {
-		log.DebugContext(ctx, "result too large for the task's result", "bytes", len(result))
+		h.log(ctx, key).DebugContext(ctx, "result too large for the task's result", "bytes", len(result))
 		return
 	}
 	queue, _ := asynq.GetQueueName(ctx)
@@ -478,13 +484,13 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 	case h.w.cfg.Redis != nil && queue != "":
 		n, err := writeResultScript.Run(ctx, h.w.cfg.Redis, []string{asynqkeys.Task(queue, w.TaskID())}, []byte(result)).Int()
 		if err != nil {
-			log.DebugContext(ctx, "write task result", "err", err)
+			h.log(ctx, key).DebugContext(ctx, "write task result", "err", err)
 		} else if n < 0 {
-			log.InfoContext(ctx, "task gone from Redis; result kept in the ledger only", "task_id", w.TaskID())
+			h.log(ctx, key).InfoContext(ctx, "task gone from Redis; result kept in the ledger only", "task_id", w.TaskID())
 		}
 	default:
 		if _, err := w.Write(result); err != nil {
-			log.DebugContext(ctx, "write task result", "err", err)
+			h.log(ctx, key).DebugContext(ctx, "write task result", "err", err)
 		}
 	}
 }

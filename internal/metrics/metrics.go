@@ -15,6 +15,8 @@ import (
 )
 
 // Metrics is one process's registry and idemq's collectors in it. Safe for concurrent use.
+// Make it with New. Its Observe methods find their series without WithLabelValues's cost;
+// the vectors' series must not be deleted (see bound).
 type Metrics struct {
 	Registry *prometheus.Registry
 
@@ -37,6 +39,10 @@ type Metrics struct {
 	// outbox intent is dead, by reason (mismatch, failed, needs_attention, invalid) and
 	// task type.
 	IntentsDead *prometheus.CounterVec
+
+	// The children of the vectors a delivery touches, bound once per label values.
+	ledgerEvents, lockEvents, outboxEvents *bound[prometheus.Counter]
+	handlerDuration, commitRequests        *bound[prometheus.Observer]
 }
 
 // New returns a registry with the Go runtime and process collectors and idemq's own.
@@ -74,6 +80,11 @@ func New() *Metrics {
 			Help: "Accepted jobs whose own task was refused, their intent dead, by reason (mismatch, failed, needs_attention, invalid) and task type.",
 		}, []string{"reason", "task_type"}),
 	}
+	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
+	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
+	m.outboxEvents = newBound(m.OutboxEvents.WithLabelValues)
+	m.handlerDuration = newBound(m.HandlerDuration.WithLabelValues)
+	m.commitRequests = newBound(m.CommitRequests.WithLabelValues)
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
@@ -86,12 +97,36 @@ func New() *Metrics {
 // ObserveHandler records one delivery's handling time (asynqmw.Config.ObserveHandler),
 // with the trace id of ctx's span as the observation's exemplar when it is sampled.
 func (m *Metrics) ObserveHandler(ctx context.Context, taskType, outcome string, d time.Duration) {
-	o := m.HandlerDuration.WithLabelValues(taskType, outcome)
+	o := m.handlerDuration.get(taskType, outcome)
 	if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
 		o.(prometheus.ExemplarObserver).ObserveWithExemplar(d.Seconds(), prometheus.Labels{"trace_id": sc.TraceID().String()})
 		return
 	}
 	o.Observe(d.Seconds())
+}
+
+// ObserveLedger counts a ledger event of a task type in LedgerEvents
+// (idempotency.Config.Observe).
+func (m *Metrics) ObserveLedger(event, taskType string) {
+	m.ledgerEvents.get(event, taskType).Inc()
+}
+
+// ObserveBatch records how many requests a shared commit of a kind carried in
+// CommitRequests (idempotency.Config.ObserveBatch).
+func (m *Metrics) ObserveBatch(kind string, n int) {
+	m.commitRequests.get1(kind).Observe(float64(n))
+}
+
+// ObserveLock counts a lock outcome of a task type in LockEvents
+// (asynqmw.Config.ObserveLock).
+func (m *Metrics) ObserveLock(event, taskType string) {
+	m.lockEvents.get(event, taskType).Inc()
+}
+
+// ObserveOutbox counts an outbox event of a task type in OutboxEvents
+// (outbox.Config.Observe).
+func (m *Metrics) ObserveOutbox(event, taskType string) {
+	m.outboxEvents.get(event, taskType).Inc()
 }
 
 // Check is a readiness probe of one dependency.

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -130,4 +131,53 @@ func grep(s, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// The Observe methods count into the vectors' own series, from many goroutines at once
+// and for label values seen for the first time concurrently.
+func TestObserveMethodsCountIntoTheVectors(t *testing.T) {
+	t.Parallel()
+	m := New()
+	const goroutines, rounds = 8, 200
+	var wg sync.WaitGroup
+	for g := range goroutines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range rounds {
+				taskType := fmt.Sprintf("type-%d", (g+i)%5)
+				m.ObserveLedger("completed", taskType)
+				m.ObserveLock("obtained", taskType)
+				m.ObserveOutbox("published", taskType)
+				m.ObserveBatch("tx", 3)
+				m.ObserveHandler(context.Background(), taskType, "completed", time.Millisecond)
+			}
+		}()
+	}
+	wg.Wait()
+	body := scrapeText(t, m)
+	for _, line := range []string{
+		`idemq_ledger_events_total{event="completed",task_type="type-0"} 320`,
+		`idemq_ledger_events_total{event="completed",task_type="type-4"} 320`,
+		`idemq_lock_events_total{event="obtained",task_type="type-2"} 320`,
+		`idemq_outbox_events_total{event="published",task_type="type-3"} 320`,
+		`idemq_ledger_commit_requests_count{kind="tx"} 1600`,
+		`idemq_handler_duration_seconds_count{outcome="completed",task_type="type-1"} 320`,
+	} {
+		if !strings.Contains(body, line+"\n") {
+			t.Fatalf("scrape lacks %q:\n%s", line, grep(body, "idemq_"))
+		}
+	}
+	if n := strings.Count(body, "\nidemq_ledger_events_total{"); n != 5 {
+		t.Fatalf("ledger event series = %d, want 5 (one per task type):\n%s", n, grep(body, "idemq_ledger_events"))
+	}
+}
+
+// scrapeText returns m's /metrics in the text format.
+func scrapeText(t *testing.T, m *Metrics) string {
+	t.Helper()
+	srv := httptest.NewServer(m.Handler(nil, slog.New(slog.DiscardHandler)))
+	defer srv.Close()
+	_, body := get(t, srv.URL+"/metrics")
+	return body
 }
