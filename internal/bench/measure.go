@@ -6,6 +6,8 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/http/httptest"
+	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"sync"
@@ -62,6 +64,19 @@ func setup(ctx context.Context, opt Options) (_ *env, err error) {
 	e.schema, e.dsn = schema, schema.URL
 	if e.admin, err = e.openPool(ctx, 2); err != nil {
 		return nil, err
+	}
+	// Binaries compared side by side each migrate the schema first, in the order given
+	// (put the oldest first): a binary from before idemq's own version tables checks
+	// goose's, which only its own migrate writes; the migrations below then carry the
+	// schema over.
+	if len(opt.DrainBinaries) > 1 {
+		for _, b := range opt.DrainBinaries {
+			cmd := exec.CommandContext(ctx, b, "migrate")
+			cmd.Env = append(os.Environ(), "DATABASE_URL="+e.dsn)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				return nil, fmt.Errorf("bench: %s migrate: %w\n%s", b, err, out)
+			}
+		}
 	}
 	db := stdlib.OpenDBFromPool(e.admin)
 	_, err = migrations.Up(ctx, db)
