@@ -3,6 +3,7 @@ package idempotency
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -58,8 +59,12 @@ import (
 // mode), so no delivery runs it again. When fn panics, the
 // transaction rolls back and DoTx panics again with the same value. A result that cannot
 // be stored completes the key with an error marker, as in Complete. If the connection
-// drops during the commit, the outcome is learned from the transaction id
-// (ErrCommitUnknown when it cannot be). Safe for concurrent use.
+// drops during the commit, the outcome is learned from the transaction id, within
+// Config.WriteTimeout (ErrCommitUnknown when it cannot be). An error of DoTx's own work on
+// the database (a connection, the claim, the result's store, the COMMIT, the commit's
+// resolution) that says Postgres could not be reached or did not answer within
+// Config.WriteTimeout wraps ErrUnavailable, unless ctx ended first; fn's errors never do,
+// a query of fn's own that timed out included. Safe for concurrent use.
 func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)) (Result, error) {
 	if err := req.validate(); err != nil {
 		return Result{}, err
@@ -104,7 +109,9 @@ func (d *txDelivery) Decide(r *store.ClaimRow, round int) (claimed, again bool, 
 	return cr.Claim != nil, again, err
 }
 
-func (d *txDelivery) ClaimRefused(err error) error { return d.l.claimError(d.req, err) }
+func (d *txDelivery) ClaimRefused(err error) error {
+	return asUnavailable(d.ctx, d.l.claimError(d.req, err))
+}
 
 func (d *txDelivery) Identity() store.FinishParams {
 	return store.FinishParams{Key: d.claim.Key, Fence: d.claim.Fence, Owner: d.claim.owner, IntentSum: d.claim.intentSum}
@@ -128,7 +135,7 @@ func (d *txDelivery) Refused(pgErr *pgconn.PgError) error {
 	case pgErr.Code[:2] == pgcode.DataExceptionClass:
 		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
 	}
-	return fmt.Errorf("idempotency: complete %s: %w", c.Key, pgErr)
+	return asUnavailable(d.ctx, fmt.Errorf("idempotency: complete %s: %w", c.Key, pgErr))
 }
 
 func (d *txDelivery) Committed(xid, serverStart string) {
@@ -146,14 +153,13 @@ func (l *Ledger) settle(ctx context.Context, d *txDelivery, a sharedtx.Answer) (
 		l.markStuckOne(ctx, d.req, d.stuck)
 	}
 	if a.Lost != nil {
-		rctx := ctx
-		if ctx.Err() != nil {
-			var cancel context.CancelFunc
-			rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
-			defer cancel()
-		}
+		// The resolution is a ledger write of its own, as in Complete: detached from the
+		// caller, bounded by the write timeout, so that a commit lost on a connection that
+		// no longer answers is unavailable soon rather than at the caller's deadline.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
+		defer cancel()
 		if err := l.commitLost(rctx, d.claim, a.Lost); err != nil {
-			return Result{}, err
+			return Result{}, asUnavailable(context.WithoutCancel(ctx), err)
 		}
 		if a.Err == nil {
 			l.observe(EventCompleted, d.req.TaskType)
@@ -163,9 +169,22 @@ func (l *Ledger) settle(ctx context.Context, d *txDelivery, a sharedtx.Answer) (
 		l.recordPermanent(ctx, d.req, a.Err)
 	}
 	if a.Err != nil {
-		return Result{}, a.Err
+		return Result{}, txUnavailable(ctx, a.Err)
 	}
 	return d.res, nil
+}
+
+// txUnavailable marks err, a DoTx answer, as ErrUnavailable when it carries the error of
+// one of the ledger's own statements (sharedtx.StatementError) that says Postgres could
+// not be reached or did not answer in time, while caller, the DoTx call's context, has
+// not ended. A handler's own errors (one it returns, a query of its own that timed out)
+// do not carry that mark and stay as they are.
+func txUnavailable(caller context.Context, err error) error {
+	var own *sharedtx.StatementError
+	if errors.Is(err, ErrUnavailable) || !errors.As(err, &own) || !unreachable(caller, own.Err) {
+		return err
+	}
+	return &unavailableError{err: err}
 }
 
 // recordPermanent records a permanent DoTx failure, whose transaction rolled back, with a

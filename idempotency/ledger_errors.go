@@ -74,10 +74,16 @@ func asUnavailable(caller context.Context, err error) error {
 	if err == nil || errors.Is(err, ErrUnavailable) {
 		return err
 	}
-	if pgcode.Unavailable(err) || (caller.Err() == nil && timedOut(err)) {
+	if unreachable(caller, err) {
 		return &unavailableError{err: err}
 	}
 	return err
+}
+
+// unreachable reports whether err, a ledger write's error, says that Postgres could not
+// be reached or did not answer in time while caller had not ended (see asUnavailable).
+func unreachable(caller context.Context, err error) bool {
+	return pgcode.Unavailable(err) || (caller.Err() == nil && timedOut(err))
 }
 
 // timedOut reports a timeout: a context deadline, or a network timeout pgx reports.

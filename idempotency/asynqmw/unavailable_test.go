@@ -148,3 +148,158 @@ func TestLedgerWriteTimeoutIsUnavailable(t *testing.T) {
 		t.Errorf("delivery past the budget: %v; want a counted UnavailableTooLongError", err)
 	}
 }
+
+// TestDoTxWriteTimeoutIsUnavailable: in transactional mode, the ledger's own statements
+// (the claim, the result and COMMIT, the resolution of a commit whose answer was lost)
+// that time out because Postgres does not answer make the delivery's error "Postgres
+// unavailable", as in leased mode. A handler's own timeout (an error it returns, or a
+// query of its own cut by its deadline) and the caller's deadline are not.
+func TestDoTxWriteTimeoutIsUnavailable(t *testing.T) {
+	t.Parallel()
+	pg := testenv.StartPostgres(t)
+	ctx := testenv.Context(t, 3*time.Minute)
+	if err := testenv.Migrate(ctx, pg.URL); err != nil {
+		t.Fatal(err)
+	}
+	pool := testenv.Pool(t, pg.URL)
+	if _, err := pool.Exec(ctx, `CREATE TABLE effects (key text PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	l := idempotency.New(pool, &idempotency.Config{WriteTimeout: time.Second, ClaimLockTimeout: 500 * time.Millisecond})
+	t.Cleanup(l.Close)
+	next := func(int, error, *asynq.Task) time.Duration { return time.Hour }
+	soon := func(err error) bool {
+		d := asynqmw.RetryDelay(next)(5, err, nil)
+		return d >= 500*time.Millisecond && d <= 1500*time.Millisecond
+	}
+	unavailable := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, idempotency.ErrUnavailable) || asynqmw.IsFailure(err) || !soon(err) {
+			t.Errorf("%s: %v (unavailable %t, failure %t); want ErrUnavailable, not a failure, retried within 0.5-1.5 s",
+				what, err, errors.Is(err, idempotency.ErrUnavailable), asynqmw.IsFailure(err))
+		}
+	}
+	failure := func(what string, err error) {
+		t.Helper()
+		if err == nil || errors.Is(err, idempotency.ErrUnavailable) || !asynqmw.IsFailure(err) || soon(err) {
+			t.Errorf("%s: %v; want an ordinary failure, retried by next", what, err)
+		}
+	}
+	var frozen []int
+	pause := func() {
+		t.Helper()
+		frozen = freezePostgres(t, ctx, pg)
+	}
+	resume := func() {
+		t.Helper()
+		thawPostgres(t, pg, frozen)
+	}
+	request := func(key string) idempotency.Request {
+		return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(key))}
+	}
+	effect := func(key string) func(context.Context, pgx.Tx) (json.RawMessage, error) {
+		return func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+			return json.RawMessage(`{"ok":true}`), err
+		}
+	}
+	// once checks that key, delivered again with Postgres back, has its effect exactly
+	// once and is completed.
+	once := func(key string) {
+		t.Helper()
+		for i := 0; ; i++ {
+			// The thawed backend may hold the row a moment longer (busy), until it sees
+			// that its client is gone or commits.
+			_, err := l.DoTx(ctx, request(key), effect(key))
+			if err == nil {
+				break
+			}
+			if !errors.Is(err, idempotency.ErrBusy) || i == 50 {
+				t.Fatalf("%s again: %v", key, err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE key = $1`, key).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if r := get(t, l, key); n != 1 || r.Status != idempotency.StatusCompleted {
+			t.Errorf("%s: %d effects, status %s; want 1, completed", key, n, r.Status)
+		}
+	}
+
+	// A claim that gets no answer (on a connection the pool holds, or a new one).
+	once("warm")
+	pause()
+	_, err := l.DoTx(ctx, request("claim"), effect("claim"))
+	resume()
+	unavailable("claim timed out", err)
+	once("claim")
+
+	// The result's store and COMMIT get no answer: the commit is resolved by transaction
+	// id within the write timeout, and unresolved it is unavailable.
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	_, err = l.DoTx(cctx, request("commit"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ('commit')`); err != nil {
+			return nil, err
+		}
+		pause()
+		return json.RawMessage(`{"ok":true}`), nil
+	})
+	if cctx.Err() != nil {
+		t.Error("the lost commit's resolution waited for the caller's deadline")
+	}
+	cancel()
+	resume()
+	unavailable("commit timed out", err)
+	once("commit") // the frozen COMMIT may have landed after the thaw: cached, or run again
+
+	// The same claim cut short by the caller's own deadline, before the write timeout.
+	pause()
+	cctx, cancel = context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = l.DoTx(cctx, request("claim-deadline"), effect("claim-deadline"))
+	cancel()
+	resume()
+	failure("claim cut by the caller's deadline", err)
+
+	// A handler's own timeout is its failure.
+	_, err = l.DoTx(ctx, request("handler"), func(context.Context, pgx.Tx) (json.RawMessage, error) {
+		return nil, context.DeadlineExceeded
+	})
+	failure("handler's own timeout", err)
+
+	// So is a handler's own query that times out in the transaction, even though it is
+	// Postgres that does not answer: the handler's error, not the ledger's.
+	_, err = l.DoTx(ctx, request("handler-query"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		pause()
+		qctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		_, err := tx.Exec(qctx, `INSERT INTO effects VALUES ('handler-query')`)
+		return json.RawMessage(`{}`), err
+	})
+	resume()
+	failure("handler's own query timed out", err)
+
+	// Through the middleware: unavailable is retried soon until the busy budget from the
+	// first enqueue ends, then it is a counted failure.
+	w := asynqmw.NewWorker(l, nil, &asynqmw.Config{BusyBudget: time.Minute})
+	h := asynqmw.Transactional(w, tasks.TypeCharge, tasks.DecodeCharge, func(ctx context.Context, tx pgx.Tx, c tasks.Charge) (json.RawMessage, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, c.OrderID)
+		return json.RawMessage(`{}`), err
+	})
+	payload := chargeTask(t, "o-tx-unavailable", 1).Payload()
+	fresh := asynq.NewTaskWithHeaders(tasks.TypeCharge, payload, idempotency.FirstEnqueuedHeader(time.Now()))
+	old := asynq.NewTaskWithHeaders(tasks.TypeCharge, payload, idempotency.FirstEnqueuedHeader(time.Now().Add(-time.Hour)))
+	pause()
+	err = h.ProcessTask(ctx, fresh)
+	unavailable("transactional delivery within the budget", err)
+	err = h.ProcessTask(ctx, old)
+	resume()
+	var tooLong *asynqmw.UnavailableTooLongError
+	if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || soon(err) {
+		t.Errorf("transactional delivery past the budget: %v; want a counted UnavailableTooLongError", err)
+	}
+	if err := h.ProcessTask(ctx, fresh); err != nil {
+		t.Errorf("transactional delivery with Postgres back: %v", err)
+	}
+}

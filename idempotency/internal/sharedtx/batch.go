@@ -172,7 +172,7 @@ func (b *batch) claimAll(ms []*member) bool {
 	t, err := store.BeginClaims(ctx, b.conn, b.idle, e.lockTimeoutSQL, ps, e.cfg.MaxAge)
 	if err != nil {
 		if !store.Answered(err) {
-			b.broken = err
+			b.broken = own(err)
 			return false
 		}
 		// Refused (a lock timeout, a constraint): nothing was claimed.
@@ -246,7 +246,7 @@ func (b *batch) commit() {
 // transaction id drawn with the claims.
 func (b *batch) answerCommitted(err error) {
 	if err != nil && (store.Answered(err) || !b.conn.IsClosed() || b.xid == "") {
-		b.broken = err
+		b.broken = own(err)
 		return
 	}
 	for _, m := range b.claimed {

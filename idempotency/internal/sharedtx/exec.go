@@ -108,6 +108,19 @@ type Delivery interface {
 	Scope() string
 }
 
+// StatementError is the error of the executor's own work on the database, not a
+// handler's: taking a connection, the claim, a result's store, the undo of a member's
+// savepoint, the finish and its COMMIT. The ledger tells from it whether Postgres was
+// unavailable; a handler's error (a query of its own that timed out, an error it returns)
+// never carries it.
+type StatementError struct{ Err error }
+
+func (e *StatementError) Error() string { return e.Err.Error() }
+func (e *StatementError) Unwrap() error { return e.Err }
+
+// own marks err, not nil, as the executor's own (StatementError).
+func own(err error) error { return &StatementError{Err: err} }
+
 // Answer is how a delivery ended; what it recorded on the way, the Delivery holds.
 type Answer struct {
 	Err error
@@ -251,9 +264,16 @@ func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bo
 	for ; ; round++ {
 		m := newMember(ctx, d, fn)
 		m.round, m.timed = round, timed
-		conn, err := e.cfg.Pool.Acquire(ctx)
+		// A connection that does not come within the write timeout is the database's
+		// doing, one that the caller stopped waiting for is the caller's.
+		actx, cancel := context.WithTimeout(ctx, e.cfg.WriteTimeout)
+		conn, err := e.cfg.Pool.Acquire(actx)
+		cancel()
 		if err != nil {
-			return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), err)}
+			if ctx.Err() != nil {
+				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
+			}
+			return Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", d.Key(), err))}
 		}
 		e.runBatch(conn.Conn(), []*member{m})
 		conn.Release() // the pool closes a connection left in a transaction
@@ -294,7 +314,7 @@ func (e *Exec) runBatches() {
 		}
 		if acqErr != nil {
 			for _, m := range ms {
-				m.answer <- Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), acqErr)}
+				m.answer <- Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), acqErr))}
 			}
 			e.q.Done(batches)
 			e.afterLines(ms)

@@ -94,8 +94,8 @@ func (b *batch) runMember(m *member) {
 			m.finish = finish{action: store.ActionComplete}
 			return
 		case !errors.As(err, &pgErr):
-			b.broken = err
-			b.replyWith(m, Answer{Err: err})
+			b.broken = own(err)
+			b.replyWith(m, Answer{Err: b.broken})
 			return
 		default:
 			r.err = m.d.Refused(pgErr)
@@ -107,8 +107,8 @@ func (b *batch) runMember(m *member) {
 		_, err := b.conn.Exec(ctx, store.Undo)
 		cancel()
 		if err != nil {
-			b.broken = err
-			b.replyWith(m, Answer{Err: errors.Join(r.err, err)})
+			b.broken = own(err)
+			b.replyWith(m, Answer{Err: errors.Join(r.err, b.broken)})
 			return
 		}
 	}
