@@ -191,6 +191,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		Logger: log.With("component", "outbox"),
 		Observe: func(ev outbox.Event, taskType string) {
 			m.ObserveOutbox(string(ev), taskType)
+			if ev == outbox.EventArchived {
+				m.IntentsDead.WithLabelValues("archived", taskType).Inc()
+			}
 		},
 	})
 	m.Registry.MustRegister(metrics.NewOutboxCollector(client, cfg.ReconcileGrace))

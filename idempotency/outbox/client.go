@@ -77,7 +77,7 @@ type Config struct {
 	// Logger receives relay and reconciler lines. Default: discard.
 	Logger *slog.Logger
 	// Observe, if set, is called for each outbox event (EventPublished, EventRepublished,
-	// EventRepublishAlert, EventRelayError) with the task type. Fast, concurrency-safe.
+	// EventRepublishAlert, EventRelayError, EventArchived) with the task type. Fast, concurrency-safe.
 	Observe func(ev Event, taskType string)
 }
 
@@ -90,6 +90,7 @@ const (
 	EventRepublished    Event = "republished"     // the reconciler republished a lost task
 	EventRepublishAlert Event = "republish_alert" // a republish reached Config.AlertGeneration
 	EventRelayError     Event = "relay_error"     // a publish failed; retried later
+	EventArchived       Event = "archived"        // the reconciler settled dead an intent whose own task asynq archived
 )
 
 // EnqueueResult is the outcome of recording a job.

@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
+	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/time/rate"
@@ -34,12 +36,20 @@ const bumpGenerationSQL = `
 UPDATE job_intents SET publish_generation = $3, published_at = now(), updated_at = now()
 WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
 
+// settleArchivedSQL settles dead, with the reason $3, a published intent whose own task
+// asynq archived (its retries ran out, or the worker refused it without settling the
+// intent itself), unless another reconciler or a delivery settled or republished it first.
+const settleArchivedSQL = `
+UPDATE job_intents SET state = 'dead', last_error = $3, finished_at = now(), updated_at = now()
+WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
+
 // reconcilePage is how many intents one look-up in Redis covers; a round with a grace
 // period checks one page, a round right after Redis lost data checks them all.
 const reconcilePage = 1000
 
 // ReconcileStats says what one reconcile round did.
 type ReconcileStats struct {
+	Archived    int // of those, whose own task asynq archived: settled dead with its last error
 	Checked     int // published intents older than the grace period, looked up in Redis
 	Missing     int // of those, missing from Redis (no queue, no task, an orphaned hash, or another task under the TaskID)
 	Republished int // republished under a new TaskID
@@ -50,9 +60,11 @@ type ReconcileStats struct {
 // is not settled: a completion Postgres lost), under TaskID key#r<generation> (never colliding with an orphaned or archived
 // task; the ledger dedups across generations). With a grace period it checks the 1000
 // oldest such intents; with none (grace 0, as after Redis lost data) it checks them all.
-// It never settles an intent: only a delivery of the intent's own task does (see
+// It never settles an intent done: only a delivery of the intent's own task does (see
 // idempotency.Request.TaskID), so a key that another producer's task completed is
-// republished, and its delivery, answered from the ledger, settles the intent then.
+// republished, and its delivery, answered from the ledger, settles the intent then. An
+// intent whose own task asynq archived (its retries ran out) is settled dead with the
+// task's last error: no delivery will settle it.
 // It republishes at most Config.RepublishPerSecond per second. If Redis loses data
 // during the round (a queue's epoch marker changes), the round runs again without grace.
 // Safe for concurrent use.
@@ -152,7 +164,12 @@ func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limite
 	}
 	var missing []intentRow
 	for i, r := range stale {
-		if !present[i] {
+		switch p := present[i]; {
+		case p.archived != nil:
+			if err := c.settleArchived(ctx, r, p.archived, st); err != nil {
+				return err
+			}
+		case !p.present:
 			missing = append(missing, r)
 		}
 	}
@@ -190,11 +207,39 @@ func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limite
 	return nil
 }
 
+// settleArchived settles r dead: asynq archived its own task, so no delivery will settle
+// it (a delivery refused on its last attempt, or whose settle could not be written). An
+// operator's rerun republishes it.
+func (c *Client) settleArchived(ctx context.Context, r intentRow, info *asynq.TaskInfo, st *ReconcileStats) error {
+	reason := "archived: " + info.LastErr
+	if len(reason) > 1000 {
+		reason = reason[:1000]
+	}
+	tag, err := c.pool.Exec(ctx, settleArchivedSQL, r.spec.Key, r.gen, strings.ToValidUTF8(reason, "?"))
+	if err != nil {
+		return fmt.Errorf("outbox: settle archived %s: %w", r.spec.Key, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return nil
+	}
+	st.Archived++
+	c.observe(EventArchived, r.spec.Type)
+	c.log.Warn("accepted job's task was archived; its intent is dead", "task_type", r.spec.Type, "key", r.spec.Key,
+		"task_id", info.ID, "last_error", info.LastErr)
+	return nil
+}
+
+// taskPresence is what tasksPresent found of an intent's current task.
+type taskPresence struct {
+	present  bool
+	archived *asynq.TaskInfo // the intent's own task, archived by asynq
+}
+
 // tasksPresent reports, for each intent, whether Redis holds its current task: a missing
 // queue, a missing task hash, an orphaned hash without a message (left by a late result
 // write) and another task under the same TaskID (another type or payload) all count as
-// absent.
-func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, error) {
+// absent; the intent's own task archived is reported as such.
+func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]taskPresence, error) {
 	cmds := make([]*redis.BoolCmd, len(rs))
 	_, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, r := range rs {
@@ -205,12 +250,12 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 	if err != nil {
 		return nil, fmt.Errorf("outbox: look up tasks in Redis: %w", err)
 	}
-	out := make([]bool, len(rs))
+	out := make([]taskPresence, len(rs))
 	for i, cmd := range cmds {
 		if !cmd.Val() {
 			continue
 		}
-		match, err := c.holdsTask(ctx, rs[i], taskID(rs[i].spec.Key, rs[i].gen))
+		match, info, err := c.lookTask(ctx, rs[i], taskID(rs[i].spec.Key, rs[i].gen))
 		if err != nil {
 			return nil, fmt.Errorf("outbox: look up tasks in Redis: %w", err)
 		}
@@ -218,7 +263,10 @@ func (c *Client) tasksPresent(ctx context.Context, rs []intentRow) ([]bool, erro
 		// completion: idemq's handlers return only after the ledger settled the intent
 		// (a completion, or a cached answer), so the commit was lost with the database,
 		// as when Postgres fails over to an asynchronous standby. It runs again.
-		out[i] = match == taskIsThisJob
+		out[i].present = match == taskIsThisJob
+		if out[i].present && info.State == asynq.TaskStateArchived {
+			out[i].archived = info
+		}
 	}
 	return out, nil
 }
@@ -281,8 +329,8 @@ func (c *Client) logRound(ctx context.Context, st ReconcileStats, err error) {
 		}
 		return
 	}
-	if st.Missing > 0 {
-		c.log.Info("reconciled", "checked", st.Checked, "missing", st.Missing, "republished", st.Republished)
+	if st.Missing > 0 || st.Archived > 0 {
+		c.log.Info("reconciled", "checked", st.Checked, "missing", st.Missing, "republished", st.Republished, "archived", st.Archived)
 	}
 }
 

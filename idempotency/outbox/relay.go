@@ -144,18 +144,24 @@ const (
 
 // holdsTask reports what Redis holds under TaskID id in r's queue.
 func (c *Client) holdsTask(ctx context.Context, r intentRow, id string) (taskMatch, error) {
+	match, _, err := c.lookTask(ctx, r, id)
+	return match, err
+}
+
+// lookTask is holdsTask with the task's info when Redis holds it (nil otherwise).
+func (c *Client) lookTask(_ context.Context, r intentRow, id string) (taskMatch, *asynq.TaskInfo, error) {
 	info, err := c.insp.GetTaskInfo(r.spec.Queue, id)
 	switch {
 	case errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound):
-		return taskMissing, nil
+		return taskMissing, nil, nil
 	case err != nil:
-		return taskMissing, fmt.Errorf("look up task %s: %w", id, err)
+		return taskMissing, nil, fmt.Errorf("look up task %s: %w", id, err)
 	case info.Type != r.spec.Type || !bytes.Equal(idempotency.Fingerprint(info.Type, info.Payload), idempotency.Fingerprint(r.spec.Type, r.spec.Payload)):
-		return taskIsOther, nil
+		return taskIsOther, info, nil
 	case info.State == asynq.TaskStateCompleted:
-		return taskIsThisJobDone, nil
+		return taskIsThisJobDone, info, nil
 	default:
-		return taskIsThisJob, nil
+		return taskIsThisJob, info, nil
 	}
 }
 

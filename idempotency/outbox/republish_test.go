@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -372,4 +374,56 @@ func TestSharedEnqueueSpan(t *testing.T) {
 	}
 	wg.Wait()
 	spantest.CheckShared(t, rec.Ended(), "idemq.enqueue", "caller")
+}
+
+// An intent whose own task asynq archived (its retries ran out: no delivery settled it) is
+// settled dead by the reconciler with the task's last error, not left published forever
+// and not republished; a rerun would republish it.
+func TestReconcileSettlesAnArchivedTaskDead(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	var archived atomic.Int64
+	c := outbox.NewClient(pool, rdb, &outbox.Config{Observe: func(ev outbox.Event, _ string) {
+		if ev == outbox.EventArchived {
+			archived.Add(1)
+		}
+	}})
+	ctx := testenv.Context(t, time.Minute)
+	spec := debitSpec(t, "exhausted", 3)
+	spec.MaxRetry = 0
+	if _, err := c.Enqueue(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{tasks.Queue: 1},
+		LogLevel: asynq.FatalLevel})
+	if err := srv.Start(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return errors.New("provider down") })); err != nil {
+		t.Fatal(err)
+	}
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	for {
+		info, err := insp.GetTaskInfo(tasks.Queue, spec.Key)
+		if err == nil && info.State == asynq.TaskStateArchived {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("task %s never archived: %v %v", spec.Key, info, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	srv.Shutdown()
+
+	st, err := c.Reconcile(ctx, 0)
+	if err != nil || st.Archived != 1 || st.Republished != 0 {
+		t.Fatalf("reconcile: %+v %v; want the archived task's intent settled, nothing republished", st, err)
+	}
+	info, err := c.Intent(ctx, spec.Key)
+	if err != nil || info.State != outbox.IntentDead || !strings.Contains(info.LastError, "archived: provider down") {
+		t.Fatalf("intent %+v %v; want dead with the task's last error", info, err)
+	}
+	if archived.Load() != 1 {
+		t.Fatalf("%d archived events, want 1", archived.Load())
+	}
+	if _, err := insp.GetTaskInfo(tasks.Queue, spec.Key+"#r1"); !errors.Is(err, asynq.ErrTaskNotFound) {
+		t.Fatalf("the archived job was republished: %v", err)
+	}
 }

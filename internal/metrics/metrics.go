@@ -36,8 +36,8 @@ type Metrics struct {
 	// kind (claim, complete, tx).
 	CommitRequests *prometheus.HistogramVec
 	// IntentsDead counts accepted jobs whose own task a worker refused, so that their
-	// outbox intent is dead, by reason (mismatch, failed, needs_attention, invalid) and
-	// task type.
+	// outbox intent is dead, by reason (mismatch, failed, needs_attention, invalid; archived
+	// when the reconciler found the task archived) and task type.
 	IntentsDead *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
@@ -77,7 +77,7 @@ func New() *Metrics {
 		}, []string{"kind"}),
 		IntentsDead: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemq_intents_dead_total",
-			Help: "Accepted jobs whose own task was refused, their intent dead, by reason (mismatch, failed, needs_attention, invalid) and task type.",
+			Help: "Accepted jobs whose own task was refused, their intent dead, by reason (mismatch, failed, needs_attention, invalid, archived) and task type.",
 		}, []string{"reason", "task_type"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
