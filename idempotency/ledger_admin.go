@@ -153,8 +153,9 @@ type Reopened struct {
 	TaskID string
 }
 
-// Rerun reopens key, which must be completed, failed or needs_attention, as a new
-// generation whose lease has already ended (the stored result is dropped; attempts and
+// Rerun reopens key, which must be completed, failed or needs_attention (or in progress
+// under a lapsed lease with a dead outbox intent: a job whose task asynq archived when its
+// retries ran out), as a new generation whose lease has already ended (the stored result is dropped; attempts and
 // last_error are kept), and, in the same statement, hands the key's outbox intent, if it
 // has one, back to the relays to publish under a TaskID no publish of it has used yet
 // (key#r<n>, n one past the highest republish so far): a worker runs the job again

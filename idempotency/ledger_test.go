@@ -1065,3 +1065,35 @@ func TestRerunRepublishesTheIntentUnderTheNextTaskID(t *testing.T) {
 		t.Fatalf("publish generation after a refused Rerun: %d, %v; want 4", gen, err)
 	}
 }
+
+// A job whose task asynq archived after its retries ran out leaves its row in progress
+// under a lapsed lease and its intent dead (the reconciler settles it): Rerun takes it,
+// so the job can run again. Without a dead intent, such a row is refused as before.
+func TestRerunRevivesAJobWhoseTaskWasArchived(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, nil)
+	for _, key := range []string{"archived", "published"} {
+		if _, err := l.Do(ctx, req(key), func(context.Context) (json.RawMessage, error) {
+			return nil, errors.New("provider down") // retryable: the lease ends at once
+		}); err == nil {
+			t.Fatal("the handler's error was not returned")
+		}
+	}
+	mustExec(t, pool, `INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms,
+		state, publish_generation, published_at, finished_at, last_error)
+		VALUES ('archived', 't', '{}', sha256('{}'), 'default', 0, 1000, 1000, 'dead', 0, now(), now(), 'archived: provider down'),
+		       ('published', 't', '{}', sha256('{}'), 'default', 0, 1000, 1000, 'published', 0, now(), NULL, NULL)`)
+
+	if _, err := l.Rerun(ctx, "published"); !errors.Is(err, idempotency.ErrNotTerminal) {
+		t.Fatalf("Rerun of an in-progress key whose intent is live: %v, want ErrNotTerminal", err)
+	}
+	r, err := l.Rerun(ctx, "archived")
+	if err != nil || r.Generation != 1 || r.TaskID != "archived#r1" {
+		t.Fatalf("Rerun of an archived job: %+v, %v; want generation 1, TaskID archived#r1", r, err)
+	}
+	var state string
+	if err := pool.QueryRow(ctx, `SELECT state FROM job_intents WHERE idempotency_key = 'archived'`).Scan(&state); err != nil || state != "pending" {
+		t.Fatalf("intent after Rerun: %s, %v; want pending", state, err)
+	}
+}

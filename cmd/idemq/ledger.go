@@ -149,7 +149,7 @@ func explain(err error, key string) error {
 	case errors.Is(err, idempotency.ErrNotInProgress):
 		return fmt.Errorf("key %q is not in progress: nothing to release", key)
 	case errors.Is(err, idempotency.ErrNotTerminal):
-		return fmt.Errorf("key %q is still in progress: only completed, failed or needs_attention keys can be re-run", key)
+		return fmt.Errorf("key %q is still in progress: only completed, failed or needs_attention keys (or one whose task was archived, its intent dead) can be re-run", key)
 	}
 	return err
 }

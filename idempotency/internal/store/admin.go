@@ -22,7 +22,9 @@ UPDATE processed_jobs
 SET fence = nextval('processed_jobs_fence_seq'), owner = gen_random_uuid(), locked_until = now(), updated_at = now()
 WHERE idempotency_key = $1 AND status = 'in_progress'`
 
-// RerunSQL reopens a terminal row as a new generation whose lease has already ended, so
+// RerunSQL reopens a terminal row (or an in-progress one whose lease has lapsed and whose
+// outbox intent is dead: its task was archived after its retries ran out, so nothing would
+// deliver it again) as a new generation whose lease has already ended, so
 // the next delivery claims it with a new fence, and, in the same statement, hands the
 // key's outbox intent (if it has one) back to the relays for a publish under the next
 // TaskID: its publish_generation goes one past the highest the relays and the reconciler
@@ -36,7 +38,9 @@ WITH p AS (
 	SET status = 'in_progress', generation = generation + 1, fence = nextval('processed_jobs_fence_seq'),
 	    owner = gen_random_uuid(), locked_until = now(), started_at = now(), updated_at = now(),
 	    result = NULL, completed_at = NULL, trace_id = NULL
-	WHERE idempotency_key = $1 AND status IN ('completed', 'failed', 'needs_attention')
+	WHERE idempotency_key = $1 AND (status IN ('completed', 'failed', 'needs_attention')
+	      OR status = 'in_progress' AND locked_until < now()
+	         AND EXISTS (SELECT FROM job_intents WHERE idempotency_key = $1 AND state = 'dead'))
 	RETURNING generation
 ), i AS (
 	UPDATE job_intents
