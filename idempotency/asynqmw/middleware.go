@@ -18,8 +18,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
-	"github.com/idemq/idemq/internal/asynqkeys"
 	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/idemq/idemq/lock"
 )

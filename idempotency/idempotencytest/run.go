@@ -14,8 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
-	"github.com/idemq/idemq/internal/asynqkeys"
 )
 
 // point is where a plan steps into a delivery.

@@ -11,7 +11,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/idemq/idemq/internal/asynqkeys"
+	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
 )
 
 // Epoch markers make a loss of Redis data visible to every process, whenever it started.

@@ -12,7 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/time/rate"
 
-	"github.com/idemq/idemq/internal/asynqkeys"
+	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
 )
 
 // cutoffSQL is the publish time before which a round with grace $1 ms checks intents, on

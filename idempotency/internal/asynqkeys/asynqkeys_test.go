@@ -7,7 +7,7 @@ import (
 
 	"github.com/hibiken/asynq"
 
-	"github.com/idemq/idemq/internal/asynqkeys"
+	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
