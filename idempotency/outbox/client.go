@@ -191,14 +191,6 @@ func (c *Client) observe(ev Event, taskType string) {
 	}
 }
 
-const insertIntentSQL = `
-INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, trace_parent)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, nullif($9, ''))
-ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING state`
-
-const readIntentSQL = `SELECT task_type, payload_sha256, state FROM job_intents WHERE idempotency_key = $1`
-
 // EnqueueTx records spec's intent inside tx, the caller's own transaction: the job is
 // accepted exactly when tx commits, together with the caller's other writes, and a relay
 // publishes it after the commit (call Wake after committing to publish at once). The
@@ -210,29 +202,12 @@ const readIntentSQL = `SELECT task_type, payload_sha256, state FROM job_intents 
 // *MismatchError. An invalid key returns an error wrapping ErrInvalidKey. A concurrent
 // uncommitted EnqueueTx of the same key makes this one wait for it.
 func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueResult, error) {
-	if err := checkSpec(spec); err != nil {
+	// A single intent is a batch of one: the statements are EnqueueManyTx's.
+	res, errs, err := enqueueMany(ctx, tx, []Spec{withTrace(ctx, spec)}, 0)
+	if err != nil {
 		return EnqueueResult{}, err
 	}
-	spec = withTrace(ctx, spec)
-	fp := idempotency.Fingerprint(spec.Type, spec.Payload)
-	var state string
-	err := tx.QueryRow(ctx, insertIntentSQL, spec.Key, spec.Type, spec.Payload, fp, spec.Queue,
-		spec.MaxRetry, spec.Timeout.Milliseconds(), spec.Retention.Milliseconds(), spec.TraceParent).Scan(&state)
-	if err == nil {
-		return EnqueueResult{Key: spec.Key, State: state}, nil
-	}
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return EnqueueResult{}, fmt.Errorf("outbox: record intent %s: %w", spec.Key, err)
-	}
-	var typ string
-	var stored []byte
-	if err := tx.QueryRow(ctx, readIntentSQL, spec.Key).Scan(&typ, &stored, &state); err != nil {
-		return EnqueueResult{}, fmt.Errorf("outbox: read intent %s: %w", spec.Key, err)
-	}
-	if typ != spec.Type || string(stored) != string(fp) {
-		return EnqueueResult{}, &idempotency.MismatchError{Key: spec.Key}
-	}
-	return EnqueueResult{Key: spec.Key, Duplicate: true, State: state}, nil
+	return res[0], errs[0]
 }
 
 // IntentInfo is an intent's row, for the API and operators.

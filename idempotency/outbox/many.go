@@ -24,7 +24,7 @@ RETURNING idempotency_key, state`
 
 const readIntentsSQL = `SELECT idempotency_key, task_type, payload_sha256, state FROM job_intents WHERE idempotency_key = ANY($1::text[])`
 
-// checkSpec refuses what EnqueueTx refuses before it reaches Postgres.
+// checkSpec refuses what EnqueueTx and EnqueueManyTx refuse before they reach Postgres.
 func checkSpec(spec Spec) error {
 	if err := idempotency.ValidateKey(spec.Key); err != nil {
 		return err
