@@ -69,24 +69,7 @@ func TestLedgerWriteTimeoutIsUnavailable(t *testing.T) {
 	}
 	l := idempotency.New(testenv.Pool(t, pg.URL), &idempotency.Config{WriteTimeout: time.Second})
 	t.Cleanup(l.Close)
-	next := func(int, error, *asynq.Task) time.Duration { return time.Hour }
-	soon := func(err error) bool {
-		d := asynqmw.RetryDelay(next)(5, err, nil)
-		return d >= 500*time.Millisecond && d <= 1500*time.Millisecond
-	}
-	unavailable := func(what string, err error) {
-		t.Helper()
-		if !errors.Is(err, idempotency.ErrUnavailable) || asynqmw.IsFailure(err) || !soon(err) {
-			t.Errorf("%s: %v (unavailable %t, failure %t); want ErrUnavailable, not a failure, retried within 0.5-1.5 s",
-				what, err, errors.Is(err, idempotency.ErrUnavailable), asynqmw.IsFailure(err))
-		}
-	}
-	failure := func(what string, err error) {
-		t.Helper()
-		if err == nil || errors.Is(err, idempotency.ErrUnavailable) || !asynqmw.IsFailure(err) || soon(err) {
-			t.Errorf("%s: %v; want an ordinary failure, retried by next", what, err)
-		}
-	}
+	unavailable, failure := unavailableChecks(t)
 	var frozen []int
 	pause := func() {
 		t.Helper()
@@ -95,9 +78,6 @@ func TestLedgerWriteTimeoutIsUnavailable(t *testing.T) {
 	resume := func() {
 		t.Helper()
 		thawPostgres(t, pg, frozen)
-	}
-	request := func(key string) idempotency.Request {
-		return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(key))}
 	}
 
 	// The completion's commit gets no answer within the write timeout.
@@ -144,7 +124,7 @@ func TestLedgerWriteTimeoutIsUnavailable(t *testing.T) {
 	err = h.ProcessTask(ctx, old)
 	resume()
 	var tooLong *asynqmw.UnavailableTooLongError
-	if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || soon(err) {
+	if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || retriedSoon(err) {
 		t.Errorf("delivery past the budget: %v; want a counted UnavailableTooLongError", err)
 	}
 }
@@ -167,24 +147,7 @@ func TestDoTxWriteTimeoutIsUnavailable(t *testing.T) {
 	}
 	l := idempotency.New(pool, &idempotency.Config{WriteTimeout: time.Second, ClaimLockTimeout: 500 * time.Millisecond})
 	t.Cleanup(l.Close)
-	next := func(int, error, *asynq.Task) time.Duration { return time.Hour }
-	soon := func(err error) bool {
-		d := asynqmw.RetryDelay(next)(5, err, nil)
-		return d >= 500*time.Millisecond && d <= 1500*time.Millisecond
-	}
-	unavailable := func(what string, err error) {
-		t.Helper()
-		if !errors.Is(err, idempotency.ErrUnavailable) || asynqmw.IsFailure(err) || !soon(err) {
-			t.Errorf("%s: %v (unavailable %t, failure %t); want ErrUnavailable, not a failure, retried within 0.5-1.5 s",
-				what, err, errors.Is(err, idempotency.ErrUnavailable), asynqmw.IsFailure(err))
-		}
-	}
-	failure := func(what string, err error) {
-		t.Helper()
-		if err == nil || errors.Is(err, idempotency.ErrUnavailable) || !asynqmw.IsFailure(err) || soon(err) {
-			t.Errorf("%s: %v; want an ordinary failure, retried by next", what, err)
-		}
-	}
+	unavailable, failure := unavailableChecks(t)
 	var frozen []int
 	pause := func() {
 		t.Helper()
@@ -193,9 +156,6 @@ func TestDoTxWriteTimeoutIsUnavailable(t *testing.T) {
 	resume := func() {
 		t.Helper()
 		thawPostgres(t, pg, frozen)
-	}
-	request := func(key string) idempotency.Request {
-		return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(key))}
 	}
 	effect := func(key string) func(context.Context, pgx.Tx) (json.RawMessage, error) {
 		return func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
@@ -296,10 +256,43 @@ func TestDoTxWriteTimeoutIsUnavailable(t *testing.T) {
 	err = h.ProcessTask(ctx, old)
 	resume()
 	var tooLong *asynqmw.UnavailableTooLongError
-	if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || soon(err) {
+	if !errors.As(err, &tooLong) || !asynqmw.IsFailure(err) || retriedSoon(err) {
 		t.Errorf("transactional delivery past the budget: %v; want a counted UnavailableTooLongError", err)
 	}
 	if err := h.ProcessTask(ctx, fresh); err != nil {
 		t.Errorf("transactional delivery with Postgres back: %v", err)
 	}
+}
+
+// unavailableChecks returns two assertions on how asynq treats a delivery's error:
+// unavailable (ErrUnavailable, not a failure, retried within 0.5-1.5 s) and failure (an
+// ordinary failure, retried by asynq's own delay).
+func unavailableChecks(t *testing.T) (unavailable, failure func(what string, err error)) {
+	unavailable = func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, idempotency.ErrUnavailable) || asynqmw.IsFailure(err) || !retriedSoon(err) {
+			t.Errorf("%s: %v (unavailable %t, failure %t); want ErrUnavailable, not a failure, retried within 0.5-1.5 s",
+				what, err, errors.Is(err, idempotency.ErrUnavailable), asynqmw.IsFailure(err))
+		}
+	}
+	failure = func(what string, err error) {
+		t.Helper()
+		if err == nil || errors.Is(err, idempotency.ErrUnavailable) || !asynqmw.IsFailure(err) || retriedSoon(err) {
+			t.Errorf("%s: %v; want an ordinary failure, retried by next", what, err)
+		}
+	}
+	return unavailable, failure
+}
+
+// retriedSoon reports whether asynqmw.RetryDelay retries err within 0.5-1.5 s (asynq's own
+// delay, for anything else, is an hour here).
+func retriedSoon(err error) bool {
+	next := func(int, error, *asynq.Task) time.Duration { return time.Hour }
+	d := asynqmw.RetryDelay(next)(5, err, nil)
+	return d >= 500*time.Millisecond && d <= 1500*time.Millisecond
+}
+
+// request is a ledger request of the tests' task type for key.
+func request(key string) idempotency.Request {
+	return idempotency.Request{Key: key, TaskType: "test:task", Fingerprint: idempotency.Fingerprint("test:task", []byte(key))}
 }
