@@ -17,6 +17,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/idemq/idemq/internal/xact"
 	"github.com/idemq/idemq/tasks"
 )
@@ -304,7 +305,7 @@ const publishTimeout = 10 * time.Second
 // the row past acceptLockTimeout.
 func isLockTimeout(err error) bool {
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == "55P03"
+	return errors.As(err, &pe) && pe.Code == pgcode.LockNotAvailable
 }
 
 // EnqueueResult is what Enqueuer.EnqueueTx reports.
