@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/internal/xact"
 )
 
 // commitLost decides what a failed COMMIT of c's fenced write did, from the transaction
@@ -35,35 +35,21 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 }
 
 // resolveXact asks, on fresh connections, whether c's transaction committed, until the
-// answer is certain or ctx ends. A retryable Fail leaves the row in progress, so after a
-// restart it reads as not committed (harmless: the lease then ends by itself).
+// answer is certain or ctx ends (xact.Await). A retryable Fail leaves the row in progress,
+// so after a restart it reads as not committed (harmless: the lease then ends by itself).
 func (l *Ledger) resolveXact(ctx context.Context, c *Claim) (bool, error) {
-	wait := 20 * time.Millisecond
-	var lastErr error
-	for {
+	return xact.Await(ctx, func(ctx context.Context) (committed, done bool, err error) {
 		var status pgtype.Text
 		var sameServer, landed bool
-		err := l.pool.QueryRow(ctx, store.XactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed)
+		if err := l.pool.QueryRow(ctx, store.XactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed); err != nil {
+			return false, false, err
+		}
 		switch {
-		case err == nil && !sameServer:
-			return landed, nil
-		case err == nil && status.String == "committed":
-			return true, nil
-		case err == nil && status.String == "aborted":
-			return false, nil
-		case err == nil && !status.Valid:
-			return false, fmt.Errorf("transaction %s is unknown to the server (too old)", c.xid)
-		case err != nil:
-			lastErr = err
+		case !sameServer: // no transaction from before a restart can still commit: the row tells
+			return landed, true, nil
+		case !status.Valid:
+			return false, true, fmt.Errorf("transaction %s is unknown to the server (too old)", c.xid)
 		}
-		select {
-		case <-ctx.Done():
-			if lastErr == nil {
-				lastErr = errors.New("still in progress")
-			}
-			return false, fmt.Errorf("%w (last: %v)", context.Cause(ctx), lastErr)
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, time.Second)
-	}
+		return status.String == "committed", status.String != "in progress", nil
+	})
 }

@@ -59,22 +59,37 @@ func Commit(ctx context.Context, tx pgx.Tx, pool *pgxpool.Pool, id ID, resolveFo
 // Resolve asks the server whether transaction id committed, again and again while it is
 // still in progress or the server cannot be reached, until ctx ends.
 func Resolve(ctx context.Context, pool *pgxpool.Pool, id ID) (bool, error) {
+	return Await(ctx, func(ctx context.Context) (committed, done bool, err error) {
+		var status pgtype.Text
+		var sameServer bool
+		if err := pool.QueryRow(ctx, statusSQL, id.Xid, id.ServerStart).Scan(&status, &sameServer); err != nil {
+			return false, false, err
+		}
+		switch {
+		case !sameServer:
+			return false, true, errors.New("the server restarted as another run: its transaction ids are not this one's")
+		case !status.Valid:
+			return false, true, errors.New("the server no longer knows the transaction")
+		}
+		return status.String == "committed", status.String != "in progress", nil
+	})
+}
+
+// Await is the one loop that learns a transaction's fate: it calls look until look says
+// it is done (committed, or not, or an error that asking again cannot change), waiting
+// 10 ms, then twice as long each time up to 500 ms, between looks. A look that is not
+// done is asked again: the transaction is still in progress (err nil), or the server could
+// not be asked (err, kept for the message). When ctx ends first, Await returns its cause
+// with the last error.
+func Await(ctx context.Context, look func(context.Context) (committed, done bool, err error)) (bool, error) {
 	wait := 10 * time.Millisecond
 	var lastErr error
 	for {
-		var status pgtype.Text
-		var sameServer bool
-		err := pool.QueryRow(ctx, statusSQL, id.Xid, id.ServerStart).Scan(&status, &sameServer)
-		switch {
-		case err == nil && !sameServer:
-			return false, errors.New("the server restarted as another run: its transaction ids are not this one's")
-		case err == nil && status.String == "committed":
-			return true, nil
-		case err == nil && status.String == "aborted":
-			return false, nil
-		case err == nil && !status.Valid:
-			return false, errors.New("the server no longer knows the transaction")
-		case err != nil:
+		committed, done, err := look(ctx)
+		if done {
+			return committed, err
+		}
+		if err != nil {
 			lastErr = err
 		}
 		select {
