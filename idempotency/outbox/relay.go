@@ -14,7 +14,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
-	"github.com/idemq/idemq/internal/pgpooler"
+	"github.com/idemq/idemq/idempotency/pgpooler"
 )
 
 // wakeChannel is the LISTEN/NOTIFY channel relays wait on.

@@ -10,8 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemq/idemq/idempotency/pgpooler"
 	"github.com/idemq/idemq/internal/config"
-	"github.com/idemq/idemq/internal/pgpooler"
 )
 
 // Database is a long-running program's connections to Postgres.

@@ -16,9 +16,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idemq/idemq/idempotency/pgpooler"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/pgcode"
-	"github.com/idemq/idemq/internal/pgpooler"
 )
 
 // Redis connects to the Redis that redisURL names and pings it (within 10 s):

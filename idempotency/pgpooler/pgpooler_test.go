@@ -6,8 +6,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemq/idemq/idempotency/pgpooler"
 	"github.com/idemq/idemq/internal/localserver"
-	"github.com/idemq/idemq/internal/pgpooler"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
