@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"strings"
 	"time"
 
-	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -68,16 +66,4 @@ func requireSchema(ctx context.Context, pool *pgxpool.Pool) error {
 		}
 	}
 	return nil
-}
-
-// archiveUnknownTypes hands mux the tasks it has a handler for and archives every other
-// task at once with the reason (asynq.SkipRetry): asynq's own answer, "handler not
-// found", counts as a failure and is retried up to the task's MaxRetry, over days.
-func archiveUnknownTypes(mux *asynq.ServeMux, known ...string) asynq.Handler {
-	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
-		if _, pattern := mux.Handler(t); pattern == "" {
-			return fmt.Errorf("unknown task type %.64q: this worker handles %s: %w", t.Type(), strings.Join(known, ", "), asynq.SkipRetry)
-		}
-		return mux.ProcessTask(ctx, t)
-	})
 }

@@ -162,7 +162,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	srv := asynq.NewServerFromRedisClient(rdb, acfg)
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
 
-	if err := srv.Start(archiveUnknownTypes(mux, tasks.TypeCharge, tasks.TypeDebit)); err != nil {
+	if err := srv.Start(asynqmw.ArchiveUnknown(mux, tasks.TypeCharge, tasks.TypeDebit)); err != nil {
 		return fmt.Errorf("start asynq server: %w", err)
 	}
 	log.Info("worker started", "concurrency", cfg.Concurrency, "queues", cfg.Queues, "lease", cfg.Lease, "lock_ttl", cfg.LockTTL)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -493,6 +494,20 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 			h.log(ctx, key).DebugContext(ctx, "write task result", "err", err)
 		}
 	}
+}
+
+// ArchiveUnknown hands mux the tasks it has a handler for and archives every other task
+// at once, with the reason (asynq.SkipRetry) naming the known types: asynq's own answer,
+// "handler not found", counts as a failure and is retried up to the task's MaxRetry
+// (asynq's default 25, over days). Serve it in place of mux: srv.Start(ArchiveUnknown(mux,
+// "payment:charge", "wallet:debit")).
+func ArchiveUnknown(mux *asynq.ServeMux, known ...string) asynq.Handler {
+	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		if _, pattern := mux.Handler(t); pattern == "" {
+			return fmt.Errorf("unknown task type %.64q: this worker handles %s: %w", t.Type(), strings.Join(known, ", "), asynq.SkipRetry)
+		}
+		return mux.ProcessTask(ctx, t)
+	})
 }
 
 // BusyTooLongError reports a key that stayed busy past the busy budget: unlike ErrBusy,

@@ -538,3 +538,20 @@ func TestMiddlewareKeyScopedJobsSkipTheLock(t *testing.T) {
 		}
 	}
 }
+
+// A task whose type no handler serves is archived at once (SkipRetry) with the reason
+// naming the known types; a known one reaches its handler.
+func TestArchiveUnknown(t *testing.T) {
+	t.Parallel()
+	mux := asynq.NewServeMux()
+	ran := 0
+	mux.HandleFunc(tasks.TypeDebit, func(context.Context, *asynq.Task) error { ran++; return nil })
+	h := asynqmw.ArchiveUnknown(mux, tasks.TypeDebit)
+	err := h.ProcessTask(context.Background(), asynq.NewTask("foo:bar", nil))
+	if !errors.Is(err, asynq.SkipRetry) || !strings.Contains(err.Error(), `unknown task type "foo:bar": this worker handles wallet:debit`) {
+		t.Errorf("unknown type: %v; want SkipRetry naming the type and the known ones", err)
+	}
+	if err := h.ProcessTask(context.Background(), asynq.NewTask(tasks.TypeDebit, nil)); err != nil || ran != 1 {
+		t.Errorf("known type: %v, handler ran %d times; want it run once", err, ran)
+	}
+}
