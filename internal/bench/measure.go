@@ -65,12 +65,16 @@ func setup(ctx context.Context, opt Options) (_ *env, err error) {
 	if e.admin, err = e.openPool(ctx, 2); err != nil {
 		return nil, err
 	}
-	// Binaries compared side by side each migrate the schema first, in the order given
+	// Binaries compared side by side (drain or API mode) each migrate the schema first, in the order given
 	// (put the oldest first): a binary from before idemq's own version tables checks
 	// goose's, which only its own migrate writes; the migrations below then carry the
 	// schema over.
-	if len(opt.DrainBinaries) > 1 {
-		for _, b := range opt.DrainBinaries {
+	binaries := opt.DrainBinaries
+	if len(opt.API.Binaries) > 1 {
+		binaries = opt.API.Binaries
+	}
+	if len(binaries) > 1 {
+		for _, b := range binaries {
 			cmd := exec.CommandContext(ctx, b, "migrate")
 			cmd.Env = append(os.Environ(), "DATABASE_URL="+e.dsn)
 			if out, err := cmd.CombinedOutput(); err != nil {
