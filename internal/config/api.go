@@ -3,14 +3,6 @@ package config
 import (
 	"fmt"
 	"strings"
-	"time"
-)
-
-// Bounds of the API's HTTP settings.
-const (
-	MaxHTTPConns       = 100000
-	MinHTTPIdleTimeout = time.Second
-	MaxHTTPIdleTimeout = time.Hour
 )
 
 // The length bounds of one API token.

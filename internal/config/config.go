@@ -90,8 +90,8 @@ type API struct {
 	Database
 	Direct
 	HTTPAddr          string        `envconfig:"IDEMQ_HTTP_ADDR" default:":8080" desc:"address of the enqueue API, the dashboard, /metrics, /healthz and /readyz"`
-	HTTPMaxConns      int           `envconfig:"IDEMQ_HTTP_MAX_CONNS" default:"1024" desc:"connections open at once (1 to 100000); more wait in the listen backlog until one closes"`
-	HTTPIdleTimeout   time.Duration `envconfig:"IDEMQ_HTTP_IDLE_TIMEOUT" default:"30s" desc:"how long an idle keep-alive connection stays open (1s to 1h)"`
+	HTTPMaxConns      int           `envconfig:"IDEMQ_HTTP_MAX_CONNS" default:"1024" min:"1" max:"100000" desc:"connections open at once; more wait in the listen backlog until one closes"`
+	HTTPIdleTimeout   time.Duration `envconfig:"IDEMQ_HTTP_IDLE_TIMEOUT" default:"30s" min:"1s" max:"1h" desc:"how long an idle keep-alive connection stays open"`
 	APIToken          string        `envconfig:"IDEMQ_API_TOKEN" desc:"bearer tokens /v1/ admits (Authorization: Bearer TOKEN), comma-separated to rotate; each 32 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -; unset (or change-me), /v1/ answers 403 unless IDEMQ_HTTP_ADDR is loopback, and on loopback it serves only requests for localhost or a loopback address"`
 	DashboardUser     string        `envconfig:"IDEMQ_DASHBOARD_USER" desc:"basic-auth user for /monitoring/ and /ledger/; required with IDEMQ_DASHBOARD_PASSWORD (idemq api refuses to start without it)"`
 	DashboardPassword string        `envconfig:"IDEMQ_DASHBOARD_PASSWORD" desc:"basic-auth password for /monitoring/ and /ledger/; unset (or change-me), they answer 403 unless IDEMQ_HTTP_ADDR is loopback, and on loopback they serve only requests for localhost or a loopback address"`
@@ -211,7 +211,10 @@ func checkBounds(f reflect.StructField, v reflect.Value) error {
 		return fmt.Errorf("negative duration %s", format(n))
 	}
 	lo, hasLo := bound(f, "min", isDuration)
+	hi, hasHi := bound(f, "max", isDuration)
 	switch {
+	case hasLo && hasHi && (n < lo || n > hi):
+		return fmt.Errorf("must be between %s and %s, got %s", format(lo), format(hi), format(n))
 	case hasLo && n < lo:
 		return fmt.Errorf("must be at least %s, got %s", format(lo), format(n))
 	case !hasLo && isDuration && n == 0:
@@ -219,7 +222,7 @@ func checkBounds(f reflect.StructField, v reflect.Value) error {
 	case !hasLo && !isDuration && n < 1:
 		return fmt.Errorf("must be at least 1, got %s", format(n))
 	}
-	if hi, ok := bound(f, "max", isDuration); ok && n > hi {
+	if hasHi && n > hi {
 		return fmt.Errorf("must be at most %s, got %s", format(hi), format(n))
 	}
 	return nil
@@ -297,14 +300,6 @@ func checkField(key string, v any) error {
 		}
 	case "IDEMQ_API_TOKEN":
 		return checkAPIToken(v.(string))
-	case "IDEMQ_HTTP_MAX_CONNS":
-		if n := v.(int); n < 1 || n > MaxHTTPConns {
-			return fmt.Errorf("must be between 1 and %d, got %d", MaxHTTPConns, n)
-		}
-	case "IDEMQ_HTTP_IDLE_TIMEOUT":
-		if d := v.(time.Duration); d < MinHTTPIdleTimeout || d > MaxHTTPIdleTimeout {
-			return fmt.Errorf("must be between %s and %s, got %s", MinHTTPIdleTimeout, MaxHTTPIdleTimeout, d)
-		}
 	case "IDEMQ_LOG_LEVEL":
 		switch v.(string) {
 		case "debug", "info", "warn", "error":
