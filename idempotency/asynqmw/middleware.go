@@ -440,8 +440,8 @@ func (h *handler[T]) settleDead(ctx context.Context, req idempotency.Request, re
 	return nil
 }
 
-// deadReason is the reason an answer of the ledger settles the delivery's own outbox
-// intent dead, "" when it does not.
+// deadReason is the reason an answer of the ledger refuses the job for good (the task is
+// archived, and its own outbox intent settled dead), "" when it does not.
 func deadReason(err error) string {
 	switch {
 	case errors.Is(err, idempotency.ErrMismatch):
@@ -458,8 +458,7 @@ func deadReason(err error) string {
 
 func (h *handler[T]) mapError(err error, key string) (string, error) {
 	switch {
-	case errors.Is(err, idempotency.ErrMismatch), errors.Is(err, idempotency.ErrFailed), errors.Is(err, idempotency.ErrNeedsAttention),
-		errors.Is(err, idempotency.ErrInvalidKey), errors.Is(err, idempotency.ErrInvalidRequest):
+	case deadReason(err) != "": // the ledger refused the job for good
 		return OutcomeRejected, fmt.Errorf("%s: key %s: %w: %w", h.taskType, key, err, asynq.SkipRetry)
 	case errors.Is(err, asynq.SkipRetry):
 		return OutcomeError, fmt.Errorf("%s: key %s: %w", h.taskType, key, err)
