@@ -152,6 +152,15 @@ func (l *Ledger) decide(ctx context.Context, req Request, c *Claim, r *store.Cla
 		}
 		return ClaimResult{Claim: c}, 0, false, nil
 	}
+	if r.Attempted { // a DoTx read: the key may be taken, but another transaction holds it
+		l.observe(EventBusy, req.TaskType)
+		busy := &BusyError{Key: req.Key}
+		if r.Status.String == StatusInProgress {
+			busy.Owner, busy.Fence, busy.Until = formatUUID(r.Owner.Bytes), r.Fence.Int64, r.LockedUntil.Time
+			busy.Age = max(r.DBNow.Sub(r.StartedAt.Time), time.Nanosecond)
+		}
+		return ClaimResult{}, 0, false, busy
+	}
 	if !r.Status.Valid { // no row visible, yet the insert conflicted: a race
 		return l.raceOrBusy(req, round)
 	}

@@ -101,7 +101,7 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 			for i, op := range b {
 				ps[i] = *op.claim
 			}
-			part.Stmt, part.Args = store.ClaimMany, store.ClaimArgs(ps, l.cfg.MaxAge, false)
+			part.Stmt, part.Args = store.ClaimMany, store.ClaimArgs(ps, l.cfg.MaxAge)
 			part.Read = func(ord int, rows pgx.Rows) error {
 				b[ord-1].answered = true
 				return store.ScanClaim(rows, &b[ord-1].row)

@@ -48,6 +48,7 @@ const (
 	EventSharedRun      Event = sharedtx.EventSharedRun   // a DoTx handler ran in a shared transaction without a savepoint
 	EventSharedRerun    Event = sharedtx.EventSharedRerun // its shared transaction rolled back: the delivery runs alone
 	EventGivenBack      Event = sharedtx.EventGivenBack   // a shared transaction's budget ran out first: its claim is undone, it runs alone
+	EventTxConflict     Event = sharedtx.EventConflict    // a DoTx finish found a row changed since its read: its transaction's members run again
 	EventLineStalled    Event = sharedtx.EventLineStalled // a DoTx delivery waited 30 s in its Request.Scope's line (it keeps waiting)
 )
 

@@ -1000,17 +1000,19 @@ func TestDoTxFencedStore(t *testing.T) {
 	ctx := testenv.Context(t, time.Minute)
 	l, pool := newLedger(t, nil)
 	mustExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
-	// A handler that moves the ledger row to another fence (as a newer owner would) cannot
-	// commit its effect: the fenced store of the result fails and everything rolls back.
+	// A handler that writes the ledger row itself (as another owner would) cannot commit
+	// its effect: the finish finds a row its read did not, so everything rolls back, and
+	// after the reruns (each finding the same) the key is reported busy.
 	_, err := l.DoTx(ctx, req("tamper"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
 		if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ('tamper')`); err != nil {
 			return nil, err
 		}
-		_, err := tx.Exec(ctx, `UPDATE processed_jobs SET fence = nextval('processed_jobs_fence_seq') WHERE idempotency_key = 'tamper'`)
+		_, err := tx.Exec(ctx, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, attempts, completed_at)
+			VALUES ('tamper', 't', 'completed', nextval('processed_jobs_fence_seq'), gen_random_uuid(), 1, now())`)
 		return json.RawMessage(`{"ok":true}`), err
 	})
-	if !errors.Is(err, idempotency.ErrLeaseLost) {
-		t.Fatalf("DoTx with the row taken: %v, want ErrLeaseLost", err)
+	if !errors.Is(err, idempotency.ErrBusy) {
+		t.Fatalf("DoTx with the row taken: %v, want ErrBusy", err)
 	}
 	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 0 {
 		t.Fatalf("effects = %d, want 0", n)

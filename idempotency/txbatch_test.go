@@ -242,11 +242,6 @@ func testFailingMembers(t *testing.T, mode string) {
 			effect(ctx, tx, "g-refused-result")
 			return json.RawMessage(`1e1000000`), nil // valid JSON that jsonb refuses
 		},
-		"h-lease-lost": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
-			effect(ctx, tx, "h-lease-lost")
-			_, err := tx.Exec(ctx, `UPDATE processed_jobs SET fence = nextval('processed_jobs_fence_seq') WHERE idempotency_key = 'h-lease-lost'`)
-			return json.RawMessage(`2`), err
-		},
 		"i-marker": func(ctx context.Context, tx pgx.Tx, o *outcome) (json.RawMessage, error) {
 			var err error
 			o.xid, err = effect(ctx, tx, "i-marker")
@@ -319,7 +314,6 @@ func testFailingMembers(t *testing.T, mode string) {
 		"d-sql-error":           func(o *outcome) bool { return o.err != nil && strings.Contains(o.err.Error(), "22012") },
 		"e-swallowed-sql-error": func(o *outcome) bool { return o.err != nil && strings.Contains(o.err.Error(), "ended or broke") },
 		"g-refused-result":      func(o *outcome) bool { return IsPermanent(o.err) },
-		"h-lease-lost":          func(o *outcome) bool { return errors.Is(o.err, ErrLeaseLost) },
 	} {
 		o := outcomes[key]
 		if !check(o) {
@@ -1072,5 +1066,92 @@ func TestDoTxSlowTurnsKeepTheirPlaces(t *testing.T) {
 	}
 	if got := claimed.Load(); got != n+1 {
 		t.Errorf("%d claims for %d deliveries and the holder, want one each", got, n)
+	}
+}
+
+// TestDoTxFinishConflict: a DoTx transaction writes its members' rows only at its finish,
+// which re-checks each row on its newest version. When another claim completes a
+// member's key while its handler runs (here a leased Do of the same key, which takes no
+// advisory lock, as a permanent failure's claim or an operator's rerun would not), the
+// finish refuses, the whole transaction rolls back (counted), its members run again, and
+// the taken key answers the other claim's result: its effect happens once. The negative
+// control, with the finish's re-check and guard off (UnsafeNoFencing), must find the
+// effect twice.
+func TestDoTxFinishConflict(t *testing.T) {
+	t.Parallel()
+	for _, unsafe := range []bool{false, true} {
+		for _, shared := range []bool{false, true} {
+			t.Run(fmt.Sprintf("unsafe=%t/shared=%t", unsafe, shared), func(t *testing.T) {
+				t.Parallel()
+				ctx := testenv.Context(t, time.Minute)
+				pool := testenv.Postgres(t)
+				events := &eventCounts{}
+				conflicts, reruns := events.of(EventTxConflict), events.of(EventSharedRerun)
+				l := New(pool, &Config{Committers: 1, UnsafeNoFencing: unsafe, DisableGroupCommit: !shared, Observe: events.observe})
+				l.tx.Budget, l.tx.Slow = time.Hour, time.Hour
+				defer l.Close()
+				batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+
+				var taken atomic.Bool
+				run := func(key string) (Result, error) {
+					return l.DoTx(ctx, batchReq(key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+						if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key); err != nil {
+							return nil, err
+						}
+						if key == "k-taken" && taken.CompareAndSwap(false, true) {
+							_, err := l.Do(ctx, batchReq(key), func(ctx context.Context) (json.RawMessage, error) {
+								_, err := pool.Exec(ctx, `INSERT INTO effects VALUES ($1)`, key)
+								return json.RawMessage(`"other"`), err
+							})
+							if err != nil {
+								return nil, fmt.Errorf("the other claim: %w", err)
+							}
+						}
+						return json.RawMessage(`"mine"`), nil
+					})
+				}
+				keys := []string{"a-ok", "k-taken", "z-ok"}
+				results, errs := make([]Result, len(keys)), make([]error, len(keys))
+				var wg sync.WaitGroup
+				if shared {
+					release, waitHolder := holdExecutor(t, l, "0-holder")
+					for i, key := range keys {
+						wg.Go(func() { results[i], errs[i] = run(key) })
+					}
+					waitQueued(t, l, len(keys))
+					release()
+					wg.Wait()
+					waitHolder()
+				} else {
+					for i, key := range keys {
+						results[i], errs[i] = run(key)
+					}
+				}
+				for i, key := range keys {
+					if errs[i] != nil {
+						t.Fatalf("%s: %v", key, errs[i])
+					}
+					want := 1
+					if key == "k-taken" && unsafe {
+						want = 2
+					}
+					if n := batchCount(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != want {
+						t.Errorf("%s: %d effects, want %d", key, n, want)
+					}
+				}
+				if unsafe {
+					return
+				}
+				if r := results[1]; !r.Cached || string(r.Result) != `"other"` {
+					t.Errorf("k-taken: %+v, want the other claim's result, cached", r)
+				}
+				if n := conflicts.Load(); n != 1 {
+					t.Errorf("%d conflicts counted, want 1", n)
+				}
+				if n := reruns.Load(); shared && n != 3 {
+					t.Errorf("%d members ran again, want 3", n)
+				}
+			})
+		}
 	}
 }

@@ -12,13 +12,14 @@ import (
 	"github.com/idemq/idemq/internal/sharedspan"
 )
 
-// batch is the state of one transaction, used by its executor only: one multi-row claim
-// for every member (store.BeginClaims), each claimed member's handler, and one multi-row
-// finish that completes, fails or forgets every claimed row, with the COMMIT
-// (store.FinishAndCommit). With several members claimed, each handler runs in a savepoint
-// of its own (made when it first uses the transaction) unless the transaction is
-// optimistic; a member claimed alone needs none: its failure rolls the whole transaction
-// back.
+// batch is the state of one transaction, used by its executor only: the members' keys
+// held and read in its first round trip (Writes.BeginClaims), each claimed member's
+// handler, and one multi-row finish that writes every completed or failed member's row,
+// with the COMMIT (Writes.FinishAndCommit). With several members claimed, each handler
+// runs in a savepoint of its own (made when it first uses the transaction) unless the
+// transaction is optimistic; a member claimed alone needs none: its failure rolls the
+// whole transaction back. A member that failed leaves no row (a permanent failure: a
+// failed one).
 type batch struct {
 	e    *Exec
 	conn *pgx.Conn
@@ -117,7 +118,7 @@ func (b *batch) runShared() {
 			// when sharing matters most, and a claim given back is a claim and a commit
 			// more. Only a transaction that has run several budgets' worth of turns (a
 			// handler waiting on a slow query) gives its rest back for its wall time.
-			m.finish, m.later = finish{action: store.ActionForget}, true
+			m.later = true
 			e.observe(EventGivenBack, m)
 			continue
 		}
@@ -143,11 +144,11 @@ func (b *batch) runShared() {
 	}
 }
 
-// claimAll begins the transaction and claims every member's key in one statement. A
-// member that is not claimed is answered at once (a completed key's result is committed
-// data). When the server refuses the statement (a lock wait cut short, say), nothing is
-// claimed: a member alone gets the refusal, several each run alone instead. It reports
-// whether any member was claimed.
+// claimAll begins the transaction, holds every member's key and reads its row, in one
+// round trip. A member that is not claimed is answered at once (a completed key's result
+// is committed data; a key another transaction holds is busy). When the server refuses
+// (or the connection fails), nothing is claimed and every member gets the error. It
+// reports whether any member was claimed.
 func (b *batch) claimAll(ms []*member) bool {
 	e := b.e
 	var ps []store.ClaimParams
@@ -169,30 +170,21 @@ func (b *batch) claimAll(ms []*member) bool {
 	}
 	ctx, cancel := b.ctx()
 	defer cancel()
-	t, err := store.BeginClaims(ctx, b.conn, b.idle, e.lockTimeoutSQL, ps, e.cfg.MaxAge)
+	t, err := e.cfg.Writes.BeginClaims(ctx, b.conn, b.idle, ps, e.cfg.MaxAge)
 	if err != nil {
 		if !store.Answered(err) {
 			b.broken = own(err)
 			return false
 		}
-		// Refused (a lock timeout, a constraint): nothing was claimed.
 		for _, m := range live {
-			if len(live) == 1 {
-				b.replyWith(m, Answer{Err: m.d.ClaimRefused(err)})
-			} else {
-				b.again(m, err) // its own transaction tells it what happened
-			}
+			b.replyWith(m, Answer{Err: m.d.ClaimRefused(err)})
 		}
 		b.rollback()
 		return false
 	}
 	b.xid, b.serverStart = t.XID, t.ServerStart
 	for i, m := range live {
-		r := &t.Rows[i]
-		if !t.Answered[i] || !r.Claimed && r.Attempted {
-			*r = store.ClaimRow{} // a lost race: Decide looks again, alone, or reports busy
-		}
-		claimed, again, err := m.d.Decide(r, m.round)
+		claimed, again, err := m.d.Decide(&t.Rows[i], m.round)
 		switch {
 		case again:
 			b.again(m, nil)
@@ -218,21 +210,30 @@ func (b *batch) takePre() []string {
 	return p
 }
 
-// commit ends every claimed row in one statement (completed, failed, or forgotten: the
-// row a failed handler's claim inserted is deleted, a taken-over one ends its lease) and
-// commits, in one round trip; then it answers the members whose rows it completed or
-// failed.
+// commit writes every completed or failed member's row in one statement and commits, in
+// one round trip; then it answers those members. When the server refuses the finish (a
+// row is not what the read found: a conflict, counted; or a result jsonb does not take),
+// nothing committed, and the members not answered yet run again, alone, so that each
+// outcome is the member's alone. With no row to write, the transaction rolls back.
 func (b *batch) commit() {
-	ps := make([]store.FinishParams, len(b.claimed))
-	for i, m := range b.claimed {
-		ps[i] = b.params(m)
+	var ps []store.FinishParams
+	for _, m := range b.claimed {
+		if !m.answered && !m.later && m.finish.action != "" {
+			ps = append(ps, b.params(m))
+		}
+	}
+	if len(ps) == 0 {
+		b.rollback()
+		b.answerCommitted(nil)
+		return
 	}
 	ctx, cancel := b.ctx()
 	defer cancel()
-	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, b.takePre(), ps)
-	if err != nil && b.optimistic && store.Answered(err) {
-		// The finish was refused (a result jsonb does not take): nothing committed, and
-		// whose result it was, the members alone will tell.
+	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, b.takePre(), b.e.lockTimeoutSQL, ps)
+	if err != nil && store.Answered(err) {
+		if store.Conflict(err) {
+			b.e.observe(EventConflict, b.claimed[0])
+		}
 		b.rollback()
 		b.rerunAlone()
 		return
@@ -241,9 +242,9 @@ func (b *batch) commit() {
 }
 
 // answerCommitted answers the claimed members after the COMMIT, whose error is err. An
-// error the server answered (or any on a connection still open) means nothing committed:
-// the batch is broken. A COMMIT whose answer was lost is resolved by each member with the
-// transaction id drawn with the claims.
+// error on a connection still open means nothing committed: the batch is broken. A
+// COMMIT whose answer was lost is resolved by each member with the transaction id drawn
+// with the claims.
 func (b *batch) answerCommitted(err error) {
 	if err != nil && (store.Answered(err) || !b.conn.IsClosed() || b.xid == "") {
 		b.broken = own(err)
@@ -252,12 +253,10 @@ func (b *batch) answerCommitted(err error) {
 	for _, m := range b.claimed {
 		m.d.Committed(b.xid, b.serverStart)
 		switch {
+		case m.answered:
 		case m.later:
-			// Its claim is gone (forgotten by the commit, or never committed if the lost
-			// answer was a failure): it runs alone now. It must be answered whatever the
-			// commit's fate: it waits for nothing else.
+			// It did not run: it runs alone now, whatever the commit's fate.
 			b.again(m, nil)
-		case m.finish.action == store.ActionForget:
 		case err != nil: // the answer was lost: each member resolves it by transaction id
 			b.replyWith(m, Answer{Err: m.finish.err, Lost: err, Recorded: m.finish.err != nil})
 		case m.finish.action == store.ActionFail:

@@ -59,6 +59,7 @@ const (
 	EventSharedRun   = "shared_run"   // a handler ran in a shared transaction without a savepoint
 	EventSharedRerun = "shared_rerun" // its shared transaction rolled back: the delivery runs alone
 	EventGivenBack   = "given_back"   // a shared transaction's budget ran out first: the claim is undone
+	EventConflict    = "tx_conflict"  // a finish found a row other than its read did: the transaction's members run again
 	EventCompleted   = "completed"    // a completion was committed
 	EventFailed      = "failed"       // a permanent failure was committed
 	EventLineStalled = "line_stalled" // a delivery waited StallAfter in its scope's line
@@ -434,9 +435,10 @@ type ran struct {
 	own      time.Duration // fn's run less what it waited on the database
 }
 
-// finish is what the shared finish does with a claimed member's row.
+// finish is what the finish writes for a claimed member: its row completed with its
+// result, or failed (permanent); none (action "") when its handler failed otherwise.
 type finish struct {
-	action store.Action // complete, store (complete with result), fail (permanent) or forget (the handler failed)
+	action store.Action // complete or fail
 	result pgtype.Text  // store: the result
 	errMsg pgtype.Text
 	err    error // the handler's error, answered after the commit (fail)

@@ -185,10 +185,10 @@ func (e *Exec) afterLines(ms []*member) {
 func (b *batch) again(m *member, refusal error) {
 	switch {
 	case m.answered:
-	case m.scope == "":
-		b.replyWith(m, Answer{alone: true})
 	case refusal != nil && m.round+1 >= requeueRounds:
 		b.replyWith(m, Answer{Err: m.d.ClaimRefused(refusal)})
+	case m.scope == "":
+		b.replyWith(m, Answer{alone: true})
 	default:
 		m.answered, m.requeue = true, true
 		m.round++

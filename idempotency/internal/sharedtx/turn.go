@@ -53,10 +53,11 @@ func (b *batch) afterHandler(m *member, r ran) (_ ran, ok bool) {
 }
 
 // runMember runs m's fn on the shared transaction. The member's savepoint is made when fn
-// first uses the transaction; it is released when fn succeeds (after the database
-// accepted its result as jsonb) and rolled back when fn fails.
+// first uses the transaction; it is released when fn succeeds and the server takes its
+// result (its row is written by the finish) and rolled back when fn fails (its row is not
+// written, or written failed).
 func (b *batch) runMember(m *member) {
-	m.finish = finish{action: store.ActionForget}
+	m.finish = finish{}
 	if err := m.ctx.Err(); err != nil {
 		b.replyWith(m, Answer{Err: fmt.Errorf("idempotency: DoTx %s: %w", m.d.Key(), err)})
 		return
@@ -73,16 +74,16 @@ func (b *batch) runMember(m *member) {
 	if r.err == nil && !r.panicked {
 		stored, lastErr := m.d.Check(r.out)
 		var err error
-		if stored.Valid || lastErr.Valid {
-			// The result is stored, fenced, while the savepoint still holds the effect: a
-			// row taken meanwhile, or a value jsonb refuses, rolls back this member alone.
+		if stored.Valid {
+			// The server parses the result while the savepoint still holds the effect: a
+			// value jsonb refuses rolls back this member alone, not the whole transaction.
 			var pre []string
 			if !saved {
 				saved = true
 				pre = append(b.takePre(), store.Savepoint)
 			}
 			ctx, cancel := b.ctx()
-			err = b.e.cfg.Writes.StoreResult(ctx, b.conn, pre, store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr})
+			err = store.CheckResult(ctx, b.conn, pre, stored.String)
 			cancel()
 		}
 		var pgErr *pgconn.PgError
@@ -91,7 +92,7 @@ func (b *batch) runMember(m *member) {
 			if saved {
 				b.pre = append(b.pre, store.Release)
 			}
-			m.finish = finish{action: store.ActionComplete}
+			m.finish = finish{action: store.ActionComplete, result: stored, errMsg: lastErr}
 			return
 		case !errors.As(err, &pgErr):
 			b.broken = own(err)
@@ -101,7 +102,7 @@ func (b *batch) runMember(m *member) {
 			r.err = m.d.Refused(pgErr)
 		}
 	}
-	// fn failed: its effect goes with its savepoint; its claim is ended by the finish.
+	// fn failed: its effect goes with its savepoint.
 	if saved {
 		ctx, cancel := b.ctx()
 		_, err := b.conn.Exec(ctx, store.Undo)
@@ -120,7 +121,7 @@ func (b *batch) runMember(m *member) {
 		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: b.e.cfg.CleanText(r.err.Error()), Valid: true}, err: r.err}
 		return // answered with the commit, which records the failure
 	}
-	b.replyWith(m, Answer{Err: r.err})
+	b.replyWith(m, Answer{Err: r.err}) // no row: the next delivery runs it
 }
 
 // runOptimistic runs m's fn on the shared transaction without a savepoint: its result is
@@ -128,7 +129,7 @@ func (b *batch) runMember(m *member) {
 // aborted) undoes the whole transaction; every member then runs alone, a panicking one
 // panics again.
 func (b *batch) runOptimistic(m *member) {
-	m.finish = finish{action: store.ActionForget}
+	m.finish = finish{}
 	if err := m.ctx.Err(); err != nil {
 		b.replyWith(m, Answer{Err: fmt.Errorf("idempotency: DoTx %s: %w", m.d.Key(), err)})
 		return
@@ -144,7 +145,7 @@ func (b *batch) runOptimistic(m *member) {
 		b.undone = true
 	default:
 		stored, lastErr := m.d.Check(r.out)
-		m.finish = finish{action: store.ActionStore, result: stored, errMsg: lastErr}
+		m.finish = finish{action: store.ActionComplete, result: stored, errMsg: lastErr}
 	}
 }
 
@@ -162,8 +163,8 @@ func (b *batch) rerunAlone() {
 }
 
 // runSolo runs the one member a transaction claimed: no savepoint (its failure rolls the
-// whole transaction back, claim and all), and its result is stored, which completes it,
-// with the COMMIT, in one round trip.
+// whole transaction back), and its row is written, with the COMMIT, in one round trip. A
+// finish refused for a conflict (the row is not what the read found) has it run again.
 func (b *batch) runSolo(m *member) {
 	if err := m.ctx.Err(); err != nil {
 		b.rollback()
@@ -180,15 +181,20 @@ func (b *batch) runSolo(m *member) {
 		return
 	}
 	stored, lastErr := m.d.Check(r.out)
-	m.finish = finish{action: store.ActionComplete}
+	m.finish = finish{action: store.ActionComplete, result: stored, errMsg: lastErr}
 	ctx, cancel := b.ctx()
-	err := b.e.cfg.Writes.StoreAndCommit(ctx, b.conn, store.StoredResult{Finish: b.params(m), Result: stored, Error: lastErr})
+	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
 	cancel()
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
+	switch {
+	case store.Conflict(err):
+		b.e.observe(EventConflict, m)
+		b.rollback()
+		b.again(m, err)
+	case errors.As(err, &pgErr):
 		b.rollback()
 		b.replyWith(m, Answer{Err: m.d.Refused(pgErr)})
-		return
+	default:
+		b.answerCommitted(err)
 	}
-	b.answerCommitted(err)
 }

@@ -9,11 +9,10 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// claimManySQL claims a batch of keys in one statement: $1..$5 and $8
+// claimManySQL claims a batch of keys in one statement, for leased work: $1..$5 and $7
 // are arrays with one element per key (key, task type, owner, fingerprint or NULL, lease
-// in microseconds; trace id or NULL), $6 the maximum age, $7 true in a shared DoTx transaction, where the
-// rows are written completed at once (the row lock, held until the
-// transaction ends, is the lease; the outbox intents are settled by finishTxManySQL). The lock_timeout is set before it, by claimSettingsSQL.
+// in microseconds; trace id or NULL), $6 the maximum age. The lock_timeout is set before
+// it, by claimSettingsSQL.
 // Every answer row starts with the key's ordinal in the arrays, then the row's columns
 // (ClaimRow). A key whose row is completed is answered by a plain read, without locking
 // the row or drawing a fence; the upsert re-checks everything on the newest row version
@@ -22,7 +21,7 @@ import (
 // order.
 const claimManySQL = `
 WITH req AS (
-	SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[], $8::text[]) WITH ORDINALITY
+	SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[], $7::text[]) WITH ORDINALITY
 		AS req(key, task_type, owner, fp, lease_us, trace_id, ord)
 ), settings AS (
 	SELECT set_config('synchronous_commit', 'on', true) AS synchronous_commit
@@ -42,9 +41,9 @@ WITH req AS (
 ), up AS (
 	INSERT INTO processed_jobs AS p
 		(idempotency_key, task_type, status, fence, owner, payload_sha256, attempts, locked_until, completed_at, trace_id)
-	SELECT gate.key, gate.task_type, CASE WHEN $7::bool THEN 'completed' ELSE 'in_progress' END,
+	SELECT gate.key, gate.task_type, 'in_progress',
 	       nextval('processed_jobs_fence_seq'), gate.owner, gate.fp, 1,
-	       now() + gate.lease_us * interval '1 microsecond', CASE WHEN $7::bool THEN now() END, gate.trace_id
+	       now() + gate.lease_us * interval '1 microsecond', NULL, gate.trace_id
 	FROM settings, gate WHERE gate.open
 	ORDER BY gate.key
 	ON CONFLICT (idempotency_key) DO UPDATE
@@ -76,8 +75,8 @@ WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.idempotency_key = gate.key)`
 // ClaimMany is the claim statement.
 var ClaimMany = &Statement{Name: "idemq_claim_many", SQL: claimManySQL}
 
-// ClaimArgs returns ClaimMany's arguments for ps: inTx for a shared DoTx transaction.
-func ClaimArgs(ps []ClaimParams, maxAge time.Duration, inTx bool) []any {
+// ClaimArgs returns ClaimMany's arguments for ps.
+func ClaimArgs(ps []ClaimParams, maxAge time.Duration) []any {
 	keys, types := make([]string, len(ps)), make([]string, len(ps))
 	owners, fps, leases := make([]pgtype.UUID, len(ps)), make([][]byte, len(ps)), make([]int64, len(ps))
 	traces := make([]pgtype.Text, len(ps))
@@ -85,7 +84,7 @@ func ClaimArgs(ps []ClaimParams, maxAge time.Duration, inTx bool) []any {
 		keys[i], types[i], owners[i], fps[i], leases[i] = p.Key, p.TaskType, p.Owner, p.Fingerprint, p.Lease.Microseconds()
 		traces[i] = pgtype.Text{String: p.TraceID, Valid: p.TraceID != ""}
 	}
-	return []any{keys, types, owners, fps, leases, maxAge.Microseconds(), inTx, traces}
+	return []any{keys, types, owners, fps, leases, maxAge.Microseconds(), traces}
 }
 
 // ScanClaim reads an answered row of ClaimMany (in a Round: its ordinal is read) into r.

@@ -2,31 +2,44 @@ package store
 
 // fenceChecks are the predicates with which a fenced write checks that its claim still
 // holds the row: args for one row ($2 fence, $3 owner), rows for a batch (the row p
-// joined to r, the batch's unnest).
-type fenceChecks struct{ args, rows string }
+// joined to r, the batch's unnest); and those of a DoTx transaction: hold takes a key's
+// advisory lock (k.key), takeover re-checks, on the newest version of a row that is there,
+// what the read found (p, the row; excluded, the member's), and guard fails the finish
+// unless it wrote every member's row (w.n rows written of r's).
+type fenceChecks struct{ args, rows, hold, takeover, guard string }
 
 var (
 	// checkFence checks the fence and the owner: every write after a claim.
-	checkFence = fenceChecks{args: `fence = $2 AND owner = $3`, rows: `p.fence = r.fence AND p.owner = r.owner`}
+	checkFence = fenceChecks{
+		args: `fence = $2 AND owner = $3`, rows: `p.fence = r.fence AND p.owner = r.owner`,
+		hold: `pg_try_advisory_xact_lock(hashtextextended(k.key, ` + keyLockSeed + ` # 'processed_jobs'::regclass::oid::bigint))`,
+		takeover: `p.status = 'in_progress' AND p.locked_until < now()
+	  AND p.attempts = excluded.attempts - 1 AND p.generation = excluded.generation
+	  AND (p.payload_sha256 IS NULL OR excluded.payload_sha256 IS NULL OR p.payload_sha256 = excluded.payload_sha256)`,
+		guard: `1 / (CASE WHEN w.n = (SELECT count(*) FROM r) THEN 1 ELSE 0 END)`,
+	}
 	// checkNothing keeps the parameters and checks nothing: the negative control's ledger
 	// only (idempotency.Config.UnsafeNoFencing).
-	checkNothing = fenceChecks{args: `$2::bigint > 0 AND $3::uuid IS NOT NULL`, rows: `r.fence > 0 AND r.owner IS NOT NULL`}
+	checkNothing = fenceChecks{
+		args: `$2::bigint > 0 AND $3::uuid IS NOT NULL`, rows: `r.fence > 0 AND r.owner IS NOT NULL`,
+		hold: `k.key IS NOT NULL`, takeover: `p.idempotency_key IS NOT NULL`, guard: `w.n AS unguarded`,
+	}
 )
 
 // Writes are the fenced writes, each built once with one set of fence checks.
 type Writes struct {
-	Heartbeat     string     // one claim's lease (it has no batch)
-	FinishMany    *Statement // leased completions and failures
-	FinishTxMany  string     // the rows of a shared transaction
-	StoreResultTx string     // a DoTx result, on the row its claim wrote
+	Heartbeat  string     // one claim's lease (it has no batch)
+	FinishMany *Statement // leased completions and failures
+	HoldKeys   string     // a DoTx transaction's keys, held
+	FinishTx   string     // the rows of a DoTx transaction, written
 }
 
 func newWrites(f fenceChecks, name string) *Writes {
 	return &Writes{
-		Heartbeat:     heartbeatSQL(f),
-		FinishMany:    &Statement{Name: name, SQL: finishManySQL(f)},
-		FinishTxMany:  finishTxManySQL(f),
-		StoreResultTx: storeResultTxSQL(f),
+		Heartbeat:  heartbeatSQL(f),
+		FinishMany: &Statement{Name: name, SQL: finishManySQL(f)},
+		HoldKeys:   holdKeysSQL(f),
+		FinishTx:   finishTxSQL(f),
 	}
 }
 

@@ -6,28 +6,35 @@ import (
 )
 
 // Every fenced write checks the fence and owner, and its unsafe twin (the negative
-// control's) checks neither: the two differ only in their fence checks.
+// control's) checks neither, nor takes a DoTx key's lock, nor re-checks a DoTx row at
+// its finish, nor guards the finish: the two differ only in their fence checks.
 func TestFencedWritesAndTheirUnsafeTwins(t *testing.T) {
 	t.Parallel()
 	safe, unsafe := Fenced, Unfenced
 	pairs := map[string][2]string{
-		"heartbeat":     {safe.Heartbeat, unsafe.Heartbeat},
-		"finishMany":    {safe.FinishMany.SQL, unsafe.FinishMany.SQL},
-		"finishTxMany":  {safe.FinishTxMany, unsafe.FinishTxMany},
-		"storeResultTx": {safe.StoreResultTx, unsafe.StoreResultTx},
+		"heartbeat":  {safe.Heartbeat, unsafe.Heartbeat},
+		"finishMany": {safe.FinishMany.SQL, unsafe.FinishMany.SQL},
+		"holdKeys":   {safe.HoldKeys, unsafe.HoldKeys},
+		"finishTx":   {safe.FinishTx, unsafe.FinishTx},
 	}
 	if safe.FinishMany.Name == unsafe.FinishMany.Name {
 		t.Errorf("the unsafe finish is prepared under the safe one's name %q", safe.FinishMany.Name)
 	}
 	for name, p := range pairs {
 		f, u := p[0], p[1]
-		if !strings.Contains(f, checkFence.args) && !strings.Contains(f, checkFence.rows) {
+		checks := func(sql string, c fenceChecks) bool {
+			return strings.Contains(sql, c.args) || strings.Contains(sql, c.rows) || strings.Contains(sql, c.hold) ||
+				strings.Contains(sql, c.takeover) || strings.Contains(sql, c.guard)
+		}
+		if !checks(f, checkFence) {
 			t.Errorf("%s does not check the fence:\n%s", name, f)
 		}
-		if strings.Contains(u, checkFence.args) || strings.Contains(u, checkFence.rows) {
+		if checks(u, checkFence) {
 			t.Errorf("the unsafe %s still checks the fence:\n%s", name, u)
 		}
-		back := strings.NewReplacer(checkNothing.args, checkFence.args, checkNothing.rows, checkFence.rows).Replace(u)
+		back := strings.NewReplacer(checkNothing.args, checkFence.args, checkNothing.rows, checkFence.rows,
+			checkNothing.hold, checkFence.hold, checkNothing.takeover, checkFence.takeover,
+			checkNothing.guard, checkFence.guard).Replace(u)
 		if back != f {
 			t.Errorf("%s and its unsafe twin differ beyond their fence checks", name)
 		}

@@ -62,82 +62,6 @@ WITH r AS (
 SELECT c.ord, ` + xidColumns + ` FROM c`
 }
 
-// finishTxManySQL ends the rows of a shared DoTx transaction, which claimManySQL wrote
-// completed ($1..$7: key, fence, owner, action, error, result, intent sum): 'complete' keeps the row (its
-// result is already stored, fenced, by storeResultTxSQL), 'store' stores its result
-// ($6, as jsonb: a value jsonb refuses fails the statement), 'fail' records a permanent
-// failure, 'forget' undoes the claim of a handler that failed (the row it inserted is
-// deleted; a taken-over one is back in progress, its lease ended). Completions and
-// failures settle the outbox intents of their own tasks. Every row still held comes back
-// with its ordinal and the transaction id.
-func finishTxManySQL(f fenceChecks) string {
-	return `
-WITH r AS (
-	SELECT * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::text[], $6::text[], $7::bytea[]) WITH ORDINALITY
-		AS r(key, fence, owner, action, error, result, intent_sum, ord)
-), k AS (
-	SELECT r.ord, r.key, r.action FROM r JOIN processed_jobs p
-	  ON p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
-	WHERE r.action = 'complete'
-), s AS (
-	UPDATE processed_jobs p SET result = r.result::jsonb, last_error = coalesce(r.error, p.last_error)
-	FROM r
-	WHERE r.action = 'store' AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
-	RETURNING r.ord, r.key, 'complete'::text AS action
-), f AS (
-	UPDATE processed_jobs p SET status = 'failed', last_error = r.error, updated_at = now()
-	FROM r
-	WHERE r.action = 'fail' AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
-	RETURNING r.ord, r.key, r.action
-), g AS (
-	UPDATE processed_jobs p SET status = 'in_progress', completed_at = NULL, locked_until = now(), updated_at = now()
-	FROM r
-	WHERE r.action = 'forget' AND NOT (p.attempts = 1 AND p.generation = 0)
-	  AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
-	RETURNING r.ord
-), d AS (
-	DELETE FROM processed_jobs p USING r
-	WHERE r.action = 'forget' AND p.attempts = 1 AND p.generation = 0
-	  AND p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'completed'
-	RETURNING r.ord
-), i AS (
-	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
-	       state = CASE WHEN x.action = 'complete' THEN 'done' ELSE 'dead' END,
-	       last_error = CASE WHEN x.action = 'complete' THEN j.last_error ELSE r.error END
-	FROM (SELECT ord, key, action FROM k UNION ALL SELECT ord, key, action FROM s UNION ALL SELECT ord, key, action FROM f) x
-	     JOIN r ON r.ord = x.ord
-	WHERE j.idempotency_key = x.key AND j.state IN ('pending', 'published') AND ` + intentOwn + `
-), held AS (
-	-- Every completed or failed row must still be ours; if not, the statement fails
-	-- (division by zero) and the COMMIT sent after it cannot commit.
-	SELECT 1 / (CASE WHEN (SELECT count(*) FROM k) + (SELECT count(*) FROM s) + (SELECT count(*) FROM f)
-	                    = (SELECT count(*) FROM r WHERE action IN ('complete', 'store', 'fail')) THEN 1 ELSE 0 END) AS ok
-)
-SELECT ord, ` + xidColumns + ` FROM held, (SELECT ord FROM k UNION ALL SELECT ord FROM s UNION ALL SELECT ord FROM f
-                                   UNION ALL SELECT ord FROM g UNION ALL SELECT ord FROM d) e`
-}
-
-// storeResultTxSQL stores a DoTx result ($4, NULL for none; $5 the error marker's
-// text) on the row the claim wrote completed, and settles the key's outbox intent when
-// the delivery was of its own task ($6, the intent sum: see FinishParams.IntentSum). The
-// division fails (SQLSTATE 22012) when the fenced update matched no row, which aborts
-// the transaction, so the COMMIT pipelined after it cannot commit the effect without its
-// completion. Only result and last_error change, which are not indexed: a HOT update.
-func storeResultTxSQL(f fenceChecks) string {
-	return `
-WITH u AS (
-	UPDATE processed_jobs SET result = $4, last_error = coalesce($5, last_error)
-	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'completed'
-	RETURNING 1
-), i AS (
-	UPDATE job_intents j SET finished_at = now(), updated_at = now(), state = 'done'
-	FROM (SELECT $6::bytea AS intent_sum) r
-	WHERE j.idempotency_key = $1 AND j.state IN ('pending', 'published') AND EXISTS (SELECT 1 FROM u)
-	  AND ` + intentOwn + `
-)
-SELECT 1 / count(*) FROM u`
-}
-
 // FinishArgs returns FinishMany's arguments for ps.
 func FinishArgs(ps []FinishParams) []any {
 	keys, fences, owners := make([]string, len(ps)), make([]int64, len(ps)), make([]pgtype.UUID, len(ps))
@@ -148,12 +72,6 @@ func FinishArgs(ps []FinishParams) []any {
 		sums[i] = p.IntentSum
 	}
 	return []any{keys, fences, owners, actions, results, errs, sums}
-}
-
-// finishTxArgs returns FinishTxMany's arguments for ps.
-func finishTxArgs(ps []FinishParams) []any {
-	a := FinishArgs(ps)
-	return []any{a[0], a[1], a[2], a[3], a[5], a[4], a[6]}
 }
 
 // ScanFinished reads an answered row of FinishMany (in a Round: its ordinal is read).

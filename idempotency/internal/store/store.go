@@ -30,15 +30,11 @@ const (
 // Action is what a finish does with a claimed row.
 type Action string
 
-// Actions of FinishMany (complete, retry, fail) and FinishTxMany (complete, fail, forget).
+// Actions of FinishMany (complete, retry, fail) and of a DoTx finish (complete, fail).
 const (
 	ActionComplete Action = "complete" // completed, with its result
 	ActionRetry    Action = "retry"    // the lease ends at once; the row stays in progress
 	ActionFail     Action = "fail"     // failed for good
-	ActionForget   Action = "forget"   // a shared transaction's claim of a failed handler is undone
-	// ActionStore completes a shared transaction's row with its result, stored by the
-	// finish itself (a member run without a savepoint).
-	ActionStore Action = "store"
 )
 
 // Statement is a statement sent by Round: named and prepared once per connection when
@@ -76,8 +72,10 @@ type ClaimParams struct {
 
 // ClaimRow is what a claim found or wrote for its key.
 type ClaimRow struct {
-	// Claimed: the upsert took the key. Attempted: it was tried (the key looked
-	// claimable) but took nothing, a race with a concurrent change.
+	// Claimed: the key was taken (Fence is the claim's, Attempts its attempt). Attempted
+	// (a leased claim): it was tried (the key looked claimable) but took nothing, a race
+	// with a concurrent change; (a DoTx read) the key may be taken, but another
+	// transaction holds it: busy.
 	Claimed, Attempted bool
 	Status             pgtype.Text // invalid: no row
 	Fence              pgtype.Int8
@@ -113,6 +111,11 @@ type FinishParams struct {
 	// intent whose payload_sha256 equals it (the delivery was of the intent's own task,
 	// whose payload is the intent's bytes) is settled. An empty, non-nil sum settles none.
 	IntentSum []byte
+	// A DoTx finish writes the whole row: these too.
+	TaskType            string
+	Fingerprint         []byte
+	Attempt, Generation int
+	TraceID             string
 }
 
 // Finished is what a finish answers for a row it changed: the transaction's id and the

@@ -9,11 +9,24 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemq/idemq/internal/pgcode"
 )
 
-// The statements that frame a shared DoTx transaction. Each member runs in a savepoint of
-// its own, released when it succeeds and rolled back when it does not; one name serves
-// all, as the previous member's savepoint is gone before the next one is made.
+// A DoTx transaction writes each of its members' rows once, at its end. Its first round
+// trip holds the keys and reads their rows (BeginClaims): a transaction-scoped advisory
+// lock on a 64-bit hash of each key, taken by one statement, is what keeps two
+// transactions off one key while their handlers run (it writes no WAL and ends with the
+// transaction, behind a transaction-mode pooler too); the next statement, whose snapshot
+// is taken after the locks, reads each key's row and draws a fence for each key it may
+// take. The handlers run. The last statement (FinishAndCommit) writes every taken key's
+// row, completed or failed, re-checking on the newest row version what the read assumed,
+// and fails unless it wrote them all, so that the COMMIT sent after it cannot commit
+// handlers' effects without their rows.
+
+// The statements that frame a DoTx transaction. With several members, each may run in a
+// savepoint of its own, released when it succeeds and rolled back when it does not; one
+// name serves all, as the previous member's savepoint is gone before the next one is made.
 const (
 	beginSQL = "BEGIN ISOLATION LEVEL READ COMMITTED"
 	// Savepoint opens a member's savepoint; Release ends it, keeping the member's work.
@@ -24,32 +37,79 @@ const (
 	Undo = "ROLLBACK TO SAVEPOINT idemq_member; " + Release
 )
 
-// txClaimSettingsSQL is claimSettingsSQL ($1 the lock timeout) that also bounds how long
-// the transaction may sit idle ($2, as "30000ms") and draws its id, for a COMMIT whose
-// answer is lost: its last two columns.
-const txClaimSettingsSQL = claimSettingsSQL + `,
-	       set_config('idle_in_transaction_session_timeout', $2, true), pg_current_xact_id()::text, pg_postmaster_start_time()::text`
+// keyLockSeed seeds the hash of a key's advisory lock (hashtextextended), so that the
+// ledger's locks do not meet those of an application hashing its own strings unseeded;
+// the seed is mixed with the ledger table's oid, so that ledgers in other schemas of the
+// database do not meet either.
+const keyLockSeed = `7309475139880105073`
+
+// holdKeysSQL begins a DoTx transaction's work: it takes each key's advisory lock ($2,
+// text[]; a lock another transaction holds is not waited for), records which it took in
+// the transaction's idemq.held setting (a string of 't' and 'f', in the keys' order), bounds
+// how long the transaction may sit idle ($1, as "30000ms"), makes its commit durable,
+// turns the plans of the read that follows to the primary keys (keyPlansSQL), and
+// answers the transaction's id and the server's start time, for a COMMIT whose answer is
+// lost. Unfenced (f), it takes no lock and records every key as held.
+func holdKeysSQL(f fenceChecks) string {
+	return keyPlansSQL + `,
+	       set_config('idle_in_transaction_session_timeout', $1, true),
+	       set_config('synchronous_commit', 'on', true),
+	       set_config('idemq.held', (SELECT string_agg(CASE WHEN ` + f.hold + ` THEN 't' ELSE 'f' END, '' ORDER BY ord)
+	                                 FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)), true),
+	       pg_current_xact_id()::text, pg_postmaster_start_time()::text`
+}
+
+// readKeysSQL reads the row of each key of a DoTx transaction ($1, text[]), in the shape
+// of ClaimRow, after holdKeysSQL: claimed when this transaction holds the key's advisory
+// lock and the key may be taken (no row, or one in progress whose lease ended, younger
+// than the maximum age $2 in microseconds, with the same fingerprint, $3) — then the
+// fence is a new one and the attempt the row's next; busy when the key may be taken but
+// another transaction holds its lock. It puts back the plans holdKeysSQL turned, so that
+// the handlers' own queries plan as they would without the ledger.
+const readKeysSQL = `
+WITH k AS (
+	SELECT k.ord, k.key, k.fp, substr(current_setting('idemq.held'), k.ord::int, 1) = 't' AS held,
+	       p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
+	       p.locked_until, p.started_at, p.completed_at, p.generation,
+	       p.status IS NULL OR p.status = 'in_progress' AND p.locked_until < now()
+	         AND p.started_at >= now() - $2::bigint * interval '1 microsecond'
+	         AND (p.payload_sha256 IS NULL OR k.fp IS NULL OR p.payload_sha256 = k.fp) AS open
+	FROM unnest($1::text[], $3::bytea[]) WITH ORDINALITY AS k(key, fp, ord)
+	LEFT JOIN processed_jobs p ON p.idempotency_key = k.key
+), restored AS (
+	SELECT ` + restorePlans + `
+)
+SELECT ord, held AND open, open AND NOT held, status,
+       CASE WHEN held AND open THEN nextval('processed_jobs_fence_seq') ELSE fence END,
+       owner, payload_sha256, result,
+       CASE WHEN held AND open THEN coalesce(attempts, 0) + 1 ELSE attempts END,
+       last_error, locked_until, started_at, completed_at, coalesce(generation, 0), now(), NULL::text, NULL::text, NULL::text
+FROM restored, k ORDER BY ord`
 
 // TxClaims is what BeginClaims learned: the transaction's id and the server's start time,
-// and each key's row (indexed like the params; Answered false when none came back).
+// and each key's row (indexed like the params).
 type TxClaims struct {
 	XID, ServerStart string
 	Rows             []ClaimRow
-	Answered         []bool
 }
 
-// BeginClaims begins a transaction on conn and claims ps in it (written completed: the
-// row lock is the lease until the COMMIT), in one round trip of three statements: BEGIN,
-// the settings, the claim (which puts the settings back). idle is the transaction's
-// idle_in_transaction_session_timeout and lockTimeout the bound on the claims' row-lock
-// waits, as "2000ms". An error the server answered leaves the transaction open, aborted.
-func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, ps []ClaimParams, maxAge time.Duration) (TxClaims, error) {
+// BeginClaims begins a transaction on conn and holds and reads the keys of ps in it (see
+// holdKeysSQL, readKeysSQL), in one round trip of three statements. A row whose
+// Claimed is set was taken: its Fence is the claim's and Attempts its attempt. One whose
+// Busy is set is held by another transaction. idle is the transaction's
+// idle_in_transaction_session_timeout, as "30000ms". An error the server answered leaves
+// the transaction open, aborted.
+func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle string, ps []ClaimParams, maxAge time.Duration) (TxClaims, error) {
+	keys, fps := make([]string, len(ps)), make([][]byte, len(ps))
+	for i, p := range ps {
+		keys[i], fps[i] = p.Key, p.Fingerprint
+	}
 	batch := &pgx.Batch{}
 	batch.Queue(beginSQL)
-	batch.Queue(txClaimSettingsSQL, lockTimeout, idle)
-	batch.Queue(claimManySQL, ClaimArgs(ps, maxAge, true)...)
+	batch.Queue(w.HoldKeys, idle, keys)
+	batch.Queue(readKeysSQL, keys, maxAge.Microseconds(), fps)
 	br := conn.SendBatch(ctx, batch)
-	t := TxClaims{Rows: make([]ClaimRow, len(ps)), Answered: make([]bool, len(ps))}
+	t := TxClaims{Rows: make([]ClaimRow, len(ps))}
 	_, err := br.Exec()
 	if err == nil {
 		err = br.QueryRow().Scan(nil, nil, nil, nil, nil, nil, nil, &t.XID, &t.ServerStart)
@@ -57,14 +117,15 @@ func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, 
 	if err == nil {
 		var rs pgx.Rows
 		rs, err = br.Query()
+		n := 0
 		for err == nil && rs.Next() {
 			var ord int
 			var r ClaimRow
-			if err = rs.Scan(r.targets(&ord)...); err == nil && (ord < 1 || ord > len(ps)) {
+			if err = rs.Scan(r.targets(&ord)...); err == nil && ord != n+1 {
 				err = fmt.Errorf("answer for row %d of %d", ord, len(ps))
 			}
 			if err == nil {
-				t.Rows[ord-1], t.Answered[ord-1] = r, true
+				t.Rows[n], n = r, n+1
 			}
 		}
 		if rs != nil {
@@ -73,11 +134,112 @@ func BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, 
 				err = rs.Err()
 			}
 		}
+		if err == nil && n != len(ps) {
+			err = fmt.Errorf("%d answers for %d keys", n, len(ps))
+		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	return t, err
+}
+
+// finishTxSQL writes the rows of a DoTx transaction's members ($1..$11, one element per
+// member: key, task type, fence, owner, fingerprint, status ('completed' or 'failed'),
+// result (jsonb text), last_error, the attempt, the generation the read found (0 for
+// none), trace id; $12 the intent sums, see FinishParams.IntentSum). A key without a row
+// gets one; a row that is there is taken over only if it is still what the read found:
+// in progress, its lease ended, at the attempt before this one and in the same
+// generation, with the same fingerprint (f.takeover). Completions and failures settle the
+// outbox intents of their own tasks. Unless every member's row was written (f.guard),
+// the statement fails (division by zero, SQLSTATE 22012), so that the COMMIT sent after
+// it cannot commit: then the transaction's members run again.
+func finishTxSQL(f fenceChecks) string {
+	return `
+WITH r AS (
+	SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::uuid[], $5::bytea[], $6::text[], $7::text[],
+	                     $8::text[], $9::int[], $10::int[], $11::text[], $12::bytea[])
+		AS r(key, task_type, fence, owner, fp, status, result, error, attempt, generation, trace_id, intent_sum)
+), w AS (
+	INSERT INTO processed_jobs AS p (idempotency_key, task_type, status, fence, owner, payload_sha256, result,
+	                                 attempts, generation, last_error, locked_until, completed_at, trace_id)
+	SELECT key, task_type, status, fence, owner, fp, result::jsonb, attempt, generation, error, now(), now(), trace_id
+	FROM r ORDER BY key
+	ON CONFLICT (idempotency_key) DO UPDATE
+	SET status = excluded.status, fence = excluded.fence, owner = excluded.owner, result = excluded.result,
+	    attempts = excluded.attempts, last_error = coalesce(excluded.last_error, p.last_error),
+	    locked_until = excluded.locked_until, completed_at = excluded.completed_at, updated_at = now(),
+	    trace_id = excluded.trace_id, payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
+	WHERE ` + f.takeover + `
+	RETURNING p.idempotency_key, p.status, p.last_error
+), i AS (
+	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
+	       state = CASE WHEN w.status = 'completed' THEN 'done' ELSE 'dead' END,
+	       last_error = CASE WHEN w.status = 'completed' THEN j.last_error ELSE w.last_error END
+	FROM w JOIN r ON r.key = w.idempotency_key
+	WHERE j.idempotency_key = w.idempotency_key AND j.state IN ('pending', 'published') AND ` + intentOwn + `
+)
+SELECT ` + f.guard + ` FROM (SELECT count(*) AS n FROM w) w`
+}
+
+// CheckResult runs pre, then has the server parse result as jsonb, in one round trip: a
+// member run in a savepoint learns there, while its savepoint can still undo it alone,
+// whether the finish will take its result. A value jsonb refuses fails with a data
+// exception (class 22).
+func CheckResult(ctx context.Context, conn *pgx.Conn, pre []string, result string) error {
+	batch := &pgx.Batch{}
+	for _, s := range pre {
+		batch.Queue(s)
+	}
+	batch.Queue(`SELECT $1::text::jsonb IS NULL`, result)
+	return conn.SendBatch(ctx, batch).Close()
+}
+
+// finishSettingsSQL comes before a finish: the bound on its waits for another session's
+// row lock ($1, as "2000ms"), and its plans turned to the primary keys (keyPlansSQL).
+const finishSettingsSQL = keyPlansSQL + `, set_config('lock_timeout', $1, true)`
+
+// FinishAndCommit runs pre (a savepoint's release), writes every row of ps in one
+// statement (finishTxSQL, which fails unless it wrote them all) and commits, in one round
+// trip; lockTimeout bounds its wait for a row another session holds, as "2000ms". A
+// COMMIT that answers anything but COMMIT (an aborted transaction answers ROLLBACK) is an
+// error. The statement's refusal because a row was not what the read found is one for
+// which Conflict reports true.
+func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, lockTimeout string, ps []FinishParams) error {
+	batch := &pgx.Batch{}
+	for _, s := range pre {
+		batch.Queue(s)
+	}
+	batch.Queue(finishSettingsSQL, lockTimeout)
+	batch.Queue(w.FinishTx, finishTxArgs(ps)...)
+	batch.Queue("COMMIT")
+	return sendCommit(ctx, conn, batch)
+}
+
+// finishTxArgs returns finishTxSQL's arguments for ps.
+func finishTxArgs(ps []FinishParams) []any {
+	n := len(ps)
+	keys, types, fences, owners := make([]string, n), make([]string, n), make([]int64, n), make([]pgtype.UUID, n)
+	fps, statuses, results, errs := make([][]byte, n), make([]string, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
+	attempts, gens, traces, sums := make([]int32, n), make([]int32, n), make([]pgtype.Text, n), make([][]byte, n)
+	for i, p := range ps {
+		keys[i], types[i], fences[i], owners[i], fps[i] = p.Key, p.TaskType, p.Fence, p.Owner, p.Fingerprint
+		statuses[i] = StatusCompleted
+		if p.Action == ActionFail {
+			statuses[i] = StatusFailed
+		}
+		results[i], errs[i], attempts[i], gens[i] = p.Result, p.Error, int32(p.Attempt), int32(p.Generation)
+		traces[i] = pgtype.Text{String: p.TraceID, Valid: p.TraceID != ""}
+		sums[i] = p.IntentSum
+	}
+	return []any{keys, types, fences, owners, fps, statuses, results, errs, attempts, gens, traces, sums}
+}
+
+// Conflict reports whether err is the refusal of a DoTx finish that found a row other
+// than its read did (the guard's division by zero).
+func Conflict(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgcode.DivisionByZero
 }
 
 // Exec runs plain statements (no arguments) in one round trip.
@@ -90,58 +252,6 @@ func Exec(ctx context.Context, conn *pgx.Conn, stmts ...string) error {
 		batch.Queue(s)
 	}
 	return conn.SendBatch(ctx, batch).Close()
-}
-
-// StoredResult is a DoTx result to store, fenced, on the row its claim wrote completed.
-type StoredResult struct {
-	Finish        FinishParams // the claim (Key, Fence, Owner)
-	Result, Error pgtype.Text  // NULL when not valid
-}
-
-// textArg is t as a statement argument of any type (jsonb, text): its string, or NULL.
-func textArg(t pgtype.Text) any {
-	if !t.Valid {
-		return nil
-	}
-	return t.String
-}
-
-// StoreResult runs pre, then stores r, in one round trip. The statement fails with
-// SQLSTATE 22012 (division by zero) when the claim no longer holds the row; a value jsonb
-// refuses fails with a data exception (class 22).
-func (w *Writes) StoreResult(ctx context.Context, conn *pgx.Conn, pre []string, r StoredResult) error {
-	batch := &pgx.Batch{}
-	for _, s := range pre {
-		batch.Queue(s)
-	}
-	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error), r.Finish.IntentSum)
-	return conn.SendBatch(ctx, batch).Close()
-}
-
-// StoreAndCommit stores the result of a transaction's only member and commits, in one
-// round trip: StoreResultTx does all that FinishTxMany would for a completion (the fence
-// check, the outbox intent), and nothing else is left to end. A COMMIT that answers
-// anything but COMMIT (an aborted transaction answers ROLLBACK) is an error.
-func (w *Writes) StoreAndCommit(ctx context.Context, conn *pgx.Conn, r StoredResult) error {
-	batch := &pgx.Batch{}
-	batch.Queue(w.StoreResultTx, r.Finish.Key, r.Finish.Fence, r.Finish.Owner, textArg(r.Result), textArg(r.Error), r.Finish.IntentSum)
-	batch.Queue("COMMIT")
-	return sendCommit(ctx, conn, batch)
-}
-
-// FinishAndCommit runs pre, ends every row of ps in one statement (FinishTxMany, which
-// fails unless every completed or failed row is still held) and commits, in one round
-// trip. A COMMIT that answers anything but COMMIT (an
-// aborted transaction answers ROLLBACK) is an error.
-func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, ps []FinishParams) error {
-	batch := &pgx.Batch{}
-	for _, s := range pre {
-		batch.Queue(s)
-	}
-	batch.Queue(keyPlansSQL)
-	batch.Queue(w.FinishTxMany, finishTxArgs(ps)...)
-	batch.Queue("COMMIT")
-	return sendCommit(ctx, conn, batch)
 }
 
 // sendCommit sends batch, which ends with a COMMIT, and checks that it committed.
