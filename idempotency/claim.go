@@ -14,8 +14,8 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // Claim is a live claim on a key: its identity (fence and owner) makes every later write

@@ -7,9 +7,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"

@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // Heartbeat extends c's lease by Config.Lease from now (database clock), never past the

@@ -9,9 +9,9 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/commit"
+	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/commit"
-	"github.com/idemq/idemq/internal/sharedspan"
 )
 
 // The lanes of the leased committer, in the order a round sends them: the completions and

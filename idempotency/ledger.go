@@ -12,10 +12,10 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/claimctx"
+	"github.com/idemq/idemq/idempotency/internal/commit"
 	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/claimctx"
-	"github.com/idemq/idemq/internal/commit"
 )
 
 // Statuses of a ledger row (the status column).
@@ -338,6 +338,12 @@ func Fingerprint(taskType string, canonicalPayload []byte) []byte {
 
 func withClaim(ctx context.Context, key string, fence int64) context.Context {
 	return claimctx.With(ctx, key, fence)
+}
+
+// NewContext returns ctx carrying key with fence 0, which no claim has: what FromContext
+// reports to a handler run without the ledger (its own tests, an unguarded baseline).
+func NewContext(ctx context.Context, key string) context.Context {
+	return claimctx.With(ctx, key, 0)
 }
 
 // FromContext returns the key and fence of the claim a Do or DoTx handler runs under.

@@ -8,7 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemq/idemq/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 )
 
 // Sentinel errors. Compare with errors.Is: the errors returned by the Ledger wrap them,
@@ -78,6 +78,15 @@ func asUnavailable(caller context.Context, err error) error {
 		return &unavailableError{err: err}
 	}
 	return err
+}
+
+// IsUnavailable reports whether err says that Postgres cannot be reached or is not taking
+// writes right now: a ledger write's ErrUnavailable, or such an error of pgx's own (a
+// connection refused or lost, a server shutting down, crashing or starting, a standby not
+// promoted yet, no connection slot free). A later retry may succeed; nothing in err says
+// the request itself is wrong.
+func IsUnavailable(err error) bool {
+	return errors.Is(err, ErrUnavailable) || pgcode.Unavailable(err)
 }
 
 // unreachable reports whether err, a ledger write's error, says that Postgres could not

@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/xact"
+	"github.com/idemq/idemq/idempotency/internal/xact"
 )
 
 // commitLost decides what a failed COMMIT of c's fenced write did, from the transaction

@@ -17,7 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/sharedspan/spantest"
+	"github.com/idemq/idemq/internal/spantest"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/internal/tracing"
 )

@@ -21,7 +21,6 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
-	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/idemq/idemq/internal/tracing"
 	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/internal/workerconf"
@@ -153,7 +152,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		switch {
 		case asynqmw.IsFailure(err):
 			log.Warn("task failed", "task_type", t.Type(), "err", err)
-		case pgcode.Unavailable(err):
+		case idempotency.IsUnavailable(err):
 			log.Warn("Postgres unavailable; retrying the task soon", "task_type", t.Type(), "err", err)
 		default:
 			log.Debug("task busy; retrying soon", "task_type", t.Type(), "err", err)

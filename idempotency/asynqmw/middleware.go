@@ -21,7 +21,6 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
-	"github.com/idemq/idemq/internal/pgcode"
 	"github.com/idemq/idemq/lock"
 )
 
@@ -538,7 +537,7 @@ func (e *UnavailableTooLongError) Error() string {
 // unavailable reports an error that says Postgres cannot be reached right now: a ledger
 // write's (idempotency.ErrUnavailable: refused, lost, timed out) or pgx's own.
 func unavailable(err error) bool {
-	return errors.Is(err, idempotency.ErrUnavailable) || pgcode.Unavailable(err)
+	return idempotency.IsUnavailable(err)
 }
 
 // IsFailure tells asynq which errors count as failures (asynq.Config.IsFailure): a busy

@@ -17,7 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/commit"
+	"github.com/idemq/idemq/idempotency/internal/commit"
 )
 
 // Intent states (the job_intents.state column).

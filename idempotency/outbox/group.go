@@ -10,10 +10,10 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemq/idemq/internal/commit"
-	"github.com/idemq/idemq/internal/pgcode"
-	"github.com/idemq/idemq/internal/sharedspan"
-	"github.com/idemq/idemq/internal/xact"
+	"github.com/idemq/idemq/idempotency/internal/commit"
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/sharedspan"
+	"github.com/idemq/idemq/idempotency/internal/xact"
 )
 
 // Concurrent Enqueue calls share transactions: each round records every queued intent
@@ -36,7 +36,7 @@ type publishOp struct {
 }
 
 // commitResolveFor bounds how long a round whose COMMIT lost its answer asks the server
-// what became of it before it reports xact.ErrCommitUnknown.
+// what became of it before it reports ErrCommitUnknown (groupcommit.ErrCommitUnknown).
 const commitResolveFor = 5 * time.Second
 
 func (c *Client) newCommitters() {
@@ -138,8 +138,8 @@ func (c *Client) sendPublishes(ctx context.Context, batches [][]*publishOp) erro
 // publishes it at once (a relay publishes it later if that fails: the result's State then
 // says pending). Duplicates and mismatches are reported as by EnqueueTx. A commit whose
 // answer was lost is resolved by transaction id; when it cannot be, the error wraps
-// xact.ErrCommitUnknown and the intent may or may not be recorded: enqueue it again (the
-// same spec is then a duplicate, never a second job).
+// groupcommit.ErrCommitUnknown and the intent may or may not be recorded: enqueue it
+// again (the same spec is then a duplicate, never a second job).
 func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) {
 	if err := checkSpec(spec); err != nil {
 		return EnqueueResult{}, err

@@ -19,7 +19,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
-	"github.com/idemq/idemq/internal/sharedspan/spantest"
+	"github.com/idemq/idemq/internal/spantest"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )

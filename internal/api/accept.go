@@ -11,18 +11,15 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/groupcommit"
 	"github.com/idemq/idemq/idempotency/outbox"
-	"github.com/idemq/idemq/internal/commit"
-	"github.com/idemq/idemq/internal/sharedspan"
-	"github.com/idemq/idemq/internal/xact"
 )
 
 // Concurrent POSTs share transactions: a round records the header rows, the intents and
 // the answers of every request it took in one multi-row statement each and one commit
-// (see commit.Committer), and each request is answered only after its round committed.
+// (see groupcommit.Committer), and each request is answered only after its round committed.
 // A round never holds two requests with the same Idempotency-Key or job key (the second
 // goes to the next round, which then meets the first's row as a separate transaction
 // would: a replay, a duplicate, or a 409 after acceptLockTimeout). A round the server
@@ -89,9 +86,8 @@ const (
 	acceptMaxBatch = 128 // requests per round
 )
 
-func (s *Server) newAcceptCommitter() *commit.Committer[*acceptReq] {
-	return commit.New(commit.Config[*acceptReq]{
-		Lanes:    1,
+func (s *Server) newAcceptCommitter() *groupcommit.Committer[*acceptReq] {
+	return groupcommit.New(groupcommit.Config[*acceptReq]{
 		Workers:  acceptRounds,
 		MaxBatch: acceptMaxBatch,
 		Timeout:  s.opts.RequestTimeout,
@@ -101,10 +97,11 @@ func (s *Server) newAcceptCommitter() *commit.Committer[*acceptReq] {
 			}
 			return []string{"job\x00" + r.spec.Key, "header\x00" + r.route + "\x00" + r.hk}
 		},
-		RoundOnly: true,
 		Send:      s.sendAccepts,
 		Refused:   outbox.Refused,
 		Retryable: pgconn.SafeToRetry, // nothing reached the server: a connection from before a restart
+		Tracer:    s.tracer,
+		SpanName:  "idemq.accept",
 	})
 }
 
@@ -133,22 +130,16 @@ type headerID struct{ route, hk string }
 // the intents (a duplicate or a mismatch is that request's answer), the answers that
 // differ from a new job's, and the commit, whose lost answer is resolved by transaction
 // id. A round that two or more traced requests share is a span of its own, idemq.accept
-// (see sharedspan).
-func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err error) {
-	reqs := batches[0]
+// (see groupcommit.Config.Tracer).
+func (s *Server) sendAccepts(ctx context.Context, reqs []*acceptReq) error {
 	deadline := time.Time{}
 	keys := make([]string, len(reqs))
-	var traced sharedspan.Members
 	for i, r := range reqs {
 		r.reset()
 		if d, ok := r.ctx.Deadline(); ok && (deadline.IsZero() || d.Before(deadline)) {
 			deadline = d
 		}
 		keys[i] = r.spec.Key
-		traced.Add(trace.SpanFromContext(r.ctx))
-	}
-	if span := sharedspan.Start(s.tracer, "idemq.accept", len(reqs), traced); span != nil {
-		defer func() { sharedspan.End(span, err) }()
 	}
 	if !deadline.IsZero() { // statements end at the earliest deadline of the round's requests
 		var cancel context.CancelFunc
@@ -193,8 +184,8 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err e
 	}
 	b := &pgx.Batch{}
 	b.Queue(setTimeoutsSQL, statement, lockTimeout)
-	var id xact.ID
-	b.Queue(xact.IDSQL).QueryRow(func(row pgx.Row) error { return row.Scan(&id.Xid, &id.ServerStart) })
+	var id groupcommit.TxID
+	b.Queue(groupcommit.TxIDSQL).QueryRow(func(row pgx.Row) error { return row.Scan(&id.Xid, &id.ServerStart) })
 	inserted := map[headerID]bool{}
 	if keyed {
 		var routes, hks, jobKeys, types []string
@@ -302,7 +293,7 @@ func (s *Server) sendAccepts(ctx context.Context, batches [][]*acceptReq) (err e
 	if s.holdAccept != nil {
 		s.holdAccept(reqs[0].ctx)
 	}
-	if err := xact.Commit(ctx, tx, s.deps.Pool, id, commitResolveFor); err != nil {
+	if err := groupcommit.Commit(ctx, tx, s.deps.Pool, id, commitResolveFor); err != nil {
 		for _, r := range reqs {
 			r.reset()
 		}

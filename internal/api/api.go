@@ -20,7 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/commit"
+	"github.com/idemq/idemq/idempotency/groupcommit"
 	"github.com/idemq/idemq/internal/metrics"
 )
 
@@ -101,7 +101,7 @@ type Server struct {
 	crossOrigin *http.CrossOriginProtection
 
 	// accepts shares transactions among concurrent POSTs (sendAccepts).
-	accepts *commit.Committer[*acceptReq]
+	accepts *groupcommit.Committer[*acceptReq]
 	tracer  trace.Tracer
 
 	// holdAccept, when set by a test, runs inside a round's transaction after its rows

@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // DefaultRequestTimeout bounds each request: past it, a stalled Postgres or Redis gets the
@@ -43,10 +41,13 @@ func clientGone(ctx context.Context) bool {
 	return ctx.Err() != nil && !timedOut(ctx)
 }
 
+// sqlstateQueryCanceled is SQLSTATE 57014, query_canceled.
+const sqlstateQueryCanceled = "57014"
+
 // isQueryCanceled reports whether Postgres cancelled the statement (statement_timeout).
 func isQueryCanceled(err error) bool {
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == pgcode.QueryCanceled
+	return errors.As(err, &pe) && pe.Code == sqlstateQueryCanceled
 }
 
 // setTimeoutsSQL sets statement_timeout ($1) and lock_timeout ($2) for the rest of the

@@ -16,9 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/groupcommit"
 	"github.com/idemq/idemq/idempotency/outbox"
-	"github.com/idemq/idemq/internal/pgcode"
-	"github.com/idemq/idemq/internal/xact"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -248,7 +247,7 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	spec.TraceParent = idempotency.TraceParent(ctx) // the job's deliveries continue this request's trace
 
 	req := &acceptReq{ctx: ctx, route: r.Pattern, hk: hk, keyField: keyField, fp: fp, spec: spec}
-	err = s.accepts.Run(ctx, 0, req)
+	err = s.accepts.Run(ctx, req)
 	var stage *stageError
 	switch {
 	case err == nil && clientGone(ctx):
@@ -257,7 +256,7 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 		writeError(w, http.StatusConflict, fmt.Sprintf("%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, hk))
 	case errors.As(err, &stage) && isLockTimeout(err):
 		writeError(w, http.StatusConflict, fmt.Sprintf("%s: job %q is still being accepted by another request; retry shortly", keyField, spec.Key))
-	case errors.Is(err, xact.ErrCommitUnknown):
+	case errors.Is(err, groupcommit.ErrCommitUnknown):
 		s.log.WarnContext(ctx, "api: accept: commit outcome unknown", "method", r.Method, "path", r.URL.Path, "key", spec.Key, "err", err)
 		unavailable(w, "accept: the database did not confirm the commit; retry with the same body and Idempotency-Key")
 	case err != nil:
@@ -301,11 +300,14 @@ func (s *Server) publish(spec outbox.Spec) {
 // did not.
 const publishTimeout = 10 * time.Second
 
+// sqlstateLockNotAvailable is SQLSTATE 55P03, lock_not_available.
+const sqlstateLockNotAvailable = "55P03"
+
 // isLockTimeout reports SQLSTATE 55P03 (lock_not_available): another transaction holds
 // the row past acceptLockTimeout.
 func isLockTimeout(err error) bool {
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == pgcode.LockNotAvailable
+	return errors.As(err, &pe) && pe.Code == sqlstateLockNotAvailable
 }
 
 // EnqueueResult is what Enqueuer.EnqueueTx reports.

@@ -10,7 +10,6 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
-	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // jobAccepted is a job known to the API but not yet to the ledger: its intent is recorded
@@ -117,7 +116,7 @@ func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, e
 	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || isQueryCanceled(err):
 		s.log.WarnContext(ctx, "api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": timed out; retry later")
-	case pgcode.Unavailable(err):
+	case idempotency.IsUnavailable(err):
 		s.log.WarnContext(ctx, "api: "+what+": database unavailable", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": the database is unavailable; retry later")
 	default:

@@ -15,7 +15,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
-	"github.com/idemq/idemq/internal/sharedspan/spantest"
+	"github.com/idemq/idemq/internal/spantest"
 )
 
 // Traced POSTs accepted in one shared transaction: the transaction is a span of its own,

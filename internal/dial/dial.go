@@ -18,7 +18,6 @@ import (
 
 	"github.com/idemq/idemq/idempotency/pgpooler"
 	"github.com/idemq/idemq/internal/config"
-	"github.com/idemq/idemq/internal/pgcode"
 )
 
 // Redis connects to the Redis that redisURL names and pings it (within 10 s):
@@ -157,13 +156,20 @@ func postgres(ctx context.Context, name, dsn string, maxConns int32) (*pgxpool.P
 	return pool, kind, nil
 }
 
+// SQLSTATEs 42P05 (duplicate_prepared_statement) and 26000 (invalid_sql_statement_name):
+// what named prepared statements meet behind a transaction-mode pooler.
+const (
+	sqlstateDuplicatePreparedStatement = "42P05"
+	sqlstateInvalidSQLStatementName    = "26000"
+)
+
 // PoolerHint adds to err, when it is what named prepared statements meet behind a
 // transaction-mode pooler (PgBouncer's pool_mode=transaction), how to run there: pgx's
 // default caches named prepared statements per connection, and the pooler hands each
 // transaction another server connection.
 func PoolerHint(err error) error {
 	var pe *pgconn.PgError
-	if errors.As(err, &pe) && (pe.Code == pgcode.DuplicatePreparedStatement || pe.Code == pgcode.InvalidSQLStatementName) {
+	if errors.As(err, &pe) && (pe.Code == sqlstateDuplicatePreparedStatement || pe.Code == sqlstateInvalidSQLStatementName) {
 		return fmt.Errorf("%w (DATABASE_URL looks like a transaction-mode pooler such as PgBouncer: add default_query_exec_mode=cache_describe to it, or point it at Postgres)", err)
 	}
 	return err

@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/internal/claimctx"
 )
 
 // Leased returns a handler that decodes each delivery and runs fn on it with no
@@ -27,7 +26,7 @@ func Leased[T idempotency.Job](taskType string, decode func([]byte) (T, error), 
 		if err != nil {
 			return fmt.Errorf("%s: bad payload: %v: %w", taskType, err, asynq.SkipRetry)
 		}
-		_, err = fn(claimctx.With(ctx, job.Key(), 0), job)
+		_, err = fn(idempotency.NewContext(ctx, job.Key()), job)
 		return err
 	})
 }

@@ -8,8 +8,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/internal/sharedspan"
 )
 
 // batch is the state of one transaction, used by its executor only: the members' keys

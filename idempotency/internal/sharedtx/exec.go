@@ -22,9 +22,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/commit"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/internal/txshim"
-	"github.com/idemq/idemq/internal/commit"
 )
 
 // Budget is how long a shared transaction runs its members' handlers (their time outside

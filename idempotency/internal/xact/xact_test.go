@@ -9,8 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemq/idemq/idempotency/internal/xact"
 	"github.com/idemq/idemq/internal/testenv"
-	"github.com/idemq/idemq/internal/xact"
 )
 
 // begin opens a transaction on pool that inserts into t and reads its id.
