@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
-	"github.com/idemq/idemq/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 )
 
 // A DoTx transaction writes each of its members' rows once, at its end. Its first round
