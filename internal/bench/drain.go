@@ -147,6 +147,9 @@ type DrainSample struct {
 	CPUWorkers float64 `json:"cpu_us_workers"`
 	CPURedis   float64 `json:"cpu_us_redis"`
 	CPUPG      float64 `json:"cpu_us_pg"`
+	// WAL Postgres wrote per delivery, bytes (the whole cluster's: meaningful with
+	// -private-postgres).
+	WALBytes float64 `json:"wal_bytes"`
 	// Worker only, from its /metrics: busy answers (lock and ledger) per delivery and
 	// ledger requests per shared commit.
 	BusyPerDelivery float64 `json:"busy_per_delivery"`
@@ -188,8 +191,8 @@ func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSamp
 					if err != nil {
 						return out, err
 					}
-					fmt.Fprintf(progress, "drain %-15s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, effects %d, CPU µs %0.f+%0.f+%0.f, busy/delivery %.2f, per commit %.1f, claims/delivery %.2f, reruns/delivery %.2f, handed/delivery %.2f\n",
-						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.BusyPerDelivery, s.PerCommit,
+					fmt.Fprintf(progress, "drain %-15s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, effects %d, CPU µs %0.f+%0.f+%0.f, WAL %0.f B, busy/delivery %.2f, per commit %.1f, claims/delivery %.2f, reruns/delivery %.2f, handed/delivery %.2f\n",
+						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.WALBytes, s.BusyPerDelivery, s.PerCommit,
 						s.ClaimsPerDelivery, s.RerunsPerDelivery, s.HandedPerDelivery)
 					out = append(out, s)
 				}
@@ -236,6 +239,7 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 			p.Wait()
 		}
 	}()
+	wal0 := e.walLSN(ctx)
 	cpu0 := e.probe.snap(ctx)
 	switch cfg.binary {
 	case "":
@@ -277,11 +281,18 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 	}
 	cpu1 := e.probe.snap(ctx)
 	childCPU1 := childCPU(procs)
+	wal1 := e.walLSN(ctx)
 	s.Seconds = ended.Sub(began).Seconds()
 	s.PerSecond = float64(s.Deliveries) / s.Seconds
 	d := cpu0.to(cpu1)
 	per := 1e6 / float64(s.Deliveries)
 	s.CPUWorkers, s.CPURedis, s.CPUPG = (childCPU1-childCPU0)*per, d.redis*per, d.pg*per
+	if wal0 != "" && wal1 != "" {
+		var bytes float64
+		if err := e.admin.QueryRow(ctx, `SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)::float8`, wal1, wal0).Scan(&bytes); err == nil {
+			s.WALBytes = bytes / float64(s.Deliveries)
+		}
+	}
 	var busy, commits, requests, claims, reruns, handed float64
 	for _, u := range metricsURLs {
 		m := scrape(ctx, u)
@@ -312,6 +323,15 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 		return s, fmt.Errorf("bench: drain %s %s c=%d: %d effects (want %d), %d archived", w.name, config, conc, s.Effects, want, s.Archived)
 	}
 	return s, nil
+}
+
+// walLSN is Postgres's current WAL position ("" when it cannot be read).
+func (e *env) walLSN(ctx context.Context) string {
+	var lsn string
+	if err := e.admin.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&lsn); err != nil {
+		return ""
+	}
+	return lsn
 }
 
 // Prefilled rows are the keys of debits completed over the last 29 days, in the shape
@@ -468,8 +488,8 @@ func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 		}
 		return configBefore(a.config, b.config)
 	})
-	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) | CPU µs/delivery: workers + Redis + PG | busy per delivery | requests per commit |")
-	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|--:|--:|--:|")
+	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) | CPU µs/delivery: workers + Redis + PG | CPU ÷ bare's: workers / Redis / PG | WAL B/delivery | busy per delivery | requests per commit |")
+	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|")
 	for _, g := range order {
 		ss := by[g]
 		rates := collect(ss, func(s DrainSample) float64 { return s.PerSecond })
@@ -493,9 +513,17 @@ func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 			busy = fmt.Sprintf("%.2f", median(collect(ss, func(s DrainSample) float64 { return s.BusyPerDelivery })))
 			commit = fmt.Sprintf("%.1f", median(collect(ss, func(s DrainSample) float64 { return s.PerCommit })))
 		}
-		fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f (%.0f–%.0f) | %s | %.0f + %.0f + %.0f = %.0f | %s | %s |\n",
+		cpuRatio := "-"
+		if bare := by[group{g.workload, g.conc, DrainBare}]; g.config != DrainBare && len(bare) > 0 {
+			bw, br, bp := median(collect(bare, func(s DrainSample) float64 { return s.CPUWorkers })),
+				median(collect(bare, func(s DrainSample) float64 { return s.CPURedis })),
+				median(collect(bare, func(s DrainSample) float64 { return s.CPUPG }))
+			cpuRatio = fmt.Sprintf("%.2f / %.2f / %.2f", cw/bw, cr/br, cp/bp)
+		}
+		wal := median(collect(ss, func(s DrainSample) float64 { return s.WALBytes }))
+		fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f (%.0f–%.0f) | %s | %.0f + %.0f + %.0f = %.0f | %s | %.0f | %s | %s |\n",
 			g.workload, g.conc, g.config, ss[0].Deliveries, median(rates), slices.Min(rates), slices.Max(rates), ratio,
-			cw, cr, cp, cw+cr+cp, busy, commit)
+			cw, cr, cp, cw+cr+cp, cpuRatio, wal, busy, commit)
 	}
 	return nil
 }
