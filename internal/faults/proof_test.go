@@ -611,6 +611,7 @@ func table(rep *report) string {
 	row("locks handed over in a process", func(r runReport) any { return r.Counters["lock:handed"] })
 	row("DoTx handlers run in a shared transaction without a savepoint", func(r runReport) any { return r.Counters["ledger:shared_run"] })
 	row("… run again after their transaction rolled back", func(r runReport) any { return r.Counters["ledger:shared_rerun"] })
+	row("DoTx finishes that found a row changed since their read", func(r runReport) any { return r.Counters["ledger:tx_conflict"] })
 	row("locks waited for (held by another process)", func(r runReport) any { return r.Counters["lock:waited"] })
 	row("suppressed by ledger: cache hit", func(r runReport) any { return r.Counters["ledger:cache_hit"] })
 	row("suppressed by ledger: busy", func(r runReport) any { return r.Counters["ledger:busy"] })
