@@ -161,8 +161,8 @@ type Call struct {
 	Args   []any
 
 	// Done, when set, is called with the command once its pipeline is back, on the
-	// Batcher's goroutine: it must be quick and must not wait for the Batcher (it may
-	// queue more calls).
+	// goroutine that sent it (the Batcher's, or a Do caller's): it must be quick and
+	// must not wait for the Batcher (it may queue more calls with Send).
 	Done func(cmd *redis.Cmd)
 }
 
@@ -181,9 +181,59 @@ func (b *Batcher) Send(calls ...Call) {
 	w.mu.Unlock()
 }
 
+// Do is Send, and then waits until calls are answered (their Done has run) or ctx ends.
+// When no pipeline is in flight, the caller sends it itself, with whatever else is
+// queued, and no goroutine of the Batcher takes part.
+func (b *Batcher) Do(ctx context.Context, calls ...Call) {
+	if len(calls) == 0 {
+		return
+	}
+	done := make(chan struct{})
+	left := len(calls)
+	var mu sync.Mutex
+	for i := range calls {
+		then := calls[i].Done
+		calls[i].Done = func(cmd *redis.Cmd) {
+			if then != nil {
+				then(cmd)
+			}
+			mu.Lock()
+			left--
+			if left == 0 {
+				close(done)
+			}
+			mu.Unlock()
+		}
+	}
+	w := &b.writes
+	w.mu.Lock()
+	w.queue = append(w.queue, calls...)
+	if w.running {
+		w.mu.Unlock()
+		select {
+		case <-done:
+		case <-ctx.Done():
+		}
+		return
+	}
+	w.running = true
+	batch := w.queue
+	w.queue = nil
+	w.mu.Unlock()
+	b.sendCalls(batch)
+	w.mu.Lock()
+	if len(w.queue) > 0 {
+		go b.flush() // what came meanwhile; running stays set
+	} else {
+		w.running = false
+		w.idle.Broadcast()
+	}
+	w.mu.Unlock()
+}
+
 // Release queues lk's release (Lock.Release) to go with the others; then, when set, is
-// called with its outcome (nil, ErrLockLost or a wrapped Redis error) on the Batcher's
-// goroutine, under Call.Done's rules. A lock whose TTL has run out by our clock is not
+// called with its outcome (nil, ErrLockLost or a wrapped Redis error) under Call.Done's
+// rules. A lock whose TTL has run out by our clock is not
 // sent: then gets ErrLockLost at once, on the caller's goroutine.
 func (b *Batcher) Release(lk *Lock, then func(err error)) {
 	if lk.Remaining() <= 0 {
@@ -242,11 +292,16 @@ func (b *Batcher) flush() {
 			return
 		}
 		w.mu.Unlock()
-		cmds := runCalls(context.Background(), b.locker.client, batch)
-		for i, c := range batch {
-			if c.Done != nil {
-				c.Done(cmds[i])
-			}
+		b.sendCalls(batch)
+	}
+}
+
+// sendCalls sends batch in one pipeline and hands each call its answer.
+func (b *Batcher) sendCalls(batch []Call) {
+	cmds := runCalls(context.Background(), b.locker.client, batch)
+	for i, c := range batch {
+		if c.Done != nil {
+			c.Done(cmds[i])
 		}
 	}
 }

@@ -374,3 +374,43 @@ func TestBatcherScriptsAfterFlush(t *testing.T) {
 		t.Errorf("%d locks left after their release", n)
 	}
 }
+
+// TestBatcherDoWaitsForItsCalls: 32 goroutines each release a lock with Do at once; each
+// returns with its release answered, and they share round trips.
+func TestBatcherDoWaitsForItsCalls(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	locker, rdb, h := newCountingLocker(t)
+	b := lock.NewBatcher(locker)
+	const n = 32
+	locks := make([]*lock.Lock, n)
+	for i := range n {
+		lk, err := b.Obtain(ctx, fmt.Sprintf("do:%d", i), time.Minute, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		locks[i] = lk
+	}
+	before := h.pipelines.Load()
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, lk := range locks {
+		wg.Go(func() {
+			<-start
+			var got error = errors.New("not answered")
+			b.Do(ctx, lk.ReleaseCall(func(err error) { got = err }))
+			if got != nil {
+				t.Errorf("%s: Do returned with its release %v", lk.Key(), got)
+			}
+			if n := rdb.Exists(ctx, locker.RedisKey(lk.Key())).Val(); n != 0 {
+				t.Errorf("%s still in Redis after Do", lk.Key())
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if got := h.pipelines.Load() - before; got >= n {
+		t.Errorf("%d pipelines for %d calls, want fewer", got, n)
+	}
+	b.Wait()
+}

@@ -373,15 +373,14 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		if err == nil {
 			// The work is durable: the scope's next delivery need not wait for the
 			// result's write to asynq, which goes with the lock's release (or on its own,
-			// with the other deliveries' writes of the moment).
+			// with the other deliveries' writes of the moment); leave returns once it is
+			// written.
 			rw := h.newResultWrite(ctx, t, res.Result, key)
 			leave(rw)
 			if hook := testhook.From(ctx); hook != nil {
 				hook.Answered(ctx, res)
 			}
-			if rw != nil {
-				rw.wait(ctx)
-			} else {
+			if rw == nil {
 				h.writeResult(ctx, t, res.Result, key)
 			}
 			if span.IsRecording() { // a cached answer names the run that did the work

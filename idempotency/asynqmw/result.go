@@ -25,12 +25,13 @@ var (
 
 // resultWrite is a result on its way to a task's asynq hash, in a pipeline of the
 // Worker's results Batcher, with the release of the scope's lock when one goes back to
-// Redis at the same time.
+// Redis at the same time. The delivery waits for it (Batcher.Do), while ctx lasts: asynq
+// shows the task completed once it returns.
 type resultWrite struct {
-	key    string // asynq's task hash
+	ctx    context.Context // the delivery's
+	key    string          // asynq's task hash
 	result []byte
 	report func(written int64, err error) // logs the outcome
-	done   chan struct{}                  // closed once the write is answered
 }
 
 // newResultWrite returns the write of result to t's hash when the middleware writes it
@@ -42,7 +43,7 @@ func (h *handler[T]) newResultWrite(ctx context.Context, t *asynq.Task, result j
 	if h.w.results == nil || w == nil || queue == "" || len(result) == 0 || len(result) > MaxResultWriteBytes || ctx.Err() != nil {
 		return nil
 	}
-	return &resultWrite{key: asynqkeys.Task(queue, w.TaskID()), result: result, done: make(chan struct{}),
+	return &resultWrite{ctx: ctx, key: asynqkeys.Task(queue, w.TaskID()), result: result,
 		report: func(n int64, err error) {
 			if err != nil {
 				h.log(ctx, key).DebugContext(ctx, "write task result", "err", err)
@@ -56,66 +57,50 @@ func (h *handler[T]) newResultWrite(ctx context.Context, t *asynq.Task, result j
 func (rw *resultWrite) call() lock.Call {
 	return lock.Call{Script: writeResultScript, Keys: []string{rw.key}, Args: []any{rw.result}, Done: func(cmd *redis.Cmd) {
 		n, err := cmd.Int64()
-		rw.finish(n, err)
+		rw.report(n, err)
 	}}
 }
 
-func (rw *resultWrite) finish(n int64, err error) {
-	rw.report(n, err)
-	close(rw.done)
-}
-
-// wait waits for the write to be answered, while ctx lasts.
-func (rw *resultWrite) wait(ctx context.Context) {
-	if rw == nil {
-		return
-	}
-	select {
-	case <-rw.done:
-	case <-ctx.Done():
-	}
-}
-
-// sendRelease queues lk's release (then gets its outcome) and, when rw is not nil, the
-// result write: one script call when both keys are on the one Redis server, two calls in
-// one pipeline otherwise.
+// sendRelease queues lk's release (then gets its outcome) and, when rw is not nil, sends
+// the result write with it and waits for both: one script call when both keys are on the
+// one Redis server, two calls in one pipeline otherwise.
 func (w *Worker) sendRelease(lk *lock.Lock, rw *resultWrite, then func(error)) {
 	switch {
 	case rw == nil:
 		w.batch.Release(lk, then)
 	case w.combine:
 		rkey := w.locker.RedisKey(lk.Key())
-		w.batch.Send(lock.Call{Script: releaseResultScript, Keys: []string{rkey, rw.key}, Args: []any{lk.Token(), rw.result},
+		w.batch.Do(rw.ctx, lock.Call{Script: releaseResultScript, Keys: []string{rkey, rw.key}, Args: []any{lk.Token(), rw.result},
 			Done: func(cmd *redis.Cmd) {
 				vals, err := cmd.Int64Slice()
 				switch {
 				case err != nil:
 					then(fmt.Errorf("lock: release %q: %w", lk.Key(), err))
-					rw.finish(0, err)
+					rw.report(0, err)
 					return
 				case len(vals) != 2:
 					err := fmt.Errorf("release_result.lua answered %v", vals)
 					then(err)
-					rw.finish(0, err)
+					rw.report(0, err)
 					return
 				case vals[0] != 1:
 					then(lock.ErrLockLost)
 				default:
 					then(nil)
 				}
-				rw.finish(vals[1], nil)
+				rw.report(vals[1], nil)
 			}})
 	case w.results == w.batch:
-		w.batch.Send(lk.ReleaseCall(then), rw.call())
+		w.batch.Do(rw.ctx, lk.ReleaseCall(then), rw.call())
 	default:
 		w.batch.Release(lk, then)
-		w.results.Send(rw.call())
+		w.results.Do(rw.ctx, rw.call())
 	}
 }
 
-// sendResult queues rw on its own.
+// sendResult sends rw on its own, with the other calls of the moment, and waits for it.
 func (w *Worker) sendResult(rw *resultWrite) {
 	if rw != nil {
-		w.results.Send(rw.call())
+		w.results.Do(rw.ctx, rw.call())
 	}
 }
