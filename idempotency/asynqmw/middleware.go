@@ -35,8 +35,8 @@ var ErrLockBusy = errors.New("asynqmw: lock busy")
 
 // Config configures a Worker. The zero value (or nil) gives the defaults.
 type Config struct {
-	// LockTTL is the Redis lock's TTL; a watchdog refreshes it every LockTTL/3 while the
-	// handler runs. Default: 30s.
+	// LockTTL is the Redis lock's TTL; the Worker's refresh loop refreshes every held
+	// lock every LockTTL/3 while its handler runs. Default: 30s.
 	LockTTL time.Duration
 
 	// BusyBudget bounds how long a task may keep retrying as busy, counted from its
@@ -51,8 +51,8 @@ type Config struct {
 	// LockKeyScoped takes the Redis lock also for jobs whose lock scope is their own key.
 	// By default those skip it: the ledger's claim already lets one delivery at a time run
 	// a key (the lease and the fence), so there the lock would only spare a concurrent
-	// duplicate one claim statement, at the price of two Redis round trips and a watchdog
-	// for every delivery. Jobs with a wider scope (a customer, an account) always take it.
+	// duplicate one claim statement, at the price of a SET and a release for every
+	// delivery (each in a pipeline shared with the deliveries of the moment). Jobs with a wider scope (a customer, an account) always take it.
 	LockKeyScoped bool
 
 	// ScopeWaiters caps how many deliveries of one lock scope wait in this process for
