@@ -13,7 +13,7 @@ import (
 // A scope's Redis lock is shared by the deliveries of this process that need it. The
 // first takes it from Redis; the others wait in line, in this process (FIFO, at most
 // Config.ScopeWaiters of them), and each is handed the held lock when the one before it
-// is done: no release, no obtain, one watchdog refreshing it throughout. A lock is handed
+// is done: no release, no obtain, the refresh loop keeping it throughout. A lock is handed
 // on only while its last refresh is confirmed for more than half its TTL. After
 // Config.ScopeHandoffs handoffs or Config.ScopeHold, whichever comes first, the holder
 // asks Redis whether another process found the scope held meanwhile (lock.Options.Want):
@@ -44,7 +44,7 @@ type scope struct {
 	unwatch  func() error
 	since    time.Time // when lk was taken from Redis
 	handoffs int       // since then
-	lost     error     // the watchdog found lk lost: it is not handed on
+	lost     error     // the refresh loop found lk lost: it is not handed on
 	ownKey   bool      // the scope is the job's own key: a loss does not cancel (the ledger guards)
 	// holds are the deliveries whose turn it is, each with its cancel: one, or, while
 	// riding, every transactional delivery that joined the turn (the ledger runs them one
