@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"runtime"
 	"strconv"
+	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -77,4 +79,73 @@ func BenchmarkObtainRelease(b *testing.B) {
 			})
 		})
 	}
+}
+
+// BenchmarkHeldLock measures a lock per unit of work as a worker takes one per delivery,
+// at 10 goroutines, and reports the process's CPU per lock (cpu-µs/op, user + system):
+// watchdog is Obtain, Watch and a goroutine that stops the watchdog and releases;
+// batcher is a Batcher's Obtain, Keep and queued Release.
+func BenchmarkHeldLock(b *testing.B) {
+	rdb := testenv.Redis(b)
+	ctx := context.Background()
+	locker := lock.New(rdb, nil)
+	const p = 10
+	b.Run("watchdog", func(b *testing.B) {
+		var wg sync.WaitGroup
+		benchCPU(b, p, func(key string) {
+			lk, err := locker.Obtain(ctx, key, benchTTL, nil)
+			if err != nil {
+				b.Errorf("Obtain: %v", err)
+				return
+			}
+			_, stop := lk.Watch(context.Background(), &lock.WatchOptions{IgnoreLoss: true})
+			wg.Go(func() {
+				stop()
+				if err := lk.Release(ctx); err != nil {
+					b.Errorf("Release: %v", err)
+				}
+			})
+		}, wg.Wait)
+	})
+	b.Run("batcher", func(b *testing.B) {
+		batch := lock.NewBatcher(locker)
+		benchCPU(b, p, func(key string) {
+			lk, err := batch.Obtain(ctx, key, benchTTL, nil)
+			if err != nil {
+				b.Errorf("Obtain: %v", err)
+				return
+			}
+			stop := batch.Keep(lk, nil)
+			stop()
+			batch.Release(lk, nil)
+		}, batch.Wait)
+	})
+}
+
+// benchCPU runs body on p goroutines (a key each, waiting for the previous release of it
+// with wait at the end) and reports the process's CPU per op.
+func benchCPU(b *testing.B, p int, body func(key string), wait func()) {
+	b.ReportAllocs()
+	var next atomic.Int64
+	cpu0 := processCPU()
+	b.SetParallelism((p + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0))
+	b.RunParallel(func(pb *testing.PB) {
+		id := next.Add(1)
+		n := 0
+		for pb.Next() {
+			n++
+			body("held:" + strconv.FormatInt(id, 10) + ":" + strconv.Itoa(n))
+		}
+	})
+	wait()
+	b.ReportMetric(float64((processCPU()-cpu0).Microseconds())/float64(b.N), "cpu-µs/op")
+}
+
+// processCPU returns the CPU time the process has used, user and system.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

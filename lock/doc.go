@@ -9,6 +9,12 @@
 // work the moment the lock is lost, or once the TTL has run out by our own clock while
 // Redis cannot be reached.
 //
+// A process that takes many locks at once (a worker taking one per delivery) shares its
+// round trips through a Batcher: the Obtain calls of the moment go in one pipeline, one
+// refresh loop refreshes every lock it keeps (Batcher.Keep) in one pipeline, and
+// releases are queued and sent together (Batcher.Release), with the caller's own script
+// calls when it sends them along (Batcher.Send).
+//
 // The lock is a fast path, not a proof: a Redis failover or restart without persistence
 // can let two holders overlap. Work whose correctness matters needs a fence elsewhere
 // (idemq's Postgres ledger). The package knows nothing of asynq or Postgres.
@@ -28,6 +34,18 @@
 //	workCtx, stop := lk.Watch(ctx, nil) // refresh every 10s; cancel workCtx if lost
 //	defer stop()
 //	return doWork(workCtx) // context.Cause(workCtx) is ErrLockLost if the lock was lost
+//
+// With a Batcher, shared by the process's callers:
+//
+//	batch := lock.NewBatcher(locker)
+//	lk, err := batch.Obtain(ctx, "customer:42", 30*time.Second, nil) // errors as above
+//	...
+//	stop := batch.Keep(lk, func(cause error) { cancelWork(cause) }) // refreshed every 10s
+//	err = doWork(workCtx)
+//	stop()
+//	batch.Release(lk, nil) // queued: the caller does not wait for Redis
+//	...
+//	batch.Wait() // before closing the client: every queued release is sent
 //
 // Or, in one call, retrying for a while:
 //

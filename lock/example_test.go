@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -105,4 +107,52 @@ func ExampleLock_Watch() {
 	// Output:
 	// cause: lock: lost
 	// stop: lock: lost
+}
+
+func ExampleBatcher() {
+	ctx := context.Background()
+	rdb := exampleClient()
+	defer rdb.Close()
+	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
+	batch := lock.NewBatcher(locker) // one per process, shared by its goroutines
+	id := rand.Text()
+
+	// Ten goroutines obtain ten locks at once: their tries share round trips.
+	locks := make([]*lock.Lock, 10)
+	var wg sync.WaitGroup
+	for i := range locks {
+		wg.Go(func() {
+			lk, err := batch.Obtain(ctx, fmt.Sprintf("job:%s:%d", id, i), 300*time.Millisecond, nil)
+			if err != nil {
+				fmt.Println("obtain:", err)
+				return
+			}
+			locks[i] = lk
+		})
+	}
+	wg.Wait()
+
+	// One loop keeps them all alive, refreshing them together every TTL/3.
+	stops := make([]func() error, len(locks))
+	for i, lk := range locks {
+		stops[i] = batch.Keep(lk, func(cause error) { fmt.Println("lost:", cause) })
+	}
+	time.Sleep(time.Second) // long work: more than 3× the TTL
+
+	// Releases are queued and go together; Wait waits until they are answered.
+	var released atomic.Int32
+	for i, lk := range locks {
+		if err := stops[i](); err != nil {
+			fmt.Println("stop:", err)
+		}
+		batch.Release(lk, func(err error) {
+			if err == nil {
+				released.Add(1)
+			}
+		})
+	}
+	batch.Wait()
+	fmt.Println("released:", released.Load())
+	// Output:
+	// released: 10
 }

@@ -32,6 +32,8 @@ var (
 type Client interface {
 	redis.Scripter
 	SetNX(ctx context.Context, key string, value any, expiration time.Duration) *redis.BoolCmd
+	// Pipeline is what a Batcher sends its commands with.
+	Pipeline() redis.Pipeliner
 }
 
 var (
@@ -90,6 +92,9 @@ func New(client Client, cfg *Config) *Locker {
 	return l
 }
 
+// Client returns the client the Locker runs its commands on.
+func (l *Locker) Client() Client { return l.client }
+
 // RedisKey returns the Redis key that holds the lock for key. It is the only place
 // that builds lock keys.
 func (l *Locker) RedisKey(key string) string { return l.prefix + key }
@@ -132,6 +137,24 @@ var unmarkScript = redis.NewScript(`return redis.call('del', KEYS[1])`)
 // in flight may still have set the key, which then expires after ttl. ttl must be at
 // least a millisecond and key must not be empty.
 func (l *Locker) Obtain(ctx context.Context, key string, ttl time.Duration, opts *Options) (*Lock, error) {
+	return l.obtain(ctx, key, ttl, opts, l.setNX, l.markWanted)
+}
+
+// setNX sends one SET NX PX on its own.
+func (l *Locker) setNX(ctx context.Context, rkey, token string, ttl time.Duration) (bool, error) {
+	return l.client.SetNX(ctx, rkey, token, ttl).Result()
+}
+
+// markWanted marks rkey wanted for want (Options.Want), best effort: without the mark
+// the holder only keeps the lock longer.
+func (l *Locker) markWanted(ctx context.Context, rkey string, want time.Duration) {
+	l.client.SetNX(ctx, rkey+wantedSuffix, "1", want)
+}
+
+// obtain is Obtain's loop, trying with setNX and marking a busy key wanted with mark.
+func (l *Locker) obtain(ctx context.Context, key string, ttl time.Duration, opts *Options,
+	setNX func(ctx context.Context, rkey, token string, ttl time.Duration) (bool, error),
+	mark func(ctx context.Context, rkey string, want time.Duration)) (*Lock, error) {
 	if key == "" {
 		return nil, errors.New("lock: obtain: empty key")
 	}
@@ -160,7 +183,7 @@ func (l *Locker) Obtain(ctx context.Context, key string, ttl time.Duration, opts
 			return nil, fmt.Errorf("lock: obtain %q: %w", key, err)
 		}
 		sent := time.Now()
-		ok, err := l.client.SetNX(ctx, rkey, token, ttl).Result()
+		ok, err := setNX(ctx, rkey, token, ttl)
 		if err != nil {
 			if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
 				return nil, fmt.Errorf("lock: obtain %q: %w: %w", key, cerr, err)
@@ -171,8 +194,7 @@ func (l *Locker) Obtain(ctx context.Context, key string, ttl time.Duration, opts
 			return &Lock{locker: l, key: key, rkey: rkey, token: token, ttl: ttl, sent: sent}, nil
 		}
 		if want > 0 {
-			// Best effort: without the mark the holder only keeps the lock longer.
-			l.client.SetNX(ctx, rkey+wantedSuffix, "1", want)
+			mark(ctx, rkey, want)
 		}
 		delay, again := retry.Backoff(n)
 		if !again {

@@ -2,12 +2,12 @@ package asynqmw
 
 import (
 	"context"
-	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"reflect"
 	"strings"
 	"time"
 
@@ -24,11 +24,6 @@ import (
 	"github.com/idemq/idemq/lock"
 )
 
-//go:embed result_write.lua
-var writeResultLua string
-
-var writeResultScript = redis.NewScript(writeResultLua)
-
 // MaxResultWriteBytes caps what the middleware writes to a task's ResultWriter (what the
 // asynqmon dashboard shows); the ledger keeps the whole result.
 const MaxResultWriteBytes = 64 << 10
@@ -39,8 +34,8 @@ var ErrLockBusy = errors.New("asynqmw: lock busy")
 
 // Config configures a Worker. The zero value (or nil) gives the defaults.
 type Config struct {
-	// LockTTL is the Redis lock's TTL; a watchdog refreshes it every LockTTL/3 while the
-	// handler runs. Default: 30s.
+	// LockTTL is the Redis lock's TTL; the Worker's refresh loop refreshes every held
+	// lock every LockTTL/3 while its handler runs. Default: 30s.
 	LockTTL time.Duration
 
 	// BusyBudget bounds how long a task may keep retrying as busy, counted from its
@@ -55,8 +50,8 @@ type Config struct {
 	// LockKeyScoped takes the Redis lock also for jobs whose lock scope is their own key.
 	// By default those skip it: the ledger's claim already lets one delivery at a time run
 	// a key (the lease and the fence), so there the lock would only spare a concurrent
-	// duplicate one claim statement, at the price of two Redis round trips and a watchdog
-	// for every delivery. Jobs with a wider scope (a customer, an account) always take it.
+	// duplicate one claim statement, at the price of a SET and a release for every
+	// delivery (each in a pipeline shared with the deliveries of the moment). Jobs with a wider scope (a customer, an account) always take it.
 	LockKeyScoped bool
 
 	// ScopeWaiters caps how many deliveries of one lock scope wait in this process for
@@ -140,6 +135,12 @@ type Worker struct {
 	log    *slog.Logger
 	gate   *gate
 	tracer trace.Tracer
+	// batch sends the locks' commands (nil without a locker); results, the result
+	// writes (nil when Config.Redis cannot pipeline: they go one by one): batch itself
+	// when Config.Redis is the locker's client. combine: that client is one server's, so
+	// a release and a result write go as one script call.
+	batch, results *lock.Batcher
+	combine        bool
 }
 
 // NewWorker returns a Worker using ledger and locker (locker may be nil: no Redis lock,
@@ -177,7 +178,23 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 	}
 	w.tracer = tp.Tracer(tracerName)
 	w.gate = newGate(w)
+	if locker != nil {
+		w.batch = lock.NewBatcher(locker)
+	}
+	if c, ok := w.cfg.Redis.(lock.Client); ok {
+		if locker != nil && sameClient(c, locker.Client()) {
+			w.results = w.batch
+			_, w.combine = c.(*redis.Client)
+		} else {
+			w.results = lock.NewBatcher(lock.New(c, nil))
+		}
+	}
 	return w
+}
+
+// sameClient reports whether a and b are the same client.
+func sameClient(a, b lock.Client) bool {
+	return reflect.TypeOf(a).Comparable() && any(a) == any(b)
 }
 
 // Stop makes the deliveries waiting for a scope's lock, and every later one that needs a
@@ -187,10 +204,17 @@ func NewWorker(ledger *idempotency.Ledger, locker *lock.Locker, cfg *Config) *Wo
 func (w *Worker) Stop() { w.gate.stop() }
 
 // Wait waits until the locks that deliveries left are given back to Redis (a delivery
-// returns without waiting for that round trip). Call it after asynq.Server.Shutdown and
-// before closing the Redis client, or the locks of the last deliveries stay held until
-// their TTL ends.
-func (w *Worker) Wait() { w.gate.wait() }
+// returns without waiting for that round trip: releases are queued and sent together).
+// Call it after asynq.Server.Shutdown and before closing the Redis client, or the locks
+// of the last deliveries stay held until their TTL ends.
+func (w *Worker) Wait() {
+	if w.batch != nil {
+		w.batch.Wait()
+	}
+	if w.results != nil {
+		w.results.Wait()
+	}
+}
 
 // observeLock counts a lock outcome and adds it to the delivery's span (ctx's) as an
 // "idemq.lock" event.
@@ -301,7 +325,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		scope = key
 	}
 	runCtx := ctx
-	leave := func() {}
+	// leave ends the delivery's turn in its scope, with the write of its result (nil:
+	// none), which goes with the lock's release when the lock goes back to Redis.
+	leave := h.w.sendResult
 	// effectDone ends the scope's turn as soon as a leased handler returns: a wider scope
 	// keeps effects apart, and this one's is over; its completion, a fenced write to the
 	// ledger, then commits while the scope's next delivery claims and runs (their commits
@@ -323,7 +349,7 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			// Redis is a fast path: without it the ledger still guards the work.
 			h.log(ctx, key).WarnContext(ctx, "lock unavailable; relying on the ledger", "scope", scope, "err", err)
 		}
-		runCtx, leave = hold.ctx, hold.leave
+		runCtx, leave = hold.ctx, hold.leaveWith
 		defer hold.leave()
 		if scope != key {
 			effectDone = hold.leave
@@ -345,12 +371,17 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 		res, err := h.run(runCtx, req, job, effectDone)
 		if err == nil {
 			// The work is durable: the scope's next delivery need not wait for the
-			// result's write to asynq.
-			leave()
+			// result's write to asynq, which goes with the lock's release (or on its own,
+			// with the other deliveries' writes of the moment); leave returns once it is
+			// written.
+			rw := h.newResultWrite(ctx, t, res.Result, key)
+			leave(rw)
 			if hook := testhook.From(ctx); hook != nil {
 				hook.Answered(ctx, res)
 			}
-			h.writeResult(ctx, t, res.Result, key)
+			if rw == nil {
+				h.writeResult(ctx, t, res.Result, key)
+			}
 			if span.IsRecording() { // a cached answer names the run that did the work
 				span.SetAttributes(idempotency.AttrFence.Int64(res.Fence))
 			}
@@ -468,7 +499,8 @@ func (h *handler[T]) mapError(err error, key string) (string, error) {
 }
 
 // writeResult shows the result in asynq (the dashboard) after the durable completion,
-// while the delivery is still live, when it fits; errors are only logged.
+// while the delivery is still live, when it fits; errors are only logged. It is the
+// path of a result that newResultWrite does not send through the results Batcher.
 func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json.RawMessage, key string) {
 	w := t.ResultWriter()
 	if w == nil || len(result) == 0 || ctx.Err() != nil {

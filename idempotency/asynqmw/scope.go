@@ -13,7 +13,7 @@ import (
 // A scope's Redis lock is shared by the deliveries of this process that need it. The
 // first takes it from Redis; the others wait in line, in this process (FIFO, at most
 // Config.ScopeWaiters of them), and each is handed the held lock when the one before it
-// is done: no release, no obtain, one watchdog refreshing it throughout. A lock is handed
+// is done: no release, no obtain, the refresh loop keeping it throughout. A lock is handed
 // on only while its last refresh is confirmed for more than half its TTL. After
 // Config.ScopeHandoffs handoffs or Config.ScopeHold, whichever comes first, the holder
 // asks Redis whether another process found the scope held meanwhile (lock.Options.Want):
@@ -24,19 +24,15 @@ import (
 // asynq's retry set.
 
 // gate is the process's side of the scope locks.
+// A delivery does not wait for its lock's release: the release is queued on the Worker's
+// Batcher, with the result write when there is one, and sent with the others of the
+// moment (Worker.Wait waits for them).
 type gate struct {
 	w        *Worker
 	mu       sync.Mutex
 	scopes   map[string]*scope
 	stopping chan struct{} // closed by Worker.Stop: waiters answer busy
 	stopOnce sync.Once
-	// releasing counts the locks being given back to Redis after their last delivery
-	// left: a delivery does not wait for that round trip (Worker.Wait does). Unlike a
-	// WaitGroup's, its count may grow while Wait waits (a delivery asynq gave up on at
-	// shutdown may still leave).
-	relMu     sync.Mutex
-	releasing int
-	released  *sync.Cond // signalled when releasing drops to zero
 }
 
 // scope is the state of one lock scope in this process, while a delivery holds or
@@ -48,7 +44,7 @@ type scope struct {
 	unwatch  func() error
 	since    time.Time // when lk was taken from Redis
 	handoffs int       // since then
-	lost     error     // the watchdog found lk lost: it is not handed on
+	lost     error     // the refresh loop found lk lost: it is not handed on
 	ownKey   bool      // the scope is the job's own key: a loss does not cancel (the ledger guards)
 	// holds are the deliveries whose turn it is, each with its cancel: one, or, while
 	// riding, every transactional delivery that joined the turn (the ledger runs them one
@@ -83,9 +79,7 @@ type scopeHold struct {
 }
 
 func newGate(w *Worker) *gate {
-	g := &gate{w: w, scopes: map[string]*scope{}, stopping: make(chan struct{})}
-	g.released = sync.NewCond(&g.relMu)
-	return g
+	return &gate{w: w, scopes: map[string]*scope{}, stopping: make(chan struct{})}
 }
 
 // stop makes every waiter answer busy, and every delivery that comes after it.
@@ -195,11 +189,11 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 	retry := lock.ExponentialBackoff(5*time.Millisecond, scopeRetryMax, 1<<30)
 	opts := &lock.Options{Want: 4 * g.w.cfg.ScopeHold}
 	for n := 1; ; n++ {
-		lk, err := g.w.locker.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
+		lk, err := g.w.batch.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
 		switch {
 		case err == nil:
 			g.w.observeLock(ctx, LockObtained, taskType)
-			_, unwatch := lk.Watch(context.Background(), &lock.WatchOptions{IgnoreLoss: true, OnLost: func(cause error) { g.lose(s, cause) }})
+			unwatch := g.w.batch.Keep(lk, func(cause error) { g.lose(s, cause) })
 			g.mu.Lock()
 			s.lk, s.unwatch, s.since, s.handoffs, s.lost = lk, unwatch, time.Now(), 0, nil
 			g.mu.Unlock()
@@ -281,7 +275,7 @@ func (g *gate) bound(s *scope) bool {
 	return s.handoffs >= g.w.cfg.ScopeHandoffs || time.Since(s.since) >= g.w.cfg.ScopeHold
 }
 
-// lose runs on s's watchdog when its lock is lost: the running delivery is cancelled
+// lose runs on the refresh loop when s's lock is lost: the running delivery is cancelled
 // (unless the scope is its key), and the lock is not handed on.
 func (g *gate) lose(s *scope, cause error) {
 	g.mu.Lock()
@@ -305,8 +299,13 @@ func (g *gate) lose(s *scope, cause error) {
 // leave ends the delivery's turn: when no other rider holds it, the lock goes to the
 // next waiter (with the riders behind it, when it rides), or back to Redis. Only its
 // first call does anything.
-func (h *scopeHold) leave() {
+func (h *scopeHold) leave() { h.leaveWith(nil) }
+
+// leaveWith is leave, sending rw (when not nil) with the lock's release when the lock
+// goes back to Redis, or on its own.
+func (h *scopeHold) leaveWith(rw *resultWrite) {
 	if h.left {
+		h.g.w.sendResult(rw)
 		return
 	}
 	h.left = true
@@ -318,12 +317,13 @@ func (h *scopeHold) leave() {
 	}
 	if len(s.holds) > 0 {
 		g.mu.Unlock()
+		g.w.sendResult(rw)
 		return
 	}
 	select {
 	case <-g.stopping:
 		g.mu.Unlock()
-		g.release(s, false)
+		g.release(s, false, rw)
 		return
 	default:
 	}
@@ -362,36 +362,19 @@ func (h *scopeHold) leave() {
 		for i, w := range next {
 			w.turn <- handout{held: true, hold: turns[i]}
 		}
+		g.w.sendResult(rw)
 		return
 	}
 	g.mu.Unlock()
 	// The delivery's work is durable: it need not wait for Redis to take the lock back.
 	// Until then the scope stays known here, so the scope's next delivery in this
 	// process waits in line and asks Redis once the lock is released.
-	g.relMu.Lock()
-	g.releasing++
-	g.relMu.Unlock()
-	go func() {
-		g.release(s, wanted)
-		g.relMu.Lock()
-		if g.releasing--; g.releasing == 0 {
-			g.released.Broadcast()
-		}
-		g.relMu.Unlock()
-	}()
+	g.release(s, wanted, rw)
 }
 
-// wait waits until no lock is being given back to Redis.
-func (g *gate) wait() {
-	g.relMu.Lock()
-	defer g.relMu.Unlock()
-	for g.releasing > 0 {
-		g.released.Wait()
-	}
-}
-
-// release gives s's lock back to Redis and the turn to the next waiter.
-func (g *gate) release(s *scope, yield bool) {
+// release queues the release of s's lock, with rw when not nil; once Redis answered, the
+// turn goes to the next waiter, to take from Redis.
+func (g *gate) release(s *scope, yield bool, rw *resultWrite) {
 	g.mu.Lock()
 	lk, unwatch := s.lk, s.unwatch
 	s.lk, s.unwatch = nil, nil
@@ -399,14 +382,17 @@ func (g *gate) release(s *scope, yield bool) {
 	if unwatch != nil {
 		unwatch()
 	}
-	if lk != nil && lk.Remaining() > 0 {
-		rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		if err := lk.Release(rctx); err != nil && !errors.Is(err, lock.ErrLockLost) {
+	if lk == nil || lk.Remaining() <= 0 {
+		g.w.sendResult(rw)
+		g.passOn(s, yield)
+		return
+	}
+	g.w.sendRelease(lk, rw, func(err error) {
+		if err != nil && !errors.Is(err, lock.ErrLockLost) {
 			g.w.log.Warn("release lock", "scope", s.name, "err", err)
 		}
-		cancel()
-	}
-	g.passOn(s, yield)
+		g.passOn(s, yield)
+	})
 }
 
 // passOn gives s's turn to its next waiter, to take from Redis, or forgets s.

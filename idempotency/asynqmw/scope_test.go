@@ -410,7 +410,7 @@ func TestWaitReturnsOnceLocksAreReleased(t *testing.T) {
 	}
 }
 
-// slowScripts delays every script call by d.
+// slowScripts delays every script call, and every pipeline with one, by d.
 type slowScripts struct{ d time.Duration }
 
 func (h slowScripts) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -425,5 +425,13 @@ func (h slowScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 }
 
 func (h slowScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if name := cmd.Name(); name == "evalsha" || name == "eval" {
+				time.Sleep(h.d)
+				break
+			}
+		}
+		return next(ctx, cmds)
+	}
 }
