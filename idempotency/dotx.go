@@ -94,6 +94,7 @@ type txDelivery struct {
 	ctx   context.Context // the call's, for its log lines
 	req   Request
 	claim *Claim
+	found bool   // the claim's read found a row (taken over)
 	trace string // the claiming delivery's trace id
 	res   Result
 	stuck int64 // a fence to mark needs_attention
@@ -112,7 +113,7 @@ func (d *txDelivery) Claim(int) (store.ClaimParams, error) {
 
 func (d *txDelivery) Decide(r *store.ClaimRow, round int) (claimed, again bool, err error) {
 	cr, stuck, again, err := d.l.decide(d.ctx, d.req, d.claim, r, round)
-	d.stuck = stuck
+	d.stuck, d.found = stuck, r.Status.Valid
 	if cr.Completed != nil {
 		d.res = *cr.Completed
 	}
@@ -131,7 +132,7 @@ func (d *txDelivery) ClaimRefused(err error) error {
 
 func (d *txDelivery) Identity() store.FinishParams {
 	c := d.claim
-	return store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, IntentSum: c.intentSum,
+	return store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, IntentSum: c.intentSum, Found: d.found,
 		TaskType: d.req.TaskType, Fingerprint: d.req.Fingerprint, Attempt: c.Attempt, Generation: c.Generation, TraceID: d.trace}
 }
 

@@ -15,9 +15,12 @@ const (
 	// DataExceptionClass is the class (first two characters) of data exceptions, such as
 	// a value jsonb refuses.
 	DataExceptionClass = "22"
-	// DivisionByZero is raised on purpose by the DoTx completion when its fenced update
-	// matched no row, so that the whole transaction aborts.
-	DivisionByZero       = "22012"
+	// DivisionByZero is raised on purpose by the DoTx finish when it did not write every
+	// member's row, so that the whole transaction aborts.
+	DivisionByZero = "22012"
+	// UniqueViolation is what the DoTx finish meets when a key it read without a row has
+	// one by then: the transaction aborts, as for DivisionByZero.
+	UniqueViolation      = "23505"
 	CheckViolation       = "23514"
 	SerializationFailure = "40001"
 	DeadlockDetected     = "40P01"

@@ -3,26 +3,31 @@ package store
 // fenceChecks are the predicates with which a fenced write checks that its claim still
 // holds the row: args for one row ($2 fence, $3 owner), rows for a batch (the row p
 // joined to r, the batch's unnest); and those of a DoTx transaction: hold takes a key's
-// advisory lock (k.key), takeover re-checks, on the newest version of a row that is there,
-// what the read found (p, the row; excluded, the member's), and guard fails the finish
-// unless it wrote every member's row (w.n rows written of r's).
-type fenceChecks struct{ args, rows, hold, takeover, guard string }
+// advisory lock (k.key), conflict is the insert's answer to a row there since the read,
+// takeover re-checks, on the newest version of a row that is there, what the read found
+// (p, the row; r, the member's), and guard fails the finish unless it wrote every
+// member's row (w.n rows written of r's).
+type fenceChecks struct{ args, rows, hold, conflict, takeover, guard string }
 
 var (
 	// checkFence checks the fence and the owner: every write after a claim.
 	checkFence = fenceChecks{
 		args: `fence = $2 AND owner = $3`, rows: `p.fence = r.fence AND p.owner = r.owner`,
-		hold: `pg_try_advisory_xact_lock(hashtextextended(k.key, ` + keyLockSeed + ` # 'processed_jobs'::regclass::oid::bigint))`,
+		hold:     `pg_try_advisory_xact_lock(hashtextextended(k.key, ` + keyLockSeed + ` # 'processed_jobs'::regclass::oid::bigint))`,
+		conflict: `/* a row there since the read: unique_violation */`,
 		takeover: `p.status = 'in_progress' AND p.locked_until < now()
-	  AND p.attempts = excluded.attempts - 1 AND p.generation = excluded.generation
-	  AND (p.payload_sha256 IS NULL OR excluded.payload_sha256 IS NULL OR p.payload_sha256 = excluded.payload_sha256)`,
+	  AND p.attempts = r.attempt - 1 AND p.generation = r.generation
+	  AND (p.payload_sha256 IS NULL OR r.fp IS NULL OR p.payload_sha256 = r.fp)`,
 		guard: `1 / (CASE WHEN w.n = (SELECT count(*) FROM r) THEN 1 ELSE 0 END)`,
 	}
 	// checkNothing keeps the parameters and checks nothing: the negative control's ledger
 	// only (idempotency.Config.UnsafeNoFencing).
 	checkNothing = fenceChecks{
 		args: `$2::bigint > 0 AND $3::uuid IS NOT NULL`, rows: `r.fence > 0 AND r.owner IS NOT NULL`,
-		hold: `k.key IS NOT NULL`, takeover: `p.idempotency_key IS NOT NULL`, guard: `w.n AS unguarded`,
+		hold: `k.key IS NOT NULL`,
+		conflict: `ON CONFLICT (idempotency_key) DO UPDATE SET status = excluded.status, fence = excluded.fence,
+	  owner = excluded.owner, result = excluded.result, attempts = excluded.attempts, completed_at = excluded.completed_at`,
+		takeover: `p.idempotency_key IS NOT NULL`, guard: `w.n AS unguarded`,
 	}
 )
 

@@ -111,7 +111,9 @@ type FinishParams struct {
 	// intent whose payload_sha256 equals it (the delivery was of the intent's own task,
 	// whose payload is the intent's bytes) is settled. An empty, non-nil sum settles none.
 	IntentSum []byte
-	// A DoTx finish writes the whole row: these too.
+	// A DoTx finish writes the whole row: these too; Found: the read found a row (taken
+	// over), else the key had none.
+	Found               bool
 	TaskType            string
 	Fingerprint         []byte
 	Attempt, Generation int

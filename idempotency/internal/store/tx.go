@@ -147,31 +147,38 @@ func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle string, p
 // finishTxSQL writes the rows of a DoTx transaction's members ($1..$11, one element per
 // member: key, task type, fence, owner, fingerprint, status ('completed' or 'failed'),
 // result (jsonb text), last_error, the attempt, the generation the read found (0 for
-// none), trace id; $12 the intent sums, see FinishParams.IntentSum). A key without a row
-// gets one; a row that is there is taken over only if it is still what the read found:
-// in progress, its lease ended, at the attempt before this one and in the same
-// generation, with the same fingerprint (f.takeover). Completions and failures settle the
-// outbox intents of their own tasks. Unless every member's row was written (f.guard),
-// the statement fails (division by zero, SQLSTATE 22012), so that the COMMIT sent after
-// it cannot commit: then the transaction's members run again.
+// none), trace id; $12 the intent sums, see FinishParams.IntentSum; $13 whether the read
+// found a row). A key the read found without a row is inserted with a plain INSERT
+// (f.conflict: a row there by now aborts the statement, a unique violation); a row the
+// read found is taken over only if it is still what the read found: in progress, its
+// lease ended, at the attempt before this one and in the same generation, with the same
+// fingerprint (f.takeover). Completions and failures settle the outbox intents of their
+// own tasks. Unless every member's row was written (f.guard), the statement fails
+// (division by zero), so that the COMMIT sent after it cannot commit: then the
+// transaction's members run again.
 func finishTxSQL(f fenceChecks) string {
 	return `
 WITH r AS (
 	SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::uuid[], $5::bytea[], $6::text[], $7::text[],
-	                     $8::text[], $9::int[], $10::int[], $11::text[], $12::bytea[])
-		AS r(key, task_type, fence, owner, fp, status, result, error, attempt, generation, trace_id, intent_sum)
-), w AS (
+	                     $8::text[], $9::int[], $10::int[], $11::text[], $12::bytea[], $13::bool[])
+		AS r(key, task_type, fence, owner, fp, status, result, error, attempt, generation, trace_id, intent_sum, found)
+), ins AS (
 	INSERT INTO processed_jobs AS p (idempotency_key, task_type, status, fence, owner, payload_sha256, result,
 	                                 attempts, generation, last_error, locked_until, completed_at, trace_id)
 	SELECT key, task_type, status, fence, owner, fp, result::jsonb, attempt, generation, error, now(), now(), trace_id
-	FROM r ORDER BY key
-	ON CONFLICT (idempotency_key) DO UPDATE
-	SET status = excluded.status, fence = excluded.fence, owner = excluded.owner, result = excluded.result,
-	    attempts = excluded.attempts, last_error = coalesce(excluded.last_error, p.last_error),
-	    locked_until = excluded.locked_until, completed_at = excluded.completed_at, updated_at = now(),
-	    trace_id = excluded.trace_id, payload_sha256 = coalesce(p.payload_sha256, excluded.payload_sha256)
-	WHERE ` + f.takeover + `
+	FROM r WHERE NOT r.found ORDER BY key
+	` + f.conflict + `
 	RETURNING p.idempotency_key, p.status, p.last_error
+), upd AS (
+	UPDATE processed_jobs p
+	SET status = r.status, fence = r.fence, owner = r.owner, result = r.result::jsonb, attempts = r.attempt,
+	    last_error = coalesce(r.error, p.last_error), locked_until = now(), completed_at = now(), updated_at = now(),
+	    trace_id = r.trace_id, payload_sha256 = coalesce(p.payload_sha256, r.fp)
+	FROM r
+	WHERE r.found AND p.idempotency_key = r.key AND ` + f.takeover + `
+	RETURNING p.idempotency_key, p.status, p.last_error
+), w AS (
+	SELECT * FROM ins UNION ALL SELECT * FROM upd
 ), i AS (
 	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
 	       state = CASE WHEN w.status = 'completed' THEN 'done' ELSE 'dead' END,
@@ -222,6 +229,7 @@ func finishTxArgs(ps []FinishParams) []any {
 	keys, types, fences, owners := make([]string, n), make([]string, n), make([]int64, n), make([]pgtype.UUID, n)
 	fps, statuses, results, errs := make([][]byte, n), make([]string, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
 	attempts, gens, traces, sums := make([]int32, n), make([]int32, n), make([]pgtype.Text, n), make([][]byte, n)
+	found := make([]bool, n)
 	for i, p := range ps {
 		keys[i], types[i], fences[i], owners[i], fps[i] = p.Key, p.TaskType, p.Fence, p.Owner, p.Fingerprint
 		statuses[i] = StatusCompleted
@@ -230,16 +238,17 @@ func finishTxArgs(ps []FinishParams) []any {
 		}
 		results[i], errs[i], attempts[i], gens[i] = p.Result, p.Error, int32(p.Attempt), int32(p.Generation)
 		traces[i] = pgtype.Text{String: p.TraceID, Valid: p.TraceID != ""}
-		sums[i] = p.IntentSum
+		sums[i], found[i] = p.IntentSum, p.Found
 	}
-	return []any{keys, types, fences, owners, fps, statuses, results, errs, attempts, gens, traces, sums}
+	return []any{keys, types, fences, owners, fps, statuses, results, errs, attempts, gens, traces, sums, found}
 }
 
 // Conflict reports whether err is the refusal of a DoTx finish that found a row other
-// than its read did (the guard's division by zero).
+// than its read did: the guard's division by zero, or a row where the read found none.
 func Conflict(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgcode.DivisionByZero
+	return errors.As(err, &pgErr) && (pgErr.Code == pgcode.DivisionByZero ||
+		pgErr.Code == pgcode.UniqueViolation && pgErr.ConstraintName == "processed_jobs_pkey")
 }
 
 // Exec runs plain statements (no arguments) in one round trip.
