@@ -132,7 +132,9 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) 
 	conc := fs.Int("concurrency", 10, "MaxWorkers of the default queue")
 	pool := fs.Int("pool", 0, "Postgres connections (0: idemq worker's default, min(concurrency+4, 4 × cores + 8))")
 	accounts := fs.Int("accounts", 0, "debit accounts, debit i going to account i mod accounts (0: one account per debit)")
-	prefix := fs.String("prefix", "river", "the debits' references are PREFIX-i")
+	prefix := fs.String("prefix", "", "the debits' references are PREFIX-i (default: river and the time)")
+	cooldown := fs.Duration("fetch-cooldown", river.FetchCooldownMin, "River's FetchCooldown: the least time between two fetches")
+	poll := fs.Duration("fetch-poll", river.FetchPollIntervalMin, "River's FetchPollInterval")
 	schema := fs.String("schema", "", "run in this schema, created if missing (default: DATABASE_URL's search_path)")
 	wait := fs.Bool("wait", false, `print "ready" once the jobs are in, start on a line from stdin, and after the result hold the connections until stdin closes`)
 	if err := fs.Parse(args); err != nil {
@@ -140,6 +142,9 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) 
 	}
 	if *n < 1 || *conc < 1 {
 		return errors.New("-n and -concurrency must be positive")
+	}
+	if *prefix == "" {
+		*prefix = "river" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	}
 	cfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL"))
 	if err != nil {
@@ -190,8 +195,8 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) 
 	client, err := river.NewClient(driver, &river.Config{
 		Queues:            map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: *conc}},
 		Workers:           workers,
-		FetchCooldown:     river.FetchCooldownMin,
-		FetchPollInterval: river.FetchPollIntervalMin,
+		FetchCooldown:     *cooldown,
+		FetchPollInterval: *poll,
 		Logger:            quiet,
 	})
 	if err != nil {
