@@ -33,6 +33,14 @@ BENCH_FLAGS ?= -write-docs
 bench:
 	$(GO) run ./cmd/idemq bench $(BENCH_FLAGS)
 
+## bench-river: idemq's exactly-once debits against River's (river.JobCompleteTx), paired in one
+## drain run (debit-distinct and debit-hot at concurrency 10 and 50; about 2 minutes at these
+## sizes). riverdrain is built from internal/bench/river, a module of its own.
+RIVER_FLAGS ?= -reps 3 -drain-n 2000
+.PHONY: bench-river
+bench-river:
+	$(GO) run ./cmd/idemq bench -drain -drain-workloads debit-distinct,debit-hot -drain-concurrency 10,50 -drain-river build $(RIVER_FLAGS)
+
 ## migrate: apply migrations to DATABASE_URL
 migrate: build
 	$(BIN) migrate

@@ -67,6 +67,10 @@ type Options struct {
 	// DrainBinaries are the worker binaries drain mode compares, each at 1 and 3
 	// replicas. Default: Binary.
 	DrainBinaries []string
+	// DrainRiver, when set, is a riverdrain binary (internal/bench/river): drain mode
+	// then also drains the debit-distinct and debit-hot workloads through River
+	// (configuration "river"), paired with the others.
+	DrainRiver string
 	// DrainN is the keys of a drain over distinct scopes; hot and Zipf workloads take a
 	// share of it. Default 10000.
 	DrainN int
@@ -416,6 +420,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	drainWorkloadsFlag := fs.String("drain-workloads", strings.Join(DrainWorkloadNames, ","), "-drain: workloads")
 	fs.DurationVar(&opt.DrainTimeout, "drain-timeout", 5*time.Minute, "-drain: time limit of one drain")
 	fs.IntVar(&opt.DrainPrefill, "drain-prefill", 5_000_000, "-drain: completed rows in the ledger before each drain of debit-prefilled (about 1.8 GB with its indexes per 5,000,000; written once per run, in a few minutes)")
+	fs.StringVar(&opt.DrainRiver, "drain-river", "", "-drain: also drain debit-distinct and debit-hot through River (configuration river: each debit's entry and its job's completion in one transaction), with the riverdrain binary at `PATH`, or build to build internal/bench/river first (run from the repository root)")
 	drainBinaries := fs.String("drain-binaries", "", "-drain: comma-separated idemq binaries whose `worker` to compare, side by side in one run (default: this one)")
 	fs.Float64Var(&opt.API.Seconds, "api-seconds", 10, "-workloads api: how long the load of each throughput sample runs")
 	fs.IntVar(&opt.API.Concurrency, "api-concurrency", 50, "-workloads api: calls in flight of each throughput sample")
@@ -534,6 +539,14 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		}
 		if *writeDocs && *jsonPath == "" {
 			*jsonPath = filepath.Join("docs", "bench-drain.json")
+		}
+		if opt.DrainRiver == "build" {
+			bin, err := buildRiverdrain(ctx)
+			if err != nil {
+				return err
+			}
+			defer os.RemoveAll(filepath.Dir(bin))
+			opt.DrainRiver = bin
 		}
 		samples, err := RunDrain(ctx, opt, stderr)
 		if err != nil {

@@ -42,15 +42,28 @@ const (
 	bareChildFlag = "-bare-child"
 )
 
+// DrainRiver is drain mode's River configuration (Options.DrainRiver): the same debits
+// drained by riverdrain (internal/bench/river, a module of its own), whose worker writes
+// the wallet entry and completes its job in one transaction (river.JobCompleteTx).
+const DrainRiver = "river"
+
+// riverAccounts are the workloads River drains, with their accounts (0: one per debit).
+// River has no scope locks: its debits over 13 accounts run side by side.
+var riverAccounts = map[string]int{"debit-distinct": 0, "debit-hot": 13}
+
 // drainConfig is one configuration of drain mode.
 type drainConfig struct {
 	name     string
-	binary   string // "" for bare asynq
+	binary   string // "" for bare asynq; riverdrain's for River
 	replicas int
 }
 
-func drainConfigs(opt Options) []drainConfig {
+// drainConfigs are the configurations of workload w.
+func drainConfigs(opt Options, w drainWorkload) []drainConfig {
 	cs := []drainConfig{{name: DrainBare}}
+	if _, ok := riverAccounts[w.name]; ok && opt.DrainRiver != "" {
+		cs = append(cs, drainConfig{name: DrainRiver, binary: opt.DrainRiver})
+	}
 	for _, r := range []int{1, 3} {
 		for _, b := range opt.DrainBinaries {
 			name := fmt.Sprintf("worker×%d", r)
@@ -173,12 +186,12 @@ func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSamp
 	}
 	defer e.close()
 	var out []DrainSample
-	configs := drainConfigs(opt)
 	for _, wn := range opt.DrainWorkloads {
 		w, ok := drainWorkloads[wn]
 		if !ok {
 			return out, fmt.Errorf("bench: unknown drain workload %q (one of %s)", wn, strings.Join(DrainWorkloadNames, ", "))
 		}
+		configs := drainConfigs(opt, w)
 		keys := max(int(float64(opt.DrainN)*w.share), 100)
 		for _, conc := range opt.DrainConcurrency {
 			for rep := range opt.Reps {
@@ -187,7 +200,11 @@ func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSamp
 					order = append(order[1:], order[0])
 				}
 				for _, cfg := range order {
-					s, err := e.drain(ctx, opt, w, keys, conc, cfg, rep)
+					drain := e.drain
+					if cfg.name == DrainRiver {
+						drain = e.drainRiver
+					}
+					s, err := drain(ctx, opt, w, keys, conc, cfg, rep)
 					if err != nil {
 						return out, err
 					}
@@ -461,8 +478,8 @@ func histogram(fams map[string]*dto.MetricFamily, name string) (sum, count float
 
 // WriteDrainTable prints drain mode's table: per workload, concurrency and configuration
 // the median deliveries per second (min–max), the median of the per-repetition ratios to
-// bare asynq, CPU per delivery by process, busy answers per delivery and requests per
-// shared commit.
+// bare asynq (and to River, when River ran), CPU per delivery by process, busy answers
+// per delivery and requests per shared commit.
 func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 	type group struct {
 		workload string
@@ -471,12 +488,30 @@ func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 	}
 	by := map[group][]DrainSample{}
 	var order []group
+	hasRiver := false
 	for _, s := range samples {
 		g := group{s.Workload, s.Concurrency, s.Config}
 		if _, ok := by[g]; !ok {
 			order = append(order, g)
 		}
 		by[g] = append(by[g], s)
+		hasRiver = hasRiver || s.Config == DrainRiver
+	}
+	// paired formats the median (min–max) of the ratios of ss's rates to base's of the
+	// same repetition.
+	paired := func(ss, base []DrainSample) string {
+		var ratios []float64
+		for _, s := range ss {
+			for _, b := range base {
+				if b.Rep == s.Rep {
+					ratios = append(ratios, s.PerSecond/b.PerSecond)
+				}
+			}
+		}
+		if len(ratios) == 0 {
+			return "-"
+		}
+		return fmt.Sprintf("**%.2f** (%.2f–%.2f)", median(ratios), slices.Min(ratios), slices.Max(ratios))
 	}
 	sort.SliceStable(order, func(i, j int) bool {
 		a, b := order[i], order[j]
@@ -488,28 +523,31 @@ func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 		}
 		return configBefore(a.config, b.config)
 	})
-	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) | CPU µs/delivery: workers + Redis + PG | CPU ÷ bare's: workers / Redis / PG | WAL B/delivery | busy per delivery | requests per commit |")
-	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+	riverHead, riverAlign := "", ""
+	if hasRiver {
+		riverHead, riverAlign = " ÷ River (paired) |", "--:|"
+	}
+	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) |"+riverHead+" CPU µs/delivery: workers + Redis + PG | CPU ÷ bare's: workers / Redis / PG | WAL B/delivery | busy per delivery | requests per commit |")
+	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|"+riverAlign+"--:|--:|--:|--:|--:|")
 	for _, g := range order {
 		ss := by[g]
 		rates := collect(ss, func(s DrainSample) float64 { return s.PerSecond })
-		var ratios []float64
-		for _, s := range ss {
-			for _, b := range by[group{g.workload, g.conc, DrainBare}] {
-				if b.Rep == s.Rep {
-					ratios = append(ratios, s.PerSecond/b.PerSecond)
-				}
-			}
-		}
 		cw, cr, cp := median(collect(ss, func(s DrainSample) float64 { return s.CPUWorkers })),
 			median(collect(ss, func(s DrainSample) float64 { return s.CPURedis })),
 			median(collect(ss, func(s DrainSample) float64 { return s.CPUPG }))
 		ratio := "1"
 		if g.config != DrainBare {
-			ratio = fmt.Sprintf("**%.2f** (%.2f–%.2f)", median(ratios), slices.Min(ratios), slices.Max(ratios))
+			ratio = paired(ss, by[group{g.workload, g.conc, DrainBare}])
+		}
+		if hasRiver {
+			river := "1"
+			if g.config != DrainRiver {
+				river = paired(ss, by[group{g.workload, g.conc, DrainRiver}])
+			}
+			ratio += " | " + river
 		}
 		busy, commit := "-", "-"
-		if g.config != DrainBare {
+		if g.config != DrainBare && g.config != DrainRiver {
 			busy = fmt.Sprintf("%.2f", median(collect(ss, func(s DrainSample) float64 { return s.BusyPerDelivery })))
 			commit = fmt.Sprintf("%.1f", median(collect(ss, func(s DrainSample) float64 { return s.PerCommit })))
 		}

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -78,5 +79,42 @@ idemq_ledger_commit_requests_count{kind="claim"} 1
 	}
 	if n := events(m, "idemq_ledger_events_total", "busy"); n != 0 {
 		t.Errorf("a family the page lacks counts %v, want 0", n)
+	}
+}
+
+// With River in the run, every other configuration's rate is also paired with River's of
+// the same repetition, and River runs only on the workloads it can drain.
+func TestDrainTablePairsWithRiver(t *testing.T) {
+	var b bytes.Buffer
+	err := WriteDrainTable(&b, []DrainSample{
+		{Workload: "debit-distinct", Concurrency: 10, Config: DrainBare, Rep: 1, Deliveries: 100, PerSecond: 2000},
+		{Workload: "debit-distinct", Concurrency: 10, Config: DrainRiver, Rep: 1, Deliveries: 100, PerSecond: 400},
+		{Workload: "debit-distinct", Concurrency: 10, Config: DrainRiver, Rep: 2, Deliveries: 100, PerSecond: 800},
+		{Workload: "debit-distinct", Concurrency: 10, Config: "worker×1", Rep: 1, Deliveries: 100, PerSecond: 1000},
+		{Workload: "debit-distinct", Concurrency: 10, Config: "worker×1", Rep: 2, Deliveries: 100, PerSecond: 1000},
+		{Workload: "debit-zipf", Concurrency: 10, Config: DrainBare, Rep: 1, Deliveries: 100, PerSecond: 2000},
+		{Workload: "debit-zipf", Concurrency: 10, Config: "worker×1", Rep: 1, Deliveries: 100, PerSecond: 1000},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	table := b.String()
+	for _, want := range []string{
+		"| ÷ bare (paired) | ÷ River (paired) |",
+		"| worker×1 | 100 | 1000 (1000–1000) | **0.50** (0.50–0.50) | **1.88** (1.25–2.50) |", // bare ran in rep 1 only
+		"| river | 100 | 600 (400–800) | **0.20** (0.20–0.20) | 1 |",
+		"| bare | 100 | 2000 (2000–2000) | 1 | **5.00** (5.00–5.00) |",
+		"| debit-zipf | 10 | worker×1 | 100 | 1000 (1000–1000) | **0.50** (0.50–0.50) | - |",
+	} {
+		if !strings.Contains(table, want) {
+			t.Errorf("table:\n%s\nwant %q", table, want)
+		}
+	}
+	opt := Options{DrainBinaries: []string{"idemq"}, DrainRiver: "riverdrain"}
+	for name, want := range map[string]bool{"debit-distinct": true, "debit-hot": true, "debit-zipf": false, "charge-distinct": false} {
+		got := slices.ContainsFunc(drainConfigs(opt, drainWorkloads[name]), func(c drainConfig) bool { return c.name == DrainRiver })
+		if got != want {
+			t.Errorf("%s: River among the configurations %v, want %v", name, got, want)
+		}
 	}
 }
