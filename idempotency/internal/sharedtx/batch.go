@@ -27,6 +27,7 @@ type batch struct {
 
 	xid, serverStart string // the transaction's id, drawn with the claims
 
+	shared  bool          // run by an executor of the queue (runBatches), not by a caller alone
 	pre     []string      // statements sent ahead of the next round trip (a RELEASE)
 	own     time.Duration // the members' handlers' time outside the database so far
 	claimed []*member     // members whose rows the finish ends, in order
@@ -59,7 +60,7 @@ func (b *batch) rollback() {
 
 // runBatch runs ms, sorted by key, in one transaction on conn, and answers each. It
 // reports whether conn is fit for another batch.
-func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
+func (e *Exec) runBatch(conn *pgx.Conn, ms []*member, shared bool) bool {
 	// The transaction lives across its members: its idle timeout is the longest any
 	// member allows, so no member's short deadline cuts the others off.
 	var latest time.Time
@@ -73,7 +74,7 @@ func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
 			latest = dl
 		}
 	}
-	b := &batch{e: e, conn: conn, idle: e.idleTimeout(latest)}
+	b := &batch{e: e, conn: conn, idle: e.idleTimeout(latest), shared: shared}
 	if span := e.batchSpan(ms); span != nil {
 		defer span.End()
 	}
@@ -227,6 +228,7 @@ func (b *batch) commit() {
 		b.answerCommitted(nil)
 		return
 	}
+	b.overlap()
 	ctx, cancel := b.ctx()
 	defer cancel()
 	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, b.takePre(), b.e.lockTimeoutSQL, ps)
@@ -239,6 +241,16 @@ func (b *batch) commit() {
 		return
 	}
 	b.answerCommitted(err)
+}
+
+// overlap starts another executor, within the bound, when deliveries wait while this
+// batch commits: the next transaction's first round trip overlaps this one's COMMIT
+// instead of following it, which is what a handful of concurrent deliveries (c=10) wait
+// on most.
+func (b *batch) overlap() {
+	if b.shared && b.e.q.Spare() {
+		go b.e.runBatches()
+	}
 }
 
 // answerCommitted answers the claimed members after the COMMIT, whose error is err. An

@@ -276,7 +276,7 @@ func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bo
 			}
 			return Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", d.Key(), err))}
 		}
-		e.runBatch(conn.Conn(), []*member{m})
+		e.runBatch(conn.Conn(), []*member{m}, false)
 		conn.Release() // the pool closes a connection left in a transaction
 		a := <-m.answer
 		if m.panicked {
@@ -322,7 +322,7 @@ func (e *Exec) runBatches() {
 			continue
 		}
 		e.observeBatch(len(ms))
-		if !e.runBatch(conn.Conn(), ms) {
+		if !e.runBatch(conn.Conn(), ms, true) {
 			conn.Release() // the pool closes a connection left in a transaction
 			conn = nil
 		}

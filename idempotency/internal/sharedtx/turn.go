@@ -182,6 +182,7 @@ func (b *batch) runSolo(m *member) {
 	}
 	stored, lastErr := m.d.Check(r.out)
 	m.finish = finish{action: store.ActionComplete, result: stored, errMsg: lastErr}
+	b.overlap()
 	ctx, cancel := b.ctx()
 	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
 	cancel()
