@@ -2,14 +2,20 @@ package sharedtx
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/pgtext"
 	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
+	"github.com/idemq/idemq/idempotency/internal/txshim"
 )
 
 // batch is the state of one transaction, used by its executor only: the members' keys
@@ -37,26 +43,6 @@ type batch struct {
 	optimistic, undone bool
 }
 
-// ctx bounds one round trip of the executor: a claim's lock wait and a write.
-func (b *batch) ctx() (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.Background(), b.e.cfg.WriteTimeout+b.e.cfg.ClaimLockTimeout)
-}
-
-func (b *batch) replyWith(m *member, a Answer) {
-	if m.answered {
-		return
-	}
-	m.answered = true
-	m.answer <- a
-}
-
-// rollback ends the transaction (or closes the connection).
-func (b *batch) rollback() {
-	ctx, cancel := b.ctx()
-	defer cancel()
-	store.Rollback(ctx, b.conn)
-}
-
 // runBatch runs ms, sorted by key, in one transaction on conn, and answers each. It
 // reports whether conn is fit for another batch.
 func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
@@ -64,13 +50,12 @@ func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
 	// member allows, so no member's short deadline cuts the others off.
 	var latest time.Time
 	for _, m := range ms {
-		dl := m.d.Deadline()
-		if dl.IsZero() {
+		if m.d.Deadline.IsZero() {
 			latest = time.Time{}
 			break
 		}
-		if dl.After(latest) {
-			latest = dl
+		if m.d.Deadline.After(latest) {
+			latest = m.d.Deadline
 		}
 	}
 	b := &batch{e: e, conn: conn, idle: e.idleTimeout(latest)}
@@ -79,9 +64,9 @@ func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
 	}
 	switch {
 	case !b.claimAll(ms):
-		// Nothing claimed (completed keys, busy ones, races): the transaction wrote
-		// nothing; end it so that the connection goes back to the pool (or on to the next
-		// batch) instead of being closed for a transaction left open.
+		// Nothing claimed (completed keys, busy ones): the transaction wrote nothing; end
+		// it so that the connection goes back to the pool (or on to the next batch)
+		// instead of being closed for a transaction left open.
 		if b.broken == nil {
 			b.rollback()
 		}
@@ -92,11 +77,110 @@ func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
 	}
 	if b.broken != nil {
 		for _, m := range ms {
-			b.replyWith(m, Answer{Err: fmt.Errorf("idempotency: DoTx %s: the transaction did not commit; nothing recorded: %w", m.d.Key(), b.broken)})
+			b.reply(m, fmt.Errorf("idempotency: DoTx %s: the transaction did not commit; nothing recorded: %w", m.d.Key, b.broken))
 		}
 		b.rollback()
 	}
 	return !conn.IsClosed() && conn.PgConn().TxStatus() == 'I'
+}
+
+// claimAll begins the transaction, holds every member's key and reads its row, in one
+// round trip. A member that is not claimed is answered at once (a completed key's result
+// is committed data; a key another transaction holds is busy). When the server refuses
+// (or the connection fails), nothing is claimed and every member gets the error. It
+// reports whether any member was claimed.
+func (b *batch) claimAll(ms []*member) bool {
+	var ps []store.ClaimParams
+	var live []*member
+	for _, m := range ms {
+		m.out = Outcome{}
+		if err := m.ctx.Err(); err != nil {
+			b.reply(m, fmt.Errorf("idempotency: claim %s: %w", m.d.Key, err))
+			continue
+		}
+		if dl := m.d.Deadline; !dl.IsZero() && !time.Now().Before(dl) {
+			b.reply(m, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", m.d.Key, context.DeadlineExceeded))
+			continue
+		}
+		owner, err := store.NewOwner()
+		if err != nil {
+			b.reply(m, fmt.Errorf("idempotency: owner id: %w", err))
+			continue
+		}
+		m.out.Owner = owner
+		ps = append(ps, store.ClaimParams{Key: m.d.Key, TaskType: m.d.TaskType, Owner: owner, Fingerprint: m.d.Fingerprint, TraceID: m.d.TraceID})
+		live = append(live, m)
+	}
+	if len(live) == 0 {
+		return false
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	t, err := b.e.cfg.Writes.BeginClaims(ctx, b.conn, b.idle, ps, b.e.cfg.MaxAge)
+	if err != nil {
+		if !store.Answered(err) {
+			b.broken = own(err)
+			return false
+		}
+		for _, m := range live {
+			m.out.Refused = err
+			b.reply(m, nil)
+		}
+		b.rollback()
+		return false
+	}
+	b.xid, b.serverStart = t.XID, t.ServerStart
+	for i, m := range live {
+		m.out.Row, m.out.Verdict = t.Rows[i], t.Rows[i].Verdict(m.d.Fingerprint, b.e.cfg.MaxAge)
+		switch {
+		case m.out.Verdict != store.Claimed:
+			b.reply(m, nil) // the row answers (a race, which no read of this kind finds, is busy)
+		case m.out.Row.Attempts.Int32 > 1:
+			b.e.observe(EventTakeover, m)
+			b.claimed = append(b.claimed, m)
+		default:
+			b.e.observe(EventClaimed, m)
+			b.claimed = append(b.claimed, m)
+		}
+	}
+	return len(b.claimed) > 0
+}
+
+// runSolo runs the one member a transaction claimed: no savepoint (its failure rolls the
+// whole transaction back), and its row is written, with the COMMIT, in one round trip. A
+// finish refused for a conflict (the row is not what the read found) has it run again.
+func (b *batch) runSolo(m *member) {
+	if err := m.ctx.Err(); err != nil {
+		b.rollback()
+		b.reply(m, fmt.Errorf("idempotency: DoTx %s: %w", m.d.Key, err))
+		return
+	}
+	r, ok := b.turn(m, nil)
+	switch {
+	case !ok:
+		return
+	case r.err != nil || r.panicked:
+		b.rollback()
+		b.reply(m, r.err) // a permanent error is recorded by its caller; a panic is raised again
+		return
+	}
+	b.complete(m, r.out)
+	ctx, cancel := b.ctx()
+	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
+	cancel()
+	var pgErr *pgconn.PgError
+	switch {
+	case store.Conflict(err):
+		b.e.observe(EventConflict, m)
+		b.rollback()
+		b.again(m, err)
+	case errors.As(err, &pgErr):
+		b.rollback()
+		m.out.Rejected = pgErr
+		b.reply(m, nil)
+	default:
+		b.answerCommitted(err)
+	}
 }
 
 // runShared runs the claimed members one after another, within the budget, and commits
@@ -144,70 +228,147 @@ func (b *batch) runShared() {
 	}
 }
 
-// claimAll begins the transaction, holds every member's key and reads its row, in one
-// round trip. A member that is not claimed is answered at once (a completed key's result
-// is committed data; a key another transaction holds is busy). When the server refuses
-// (or the connection fails), nothing is claimed and every member gets the error. It
-// reports whether any member was claimed.
-func (b *batch) claimAll(ms []*member) bool {
-	e := b.e
-	var ps []store.ClaimParams
-	var live []*member
-	for _, m := range ms {
-		if err := m.ctx.Err(); err != nil {
-			b.replyWith(m, Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), err)})
-			continue
-		}
-		p, err := m.d.Claim(m.round)
-		if err != nil {
-			b.replyWith(m, Answer{Err: err})
-			continue
-		}
-		ps, live = append(ps, p), append(live, m)
+// runOptimistic runs m's fn on the shared transaction without a savepoint: its result is
+// stored by the finish. A handler that fails (or panics, or leaves the transaction
+// aborted) undoes the whole transaction; every member then runs alone, a panicking one
+// panics again.
+func (b *batch) runOptimistic(m *member) {
+	r, ok := b.turn(m, nil)
+	switch {
+	case !ok:
+	case r.panicked:
+		b.undone = true
+		b.reply(m, nil) // the member panics again
+	case r.err != nil:
+		b.undone = true
+	default:
+		b.complete(m, r.out)
 	}
-	if len(live) == 0 {
-		return false
+}
+
+// runMember runs m's fn on the shared transaction. The member's savepoint is made when fn
+// first uses the transaction; it is released when fn succeeds and the server takes its
+// result (its row is written by the finish) and rolled back when fn fails (its row is not
+// written, or written failed).
+func (b *batch) runMember(m *member) {
+	saved := false
+	r, ok := b.turn(m, func(ctx context.Context) error {
+		saved = true
+		return store.Exec(ctx, b.conn, append(b.takePre(), store.Savepoint)...)
+	})
+	if !ok {
+		return
 	}
-	ctx, cancel := b.ctx()
-	defer cancel()
-	t, err := e.cfg.Writes.BeginClaims(ctx, b.conn, b.idle, ps, e.cfg.MaxAge)
-	if err != nil {
-		if !store.Answered(err) {
-			b.broken = own(err)
-			return false
+	if r.err == nil && !r.panicked {
+		b.complete(m, r.out)
+		var err error
+		if m.out.Stored.Valid {
+			// The server parses the result while the savepoint still holds the effect: a
+			// value jsonb refuses rolls back this member alone, not the whole transaction.
+			var pre []string
+			if !saved {
+				saved = true
+				pre = append(b.takePre(), store.Savepoint)
+			}
+			ctx, cancel := b.ctx()
+			err = store.CheckResult(ctx, b.conn, pre, m.out.Stored.String)
+			cancel()
 		}
-		for _, m := range live {
-			b.replyWith(m, Answer{Err: m.d.ClaimRefused(err)})
-		}
-		b.rollback()
-		return false
-	}
-	b.xid, b.serverStart = t.XID, t.ServerStart
-	for i, m := range live {
-		claimed, again, err := m.d.Decide(&t.Rows[i], m.round)
+		var pgErr *pgconn.PgError
 		switch {
-		case again:
-			b.again(m, nil)
-		case claimed:
-			b.claimed = append(b.claimed, m)
-		default:
-			b.replyWith(m, Answer{Err: err})
+		case err == nil:
+			if saved {
+				b.pre = append(b.pre, store.Release)
+			}
+			return
+		case !errors.As(err, &pgErr):
+			b.broken = own(err)
+			b.reply(m, b.broken)
+			return
+		}
+		m.finish, m.out.Rejected = finish{}, pgErr
+	}
+	// fn failed: its effect goes with its savepoint.
+	if saved {
+		ctx, cancel := b.ctx()
+		_, err := b.conn.Exec(ctx, store.Undo)
+		cancel()
+		if err != nil {
+			b.broken = own(err)
+			b.reply(m, errors.Join(r.err, b.broken))
+			return
 		}
 	}
-	return len(b.claimed) > 0
+	switch rej := m.out.Rejected; {
+	case r.panicked:
+		b.reply(m, nil) // the member panics again
+	case rej != nil && rej.Code[:2] == pgcode.DataExceptionClass:
+		// A result jsonb refuses is recorded for good, with the commit.
+		msg := "idempotency: result refused by the database: " + rej.Message
+		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(msg), Valid: true}}
+	case rej != nil:
+		b.reply(m, nil)
+	case b.e.cfg.Permanent(r.err):
+		// Answered with the commit, which records the failure.
+		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(r.err.Error()), Valid: true}, err: r.err}
+	default:
+		b.reply(m, r.err) // no row: the next delivery runs it
+	}
 }
 
-// params are m's row in the finish.
-func (b *batch) params(m *member) store.FinishParams {
-	p := m.d.Identity()
-	p.Action, p.Result, p.Error = m.finish.action, m.finish.result, m.finish.errMsg
-	return p
+// turn hands the transaction to m's fn, as a pgx.Tx whose first use runs first (nil:
+// none), on this goroutine for a local member, else on m's own, and checks the
+// transaction after it. ok is false when m is answered already: its caller ended, or its
+// handler broke the transaction (the connection closed or busy, the transaction neither
+// open nor aborted), which breaks the batch. A handler that succeeded but left the
+// transaction aborted gets that as its error: nothing of it is recorded.
+//
+// A timed member's time outside the database joins the moving average that decides
+// whether deliveries share transactions: on a saturated machine every query takes
+// longer, which is when sharing matters most, so the database's time is no reason to
+// stop.
+func (b *batch) turn(m *member, first func(ctx context.Context) error) (r ran, ok bool) {
+	m.finish = finish{}
+	if err := m.ctx.Err(); err != nil {
+		b.reply(m, fmt.Errorf("idempotency: DoTx %s: %w", m.d.Key, err))
+		return r, false
+	}
+	if b.optimistic {
+		b.e.observe(EventSharedRun, m)
+	}
+	tx := txshim.New(b.conn, first)
+	if m.local {
+		r = m.runFn(tx)
+	} else {
+		m.run <- tx
+		r = <-m.ran
+	}
+	if m.timed {
+		b.e.handlers.record(r.own)
+	}
+	b.own += r.own
+	pc := b.conn.PgConn()
+	st := pc.TxStatus()
+	if b.conn.IsClosed() || pc.IsBusy() || st != 'T' && st != 'E' {
+		b.broken = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q)", m.d.Key, st)
+		b.reply(m, errors.Join(r.err, b.broken))
+		return r, false
+	}
+	if r.err == nil && !r.panicked && st != 'T' {
+		r.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", m.d.Key, st)
+	}
+	return r, true
 }
 
-func (b *batch) takePre() []string {
-	p := b.pre
-	b.pre = nil
-	return p
+// complete has the finish write m's row completed with out, checked (pgtext.Result): the
+// result itself, or an error marker in its place.
+func (b *batch) complete(m *member, out []byte) {
+	m.out.Out = out
+	m.out.Stored, m.out.LastErr = pgtext.Result(out, b.e.cfg.MaxResultBytes)
+	if m.out.LastErr.Valid {
+		b.e.observe(EventBadResult, m)
+	}
+	m.finish = finish{action: store.ActionComplete}
 }
 
 // commit writes every completed or failed member's row in one statement and commits, in
@@ -241,6 +402,17 @@ func (b *batch) commit() {
 	b.answerCommitted(err)
 }
 
+// params are m's row in the finish.
+func (b *batch) params(m *member) store.FinishParams {
+	d, r, f := &m.d, &m.out.Row, m.finish
+	p := store.FinishParams{Key: d.Key, Fence: r.Fence.Int64, Owner: m.out.Owner, Action: f.action, Result: m.out.Stored, Error: m.out.LastErr,
+		IntentSum: d.IntentSum, TaskType: d.TaskType, Fingerprint: d.Fingerprint, Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), TraceID: d.TraceID}
+	if f.action == store.ActionFail {
+		p.Result, p.Error = pgtype.Text{}, f.errMsg
+	}
+	return p
+}
+
 // answerCommitted answers the claimed members after the COMMIT, whose error is err. An
 // error on a connection still open means nothing committed: the batch is broken. A
 // COMMIT whose answer was lost is resolved by each member with the transaction id drawn
@@ -251,22 +423,65 @@ func (b *batch) answerCommitted(err error) {
 		return
 	}
 	for _, m := range b.claimed {
-		m.d.Committed(b.xid, b.serverStart)
+		m.out.XID, m.out.ServerStart = b.xid, b.serverStart
 		switch {
 		case m.answered:
 		case m.later:
 			// It did not run: it runs alone now, whatever the commit's fate.
 			b.again(m, nil)
 		case err != nil: // the answer was lost: each member resolves it by transaction id
-			b.replyWith(m, Answer{Err: m.finish.err, Lost: err, Recorded: m.finish.err != nil})
+			m.out.Lost, m.out.Recorded = err, m.finish.action == store.ActionFail
+			b.reply(m, m.finish.err)
 		case m.finish.action == store.ActionFail:
 			b.e.observe(EventFailed, m)
-			b.replyWith(m, Answer{Err: m.finish.err, Recorded: true})
+			m.out.Recorded = true
+			b.reply(m, m.finish.err)
 		default:
 			b.e.observe(EventCompleted, m)
-			b.replyWith(m, Answer{})
+			b.reply(m, nil)
 		}
 	}
+}
+
+// rerunAlone answers every member of an undone transaction that is not answered yet: it
+// runs in a transaction of its own; and shared transactions give their members
+// savepoints for a while.
+func (b *batch) rerunAlone() {
+	b.e.SavepointsUntil(time.Now().Add(SavepointsFor))
+	for _, m := range b.claimed {
+		if !m.answered {
+			b.e.observe(EventSharedRerun, m)
+		}
+		b.again(m, nil)
+	}
+}
+
+// reply answers m, once, with its outcome so far and err.
+func (b *batch) reply(m *member, err error) {
+	if m.answered {
+		return
+	}
+	m.answered = true
+	m.out.Err = err
+	m.answer <- m.out
+}
+
+// ctx bounds one round trip of the executor: a claim's lock wait and a write.
+func (b *batch) ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), b.e.cfg.WriteTimeout+b.e.cfg.ClaimLockTimeout)
+}
+
+func (b *batch) takePre() []string {
+	p := b.pre
+	b.pre = nil
+	return p
+}
+
+// rollback ends the transaction (or closes the connection).
+func (b *batch) rollback() {
+	ctx, cancel := b.ctx()
+	defer cancel()
+	store.Rollback(ctx, b.conn)
 }
 
 // batchSpan starts, when two or more of ms are traced, the span of the transaction they

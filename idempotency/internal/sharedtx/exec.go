@@ -1,10 +1,12 @@
 // Package sharedtx is the ledger's DoTx executor: deliveries that commit their work in the
 // ledger's database queue for a transaction, and each transaction carries several of them,
 // one after another on one connection, with one multi-row claim before them and one
-// multi-row finish (with the COMMIT) after. What a delivery is (its claim, how a row
-// decides it, what its result stores) the ledger says through Delivery; the executor owns
-// the transaction, the hand-over to each delivery's goroutine, savepoints, the budget and
-// the fall-backs to transactions of their own.
+// multi-row finish (with the COMMIT) after. A delivery comes in as data (Delivery: its
+// key, its payload's fingerprint, its deadline, its work) and goes back as data (Outcome:
+// what the read found, what the finish stored, the handler's error); the ledger turns
+// the outcome into a result, an error and its logs. The executor owns the transaction,
+// the hand-over to each delivery's goroutine, savepoints, the budget and the fall-backs
+// to transactions of their own.
 package sharedtx
 
 import (
@@ -22,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/commit"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/internal/txshim"
@@ -56,6 +59,9 @@ const SlowHandler = time.Millisecond
 
 // Events the executor reports through Config.Observe.
 const (
+	EventClaimed     = "claimed"      // a new key was claimed
+	EventTakeover    = "takeover"     // an expired lease was taken over
+	EventBadResult   = "bad_result"   // a result was replaced by an error marker
 	EventSharedRun   = "shared_run"   // a handler ran in a shared transaction without a savepoint
 	EventSharedRerun = "shared_rerun" // its shared transaction rolled back: the delivery runs alone
 	EventGivenBack   = "given_back"   // a shared transaction's budget ran out first: the claim is undone
@@ -74,39 +80,17 @@ const StallAfter = 30 * time.Second
 // Fn is a delivery's work, run on the transaction.
 type Fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)
 
-// Delivery is one DoTx call, as the ledger knows it. The executor calls its methods from
-// the goroutine that runs its transaction, one at a time; the caller reads what they
-// recorded after Run returns.
-type Delivery interface {
-	// Key is the delivery's idempotency key: a transaction holds one delivery per key.
-	Key() string
-	// TaskType names the delivery for Config.Observe.
-	TaskType() string
-	// Deadline is the delivery's own deadline (zero: none).
-	Deadline() time.Time
-	// Claim starts claim round round: the parameters of the claim's row.
-	Claim(round int) (store.ClaimParams, error)
-	// Decide reads the claim's row (zero: a lost race): claimed, another round (again: it
-	// bounds the rounds), or an answer that ends the delivery without running it (err
-	// nil: a completed key).
-	Decide(r *store.ClaimRow, round int) (claimed, again bool, err error)
-	// ClaimRefused is the error of a claim the server refused.
-	ClaimRefused(err error) error
-	// Identity is the claimed row's key, fence and owner.
-	Identity() store.FinishParams
-	// Check checks the work's result: what to store and the last_error to record. The
-	// delivery keeps its completion's result.
-	Check(out json.RawMessage) (stored, lastErr pgtype.Text)
-	// Refused is the error of a result or claim write the server refused.
-	Refused(pgErr *pgconn.PgError) error
-	// Committed records the transaction id (and the server's start) the delivery's last
-	// write committed in, to resolve a commit whose answer was lost.
-	Committed(xid, serverStart string)
-	// Context is ctx carrying the claim, for the work.
-	Context(ctx context.Context) context.Context
+// Delivery is one DoTx call: its key's identity and its work.
+type Delivery struct {
+	Key, TaskType string
+	Fingerprint   []byte // the payload's; nil: not compared
+	IntentSum     []byte // see store.FinishParams.IntentSum
+	TraceID       string // the delivery's, "" when it is not traced
+	Deadline      time.Time
 	// Scope names the deliveries that must not overlap in this process (empty: none but
 	// the key's own): they take turns, several to a shared transaction when they meet.
-	Scope() string
+	Scope string
+	Fn    Fn
 }
 
 // StatementError is the error of the executor's own work on the database, not a
@@ -122,15 +106,31 @@ func (e *StatementError) Unwrap() error { return e.Err }
 // own marks err, not nil, as the executor's own (StatementError).
 func own(err error) error { return &StatementError{Err: err} }
 
-// Answer is how a delivery ended; what it recorded on the way, the Delivery holds.
-type Answer struct {
+// Outcome is how a delivery ended.
+type Outcome struct {
+	// Verdict and Row are the last read of the key. Claimed: the key was taken (Row's
+	// Fence is the claim's, Attempts its attempt, Owner the claim's owner); otherwise Row
+	// answers the delivery (a stored result, or why the key was not taken).
+	Verdict store.Verdict
+	Row     store.ClaimRow
+	Owner   pgtype.UUID
+	// Out is the handler's result; Stored and LastErr what the finish stored for it.
+	Out             json.RawMessage
+	Stored, LastErr pgtype.Text
+	// XID and ServerStart identify the transaction that wrote the row.
+	XID, ServerStart string
+	// Err is the handler's error, or the executor's own (StatementError).
 	Err error
+	// Refused: the server refused the claim, or kept finding the key's row changed.
+	Refused error
+	// Rejected: the server refused the row's write, or the result.
+	Rejected *pgconn.PgError
 	// Lost: the commit's answer was lost: resolve it from the transaction id.
 	Lost error
 	// Recorded: a permanent failure was committed with the batch.
 	Recorded bool
-	// alone: the shared claim could not decide this member (a lost race, or a batch the
-	// server refused): it runs in a transaction of its own instead.
+	// alone: the shared transaction could not decide this delivery (a lost race, an
+	// undone transaction, a turn past the budget): it runs in a transaction of its own.
 	alone bool
 }
 
@@ -145,10 +145,10 @@ type Config struct {
 	ClaimLockTimeout     time.Duration
 	SessionTimeout       time.Duration // idle_in_transaction_session_timeout, cut to the deadline
 	MaxAge               time.Duration
+	MaxResultBytes       int
 	// Alone: every delivery in a transaction of its own (Config.DisableGroupCommit).
 	Alone        bool
-	Permanent    func(error) bool    // a failure recorded for good
-	CleanText    func(string) string // last_error text fit for the column
+	Permanent    func(error) bool // a failure recorded for good
 	Observe      func(ev, taskType string)
 	ObserveBatch func(size int)
 	// Stalled, if set, is told of a delivery that waited StallAfter in its scope's line.
@@ -180,7 +180,7 @@ func New(cfg Config) *Exec {
 	return &Exec{
 		cfg:            cfg,
 		lockTimeoutSQL: fmt.Sprintf("%dms", max(1, cfg.ClaimLockTimeout.Milliseconds())),
-		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key() }),
+		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key }),
 		Budget:         Budget,
 		Slow:           SlowHandler,
 		StallAfter:     StallAfter,
@@ -198,31 +198,31 @@ func (e *Exec) SavepointsUntil(t time.Time) { e.savepointsUntil.Store(t.UnixNano
 // Optimistic reports whether shared transactions run their members without savepoints now.
 func (e *Exec) Optimistic() bool { return time.Now().UnixNano() >= e.savepointsUntil.Load() }
 
-// Run runs fn for d: in a transaction shared with concurrent deliveries, or in one of its
-// own (Config.Alone, handlers slow, or when the shared one could not decide it). A panic
-// of fn is raised again on the caller's goroutine after the transaction rolled back.
-func (e *Exec) Run(ctx context.Context, d Delivery, fn Fn) Answer {
-	if s := d.Scope(); s != "" {
-		return e.scoped(ctx, d, fn, s)
+// Run runs d: in a transaction shared with concurrent deliveries, or in one of its own
+// (Config.Alone, handlers slow, or when the shared one could not decide it). A panic of
+// d.Fn is raised again on the caller's goroutine after the transaction rolled back.
+func (e *Exec) Run(ctx context.Context, d Delivery) Outcome {
+	if d.Scope != "" {
+		return e.scoped(ctx, d)
 	}
 	if e.cfg.Alone || e.handlers.slow(e.Slow) {
 		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
-		return e.alone(ctx, d, fn, 0, !e.cfg.Alone)
+		return e.alone(ctx, d, 0, !e.cfg.Alone)
 	}
-	return e.shared(ctx, d, fn)
+	return e.shared(ctx, d)
 }
 
 // shared queues d, and the executor that takes it hands the claimed transaction to this
-// goroutine for fn's turn (member).
-func (e *Exec) shared(ctx context.Context, d Delivery, fn Fn) Answer {
-	m := newMember(ctx, d, nil)
+// goroutine for d's turn (member).
+func (e *Exec) shared(ctx context.Context, d Delivery) Outcome {
+	m := newMember(ctx, d, false)
 	m.timed = true
 	e.push(m)
-	a := e.await(ctx, m, fn, func() bool { return e.q.Leave(0, m) })
-	if a.alone {
-		return e.alone(ctx, d, fn, 1, false)
+	o := e.await(m, func() bool { return e.q.Leave(0, m) })
+	if o.alone {
+		return e.alone(ctx, d, 1, false)
 	}
-	return a
+	return o
 }
 
 // push queues m for a shared transaction, starting an executor when one more may run.
@@ -232,38 +232,37 @@ func (e *Exec) push(m *member) {
 	}
 }
 
-// await waits for m's answer, running fn when the executor hands m the transaction.
-// When ctx ends first, leave takes m out of where it waits (false: a batch took it
+// await waits for m's outcome, running m's fn when the executor hands m the transaction.
+// When m's ctx ends first, leave takes m out of where it waits (false: a batch took it
 // already, and answers it, at the latest when its turn comes).
-func (e *Exec) await(ctx context.Context, m *member, fn Fn, leave func() bool) Answer {
-	done := ctx.Done()
+func (e *Exec) await(m *member, leave func() bool) Outcome {
+	done := m.ctx.Done()
 	for {
 		select {
 		case <-done:
 			if leave() {
-				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), ctx.Err())}
+				return Outcome{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key, m.ctx.Err())}
 			}
 			done = nil
 		case tx := <-m.run:
-			r, pval := runFn(m.d.Context(ctx), tx, fn)
+			r := m.runFn(tx)
 			m.ran <- r
 			if r.panicked {
 				<-m.answer // rolled back
-				panic(pval)
+				panic(m.pval)
 			}
-		case a := <-m.answer:
-			return a
+		case o := <-m.answer:
+			return o
 		}
 	}
 }
 
 // alone runs d in a transaction of its own: a batch of one, run on the caller's
-// goroutine. A claim that lost a race is tried again, from round on, until Decide stops
-// asking for another round.
+// goroutine, from claim round round on, until it is decided.
 // timed: fn's run time joins the moving average (member.timed).
-func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bool) Answer {
+func (e *Exec) alone(ctx context.Context, d Delivery, round int, timed bool) Outcome {
 	for ; ; round++ {
-		m := newMember(ctx, d, fn)
+		m := newMember(ctx, d, true)
 		m.round, m.timed = round, timed
 		// A connection that does not come within the write timeout is the database's
 		// doing, one that the caller stopped waiting for is the caller's.
@@ -272,18 +271,18 @@ func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bo
 		cancel()
 		if err != nil {
 			if ctx.Err() != nil {
-				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
+				return Outcome{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key, ctx.Err())}
 			}
-			return Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", d.Key(), err))}
+			return Outcome{Err: own(fmt.Errorf("idempotency: claim %s: %w", d.Key, err))}
 		}
 		e.runBatch(conn.Conn(), []*member{m})
 		conn.Release() // the pool closes a connection left in a transaction
-		a := <-m.answer
+		o := <-m.answer
 		if m.panicked {
 			panic(m.pval)
 		}
-		if !a.alone {
-			return a
+		if !o.alone {
+			return o
 		}
 	}
 }
@@ -315,7 +314,7 @@ func (e *Exec) runBatches() {
 		}
 		if acqErr != nil {
 			for _, m := range ms {
-				m.answer <- Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), acqErr))}
+				m.answer <- Outcome{Err: own(fmt.Errorf("idempotency: claim %s: %w", m.d.Key, acqErr))}
 			}
 			e.q.Done(batches)
 			e.afterLines(ms)
@@ -339,7 +338,7 @@ func (e *Exec) acquire() (*pgxpool.Conn, error) {
 
 func (e *Exec) observe(ev string, m *member) {
 	if e.cfg.Observe != nil {
-		e.cfg.Observe(ev, m.d.TaskType())
+		e.cfg.Observe(ev, m.d.TaskType)
 	}
 }
 
@@ -388,41 +387,41 @@ func (h *times) fit(budget time.Duration, most int) int {
 }
 
 // member is one delivery in a transaction: shared (it waits in Exec.q and its own
-// goroutine runs fn when the executor hands it the transaction) or alone (local: the
+// goroutine runs fn when the executor hands it the transaction) or local (alone: the
 // caller's goroutine is the executor and runs fn itself). It carries its caller's ctx,
 // as an http.Request does, so that the executor can tell at the member's turn whether the
 // caller still waits.
 type member struct {
 	ctx   context.Context
 	d     Delivery
-	fn    Fn  // local members only
+	local bool
 	round int // claim rounds before this one
 	// timed: fn's run time joins the moving average (Exec.handlers). Shared members and
 	// deliveries run alone because handlers are slow are timed, so that the average can
 	// come down again; a member given back by a shared transaction (past its budget, or
 	// after a lost race) is not: its run alone says nothing of how sharing goes.
 	timed bool
+	scope string // its scope's line, when it waits in one (Exec.scoped)
 
 	run    chan *txshim.Tx // executor → member: the claim is taken, run fn
 	ran    chan ran        // member → executor: fn returned or panicked
-	answer chan Answer     // executor → member: the outcome (buffered)
-
-	scope string // Delivery.Scope
+	answer chan Outcome    // executor → member: the outcome (buffered)
 
 	// The executor's own.
+	out      Outcome // the outcome so far, of this claim round
 	answered bool
 	requeue  bool // back to the head of its scope's line after the batch (batch.again)
 	finish   finish
 	later    bool // did not run in the batch (past Budget): runs alone after it
-	panicked bool // a local fn panicked with pval: the caller panics again
+	panicked bool // fn panicked with pval: the caller panics again
 	pval     any
 }
 
-// newMember returns the member of a delivery: local (fn set, run by its executor) or
-// shared (fn nil; the hand-over channels carry its turn).
-func newMember(ctx context.Context, d Delivery, fn Fn) *member {
-	m := &member{ctx: ctx, d: d, fn: fn, answer: make(chan Answer, 1)}
-	if fn == nil {
+// newMember returns the member of a delivery, local or shared (the hand-over channels
+// carry its turn).
+func newMember(ctx context.Context, d Delivery, local bool) *member {
+	m := &member{ctx: ctx, d: d, local: local, answer: make(chan Outcome, 1)}
+	if !local {
 		m.run, m.ran = make(chan *txshim.Tx, 1), make(chan ran, 1)
 	}
 	return m
@@ -439,20 +438,20 @@ type ran struct {
 // result, or failed (permanent); none (action "") when its handler failed otherwise.
 type finish struct {
 	action store.Action // complete or fail
-	result pgtype.Text  // store: the result
 	errMsg pgtype.Text
 	err    error // the handler's error, answered after the commit (fail)
 }
 
-// runFn runs fn on tx, recovering a panic (its value is pval).
-func runFn(ctx context.Context, tx *txshim.Tx, fn Fn) (r ran, pval any) {
+// runFn runs m's fn on tx, in ctx carrying the claim, recovering a panic (its value is
+// m.pval).
+func (m *member) runFn(tx *txshim.Tx) (r ran) {
 	began := time.Now()
 	defer func() {
 		r.own = time.Since(began) - tx.InDB()
 		if p := recover(); p != nil {
-			r.panicked, pval = true, p
+			r.panicked, m.panicked, m.pval = true, true, p
 		}
 	}()
-	r.out, r.err = fn(ctx, tx)
-	return r, nil
+	r.out, r.err = m.d.Fn(claimctx.With(m.ctx, m.d.Key, m.out.Row.Fence.Int64), tx)
+	return r
 }

@@ -34,34 +34,34 @@ type line struct{ waiting []*member }
 const requeueRounds = 5
 
 // scoped is Run for a delivery with a scope.
-func (e *Exec) scoped(ctx context.Context, d Delivery, fn Fn, scope string) Answer {
-	m := newMember(ctx, d, nil)
-	m.scope, m.timed = scope, true
+func (e *Exec) scoped(ctx context.Context, d Delivery) Outcome {
+	m := newMember(ctx, d, false)
+	m.scope, m.timed = d.Scope, true
 	e.mu.Lock()
-	if ln := e.scopes[scope]; ln != nil {
+	if ln := e.scopes[d.Scope]; ln != nil {
 		ln.waiting = append(ln.waiting, m)
 		e.mu.Unlock()
 		stall := time.AfterFunc(e.StallAfter, func() { e.stalled(m) })
 		defer stall.Stop()
 	} else {
-		e.scopes[scope] = &line{}
+		e.scopes[d.Scope] = &line{}
 		e.mu.Unlock()
 		e.startUnit(m)
 	}
-	a := e.await(ctx, m, fn, func() bool { return e.leaveLine(m) })
-	if !a.alone {
-		return a
+	o := e.await(m, func() bool { return e.leaveLine(m) })
+	if !o.alone {
+		return o
 	}
 	// The scope's turn is this delivery's, alone, on this goroutine.
-	defer e.release(scope)
-	return e.alone(ctx, d, fn, m.round, !e.cfg.Alone)
+	defer e.release(d.Scope)
+	return e.alone(ctx, d, m.round, !e.cfg.Alone)
 }
 
 // stalled reports m, which waited Exec.StallAfter in its scope's line.
 func (e *Exec) stalled(m *member) {
 	e.observe(EventLineStalled, m)
 	if e.cfg.Stalled != nil {
-		e.cfg.Stalled(m.scope, m.d.Key(), e.StallAfter)
+		e.cfg.Stalled(m.scope, m.d.Key, e.StallAfter)
 	}
 }
 
@@ -69,7 +69,7 @@ func (e *Exec) stalled(m *member) {
 // alone when deliveries do not share transactions now.
 func (e *Exec) startUnit(m *member) {
 	if e.cfg.Alone || e.handlers.slow(e.Slow) {
-		m.answer <- Answer{alone: true}
+		m.answer <- Outcome{alone: true}
 		return
 	}
 	e.push(m)
@@ -122,7 +122,7 @@ func (e *Exec) withLines(ms []*member, n int) []*member {
 	ms = slices.Clone(ms)
 	keys := make(map[string]bool, len(ms))
 	for _, m := range ms {
-		keys[m.d.Key()] = true
+		keys[m.d.Key] = true
 	}
 	e.mu.Lock()
 	for _, lead := range leads {
@@ -132,8 +132,8 @@ func (e *Exec) withLines(ms []*member, n int) []*member {
 		ln := e.scopes[lead.scope]
 		rest := ln.waiting[:0]
 		for _, f := range ln.waiting {
-			if len(ms) < n && !keys[f.d.Key()] {
-				keys[f.d.Key()] = true
+			if len(ms) < n && !keys[f.d.Key] {
+				keys[f.d.Key] = true
 				ms = append(ms, f)
 			} else {
 				rest = append(rest, f)
@@ -144,7 +144,7 @@ func (e *Exec) withLines(ms []*member, n int) []*member {
 	}
 	e.mu.Unlock()
 	if len(ms) > len(leads) {
-		slices.SortFunc(ms, func(a, b *member) int { return cmp.Compare(a.d.Key(), b.d.Key()) })
+		slices.SortFunc(ms, func(a, b *member) int { return cmp.Compare(a.d.Key, b.d.Key) })
 	}
 	return ms
 }
@@ -186,9 +186,11 @@ func (b *batch) again(m *member, refusal error) {
 	switch {
 	case m.answered:
 	case refusal != nil && m.round+1 >= requeueRounds:
-		b.replyWith(m, Answer{Err: m.d.ClaimRefused(refusal)})
+		m.out.Refused = refusal
+		b.reply(m, nil)
 	case m.scope == "":
-		b.replyWith(m, Answer{alone: true})
+		m.out.alone = true
+		b.reply(m, nil)
 	default:
 		m.answered, m.requeue = true, true
 		m.round++
