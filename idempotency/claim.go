@@ -4,15 +4,12 @@ import (
 	"context"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -200,33 +197,6 @@ func (l *Ledger) markStuckOne(ctx context.Context, req Request, fence int64) {
 		return
 	}
 	l.log.WarnContext(ctx, "idempotency: in progress past the maximum age; needs attention", "task_type", req.TaskType, "key", req.Key, "fence", fence)
-}
-
-// claimError translates a claim's database error: lock, serialization and deadlock
-// failures mean another session holds the key.
-func (l *Ledger) claimError(req Request, err error) error {
-	if isRetryable(err) {
-		l.observe(EventBusy, req.TaskType)
-		return fmt.Errorf("%w: %w", &BusyError{Key: req.Key}, err)
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == pgcode.CheckViolation && (pgErr.ConstraintName == "processed_jobs_key_check" || pgErr.ConstraintName == "processed_jobs_key_no_hash_check") {
-		return fmt.Errorf("%w: %w", ErrInvalidKey, err)
-	}
-	return fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
-}
-
-// isRetryable reports serialization failures, deadlocks and lock timeouts.
-func isRetryable(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return false
-	}
-	switch pgErr.Code {
-	case pgcode.SerializationFailure, pgcode.DeadlockDetected, pgcode.LockNotAvailable:
-		return true
-	}
-	return false
 }
 
 // formatUUID writes b in the canonical 8-4-4-4-12 form.

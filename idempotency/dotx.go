@@ -4,15 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // DoTx commits fn's work at most once per completed key, in transactional mode: for
@@ -99,7 +96,7 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (c *Claim, res Result, err error) {
 	if o.Verdict == store.Claimed {
 		r := &o.Row
-		c = &Claim{Key: req.Key, TaskType: req.TaskType, Fence: r.Fence.Int64, Owner: formatUUID(o.Owner.Bytes),
+		c = &Claim{Key: req.Key, TaskType: req.TaskType, Fence: r.Fence.Int64,
 			Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), owner: o.Owner, xid: o.XID, serverStart: o.ServerStart}
 		if c.Attempt > 1 {
 			l.tookOver(ctx, c)
@@ -111,16 +108,7 @@ func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (
 	switch err = o.Err; {
 	case err != nil:
 	case o.Refused != nil:
-		// The server refused the claim, or the finish kept finding the key's row changed
-		// since its read (busy: another claim takes the key).
-		if store.Conflict(o.Refused) {
-			l.observe(EventBusy, req.TaskType)
-			err = &BusyError{Key: req.Key}
-		} else {
-			err = asUnavailable(ctx, l.claimError(req, o.Refused))
-		}
-	case o.Rejected != nil:
-		err = l.rejected(ctx, req, o.Rejected)
+		err = l.refused(ctx, req, o.Refused, c == nil)
 	case c != nil:
 		res = c.completed(o.Out, o.Stored, o.LastErr)
 	default: // the read decided: a stored result, or why the key was not taken
@@ -154,20 +142,6 @@ func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (
 		return c, Result{}, txUnavailable(ctx, err)
 	}
 	return c, res, nil
-}
-
-// rejected is the error of a delivery whose row (or result) the database refused: a
-// result jsonb refuses (a data exception), which is recorded for good; a key a
-// constraint refuses; a row another session kept locked past Config.ClaimLockTimeout
-// (busy).
-func (l *Ledger) rejected(ctx context.Context, req Request, pgErr *pgconn.PgError) error {
-	switch {
-	case pgErr.Code[:2] == pgcode.DataExceptionClass:
-		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
-	case pgErr.Code == pgcode.CheckViolation || isRetryable(pgErr):
-		return l.claimError(req, pgErr) // an invalid key; busy: a row lock waited for too long
-	}
-	return asUnavailable(ctx, fmt.Errorf("idempotency: complete %s: %w", req.Key, pgErr))
 }
 
 // txUnavailable marks err, a DoTx answer, as ErrUnavailable when it carries the error of
