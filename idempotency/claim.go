@@ -1,20 +1,15 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
-	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -109,13 +104,11 @@ func (l *Ledger) newClaim(ctx context.Context, req Request) (*Claim, store.Claim
 	if lease <= 0 {
 		return nil, store.ClaimParams{}, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", req.Key, context.DeadlineExceeded)
 	}
-	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease, intentSum: req.intentSum()}
-	if _, err := rand.Read(c.owner.Bytes[:]); err != nil {
+	owner, err := store.NewOwner()
+	if err != nil {
 		return nil, store.ClaimParams{}, fmt.Errorf("idempotency: owner id: %w", err)
 	}
-	c.owner.Bytes[6] = c.owner.Bytes[6]&0x0f | 0x40 // version 4
-	c.owner.Bytes[8] = c.owner.Bytes[8]&0x3f | 0x80 // RFC 4122 variant
-	c.owner.Valid = true
+	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease, intentSum: req.intentSum(), owner: owner}
 	c.Owner = formatUUID(c.owner.Bytes)
 	c.sentAt = time.Now()
 	p := store.ClaimParams{Key: req.Key, TaskType: req.TaskType, Owner: c.owner, Fingerprint: req.Fingerprint, Lease: lease}
@@ -139,69 +132,61 @@ func (l *Ledger) leaseFor(deadline time.Time) time.Duration {
 // decide turns a claim's row into an outcome. stuck is a fence to mark needs_attention
 // (after any transaction ends); again asks for another claim round.
 func (l *Ledger) decide(ctx context.Context, req Request, c *Claim, r *store.ClaimRow, round int) (res ClaimResult, stuck int64, again bool, err error) {
-	if r.Claimed {
-		c.Fence = r.Fence.Int64
-		c.Attempt = int(r.Attempts.Int32)
-		c.Generation = int(r.Generation.Int32)
+	switch v := r.Verdict(req.Fingerprint, l.cfg.MaxAge); {
+	case v == store.Claimed:
+		c.Fence, c.Attempt, c.Generation = r.Fence.Int64, int(r.Attempts.Int32), int(r.Generation.Int32)
 		c.LeaseUntil = r.LockedUntil.Time
 		if c.Attempt > 1 {
 			l.observe(EventTakeover, req.TaskType)
-			l.log.InfoContext(ctx, "idempotency: took over an expired lease", "task_type", req.TaskType, "key", req.Key, "fence", c.Fence, "attempt", c.Attempt)
+			l.tookOver(ctx, c)
 		} else {
 			l.observe(EventClaimed, req.TaskType)
 		}
 		return ClaimResult{Claim: c}, 0, false, nil
+	case v == store.Race && round+1 < maxClaimRounds:
+		return ClaimResult{}, 0, true, nil
+	default:
+		res, stuck, err = l.notTaken(req, v, r)
+		return res, stuck, false, err
 	}
-	if r.Attempted { // a DoTx read: the key may be taken, but another transaction holds it
-		l.observe(EventBusy, req.TaskType)
-		busy := &BusyError{Key: req.Key}
-		if r.Status.String == StatusInProgress {
-			busy.Owner, busy.Fence, busy.Until = formatUUID(r.Owner.Bytes), r.Fence.Int64, r.LockedUntil.Time
-			busy.Age = max(r.DBNow.Sub(r.StartedAt.Time), time.Nanosecond)
-		}
-		return ClaimResult{}, 0, false, busy
-	}
-	if !r.Status.Valid { // no row visible, yet the insert conflicted: a race
-		return l.raceOrBusy(req, round)
-	}
-	if r.Fingerprint != nil && req.Fingerprint != nil && !bytes.Equal(r.Fingerprint, req.Fingerprint) {
-		l.observe(EventMismatch, req.TaskType)
-		return ClaimResult{}, 0, false, &MismatchError{Key: req.Key}
-	}
-	switch r.Status.String {
-	case StatusCompleted:
+}
+
+func (l *Ledger) tookOver(ctx context.Context, c *Claim) {
+	l.log.InfoContext(ctx, "idempotency: took over an expired lease", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
+}
+
+// notTaken is the answer of a claim whose row r, of verdict v, did not take the key: a
+// completed key's stored result, or the error that says why (a race past the last round
+// is busy). stuck is a fence to mark needs_attention.
+func (l *Ledger) notTaken(req Request, v store.Verdict, r *store.ClaimRow) (res ClaimResult, stuck int64, err error) {
+	switch v {
+	case store.Cached:
 		l.observe(EventCacheHit, req.TaskType)
 		return ClaimResult{Completed: &Result{
 			Key: req.Key, Result: json.RawMessage(r.Result), Cached: true, Fence: r.Fence.Int64,
 			Attempts: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), CompletedAt: r.CompletedAt.Time,
-		}}, 0, false, nil
-	case StatusFailed:
+		}}, 0, nil
+	case store.Mismatch:
+		l.observe(EventMismatch, req.TaskType)
+		return ClaimResult{}, 0, &MismatchError{Key: req.Key}
+	case store.Failed:
 		l.observe(EventFailedKey, req.TaskType)
-		return ClaimResult{}, 0, false, &FailedError{Key: req.Key, LastError: r.LastError.String}
-	case StatusNeedsAttention:
+		return ClaimResult{}, 0, &FailedError{Key: req.Key, LastError: r.LastError.String}
+	case store.NeedsAttention:
 		l.observe(EventNeedsAttention, req.TaskType)
-		return ClaimResult{}, 0, false, fmt.Errorf("%w: key %q", ErrNeedsAttention, req.Key)
-	}
-	// in progress
-	if !r.LockedUntil.Time.Before(r.DBNow) {
-		l.observe(EventBusy, req.TaskType)
-		return ClaimResult{}, 0, false, &BusyError{Key: req.Key, Owner: formatUUID(r.Owner.Bytes), Fence: r.Fence.Int64, Until: r.LockedUntil.Time,
-			Age: max(r.DBNow.Sub(r.StartedAt.Time), time.Nanosecond)}
-	}
-	if r.StartedAt.Time.Before(r.DBNow.Add(-l.cfg.MaxAge)) {
+		return ClaimResult{}, 0, fmt.Errorf("%w: key %q", ErrNeedsAttention, req.Key)
+	case store.Stuck:
 		l.observe(EventNeedsAttention, req.TaskType)
-		return ClaimResult{}, r.Fence.Int64, false, fmt.Errorf("%w: key %q in progress since %s, longer than the maximum age %s",
+		return ClaimResult{}, r.Fence.Int64, fmt.Errorf("%w: key %q in progress since %s, longer than the maximum age %s",
 			ErrNeedsAttention, req.Key, r.StartedAt.Time.UTC().Format(time.RFC3339), l.cfg.MaxAge)
 	}
-	return l.raceOrBusy(req, round)
-}
-
-func (l *Ledger) raceOrBusy(req Request, round int) (ClaimResult, int64, bool, error) {
-	if round+1 < maxClaimRounds {
-		return ClaimResult{}, 0, true, nil
-	}
 	l.observe(EventBusy, req.TaskType)
-	return ClaimResult{}, 0, false, &BusyError{Key: req.Key}
+	busy := &BusyError{Key: req.Key}
+	if v == store.Busy && r.Status.String == StatusInProgress {
+		busy.Owner, busy.Fence, busy.Until = formatUUID(r.Owner.Bytes), r.Fence.Int64, r.LockedUntil.Time
+		busy.Age = max(r.DBNow.Sub(r.StartedAt.Time), time.Nanosecond)
+	}
+	return ClaimResult{}, 0, busy
 }
 
 func (l *Ledger) markStuckOne(ctx context.Context, req Request, fence int64) {
@@ -212,33 +197,6 @@ func (l *Ledger) markStuckOne(ctx context.Context, req Request, fence int64) {
 		return
 	}
 	l.log.WarnContext(ctx, "idempotency: in progress past the maximum age; needs attention", "task_type", req.TaskType, "key", req.Key, "fence", fence)
-}
-
-// claimError translates a claim's database error: lock, serialization and deadlock
-// failures mean another session holds the key.
-func (l *Ledger) claimError(req Request, err error) error {
-	if isRetryable(err) {
-		l.observe(EventBusy, req.TaskType)
-		return fmt.Errorf("%w: %w", &BusyError{Key: req.Key}, err)
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == pgcode.CheckViolation && (pgErr.ConstraintName == "processed_jobs_key_check" || pgErr.ConstraintName == "processed_jobs_key_no_hash_check") {
-		return fmt.Errorf("%w: %w", ErrInvalidKey, err)
-	}
-	return fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
-}
-
-// isRetryable reports serialization failures, deadlocks and lock timeouts.
-func isRetryable(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return false
-	}
-	switch pgErr.Code {
-	case pgcode.SerializationFailure, pgcode.DeadlockDetected, pgcode.LockNotAvailable:
-		return true
-	}
-	return false
 }
 
 // formatUUID writes b in the canonical 8-4-4-4-12 form.

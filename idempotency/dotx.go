@@ -4,15 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"time"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // DoTx commits fn's work at most once per completed key, in transactional mode: for
@@ -81,115 +78,70 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 	// One span under the delivery's for the claim, fn's work and the completion, which
 	// commit together (endTxSpan says what the transaction decided).
 	ctx, span := l.startSpan(ctx, "idemq.tx", req.Key)
-	d := &txDelivery{l: l, req: req, ctx: ctx}
-	res, err := l.settle(ctx, d, l.tx.Run(ctx, d, fn))
-	endTxSpan(span, d.claim, res, err)
+	d := sharedtx.Delivery{Key: req.Key, TaskType: req.TaskType, Fingerprint: req.Fingerprint, IntentSum: req.intentSum(),
+		Deadline: req.Deadline, Scope: req.Scope, Fn: fn}
+	if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
+		d.TraceID = sc.TraceID().String()
+	}
+	o := l.tx.Run(ctx, d)
+	c, res, err := l.settle(ctx, req, &o)
+	endTxSpan(span, c, res, err)
 	return res, err
 }
 
-// txDelivery is one DoTx call, as the executor (sharedtx) sees it: its request, and what
-// its transaction decided (the claim, the result, a stuck fence).
-type txDelivery struct {
-	l     *Ledger
-	ctx   context.Context // the call's, for its log lines
-	req   Request
-	claim *Claim
-	found bool   // the claim's read found a row (taken over)
-	trace string // the claiming delivery's trace id
-	res   Result
-	stuck int64 // a fence to mark needs_attention
-}
-
-func (d *txDelivery) Key() string         { return d.req.Key }
-func (d *txDelivery) TaskType() string    { return d.req.TaskType }
-func (d *txDelivery) Deadline() time.Time { return d.req.Deadline }
-func (d *txDelivery) Scope() string       { return d.req.Scope }
-
-func (d *txDelivery) Claim(int) (store.ClaimParams, error) {
-	c, p, err := d.l.newClaim(d.ctx, d.req)
-	d.claim, d.trace, d.res, d.stuck = c, p.TraceID, Result{}, 0
-	return p, err
-}
-
-func (d *txDelivery) Decide(r *store.ClaimRow, round int) (claimed, again bool, err error) {
-	cr, stuck, again, err := d.l.decide(d.ctx, d.req, d.claim, r, round)
-	d.stuck, d.found = stuck, r.Status.Valid
-	if cr.Completed != nil {
-		d.res = *cr.Completed
+// settle turns the outcome of req's transaction into DoTx's answer, and does what the
+// transaction left to do: log a takeover and a result replaced by an error marker, mark
+// a stuck key, resolve a commit whose answer was lost, record a permanent failure. c is
+// the claim that ran, if one did.
+func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (c *Claim, res Result, err error) {
+	if o.Verdict == store.Claimed {
+		r := &o.Row
+		c = &Claim{Key: req.Key, TaskType: req.TaskType, Fence: r.Fence.Int64,
+			Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), owner: o.Owner, xid: o.XID, serverStart: o.ServerStart}
+		if c.Attempt > 1 {
+			l.tookOver(ctx, c)
+		}
+		if o.LastErr.Valid {
+			l.badResult(ctx, c, o.LastErr.String)
+		}
 	}
-	return cr.Claim != nil, again, err
-}
-
-// ClaimRefused is the error of a claim the server refused, or of one whose finish kept
-// finding the key's row changed since its read (busy: another claim takes the key).
-func (d *txDelivery) ClaimRefused(err error) error {
-	if store.Conflict(err) {
-		d.l.observe(EventBusy, d.req.TaskType)
-		return &BusyError{Key: d.req.Key}
+	switch err = o.Err; {
+	case err != nil:
+	case o.Refused != nil:
+		err = l.refused(ctx, req, o.Refused, c == nil)
+	case c != nil:
+		res = c.completed(o.Out, o.Stored, o.LastErr)
+	default: // the read decided: a stored result, or why the key was not taken
+		var cr ClaimResult
+		var stuck int64
+		cr, stuck, err = l.notTaken(req, o.Verdict, &o.Row)
+		if stuck != 0 {
+			l.markStuckOne(ctx, req, stuck)
+		}
+		if cr.Completed != nil {
+			res = *cr.Completed
+		}
 	}
-	return asUnavailable(d.ctx, d.l.claimError(d.req, err))
-}
-
-func (d *txDelivery) Identity() store.FinishParams {
-	c := d.claim
-	return store.FinishParams{Key: c.Key, Fence: c.Fence, Owner: c.owner, IntentSum: c.intentSum, Found: d.found,
-		TaskType: d.req.TaskType, Fingerprint: d.req.Fingerprint, Attempt: c.Attempt, Generation: c.Generation, TraceID: d.trace}
-}
-
-func (d *txDelivery) Check(out json.RawMessage) (stored, lastErr pgtype.Text) {
-	stored, lastErr = d.l.checkResult(d.ctx, d.claim, out)
-	d.res = d.claim.completed(out, stored, lastErr)
-	return stored, lastErr
-}
-
-// Refused is the error of a delivery whose row the database refused: a result jsonb
-// refuses (a data exception), which is recorded for good; a key a constraint refuses; a
-// row another session kept locked past Config.ClaimLockTimeout (busy).
-func (d *txDelivery) Refused(pgErr *pgconn.PgError) error {
-	c := d.claim
-	switch {
-	case pgErr.Code[:2] == pgcode.DataExceptionClass:
-		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
-	case pgErr.Code == pgcode.CheckViolation || isRetryable(pgErr):
-		return d.l.claimError(d.req, pgErr) // an invalid key; busy: a row lock waited for too long
-	}
-	return asUnavailable(d.ctx, fmt.Errorf("idempotency: complete %s: %w", c.Key, pgErr))
-}
-
-func (d *txDelivery) Committed(xid, serverStart string) {
-	d.claim.xid, d.claim.serverStart = xid, serverStart
-}
-
-func (d *txDelivery) Context(ctx context.Context) context.Context {
-	return withClaim(ctx, d.claim.Key, d.claim.Fence)
-}
-
-// settle finishes what a DoTx answer leaves to its caller: a stuck key to mark, a commit
-// whose answer was lost to resolve, a permanent failure to record.
-func (l *Ledger) settle(ctx context.Context, d *txDelivery, a sharedtx.Answer) (Result, error) {
-	if d.stuck != 0 {
-		l.markStuckOne(ctx, d.req, d.stuck)
-	}
-	if a.Lost != nil {
+	if o.Lost != nil {
 		// The resolution is a ledger write of its own, as in Complete: detached from the
 		// caller, bounded by the write timeout, so that a commit lost on a connection that
 		// no longer answers is unavailable soon rather than at the caller's deadline.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
 		defer cancel()
-		if err := l.commitLost(rctx, d.claim, a.Lost); err != nil {
-			return Result{}, asUnavailable(context.WithoutCancel(ctx), err)
+		if lerr := l.commitLost(rctx, c, o.Lost); lerr != nil {
+			return c, Result{}, asUnavailable(context.WithoutCancel(ctx), lerr)
 		}
-		if a.Err == nil {
-			l.observe(EventCompleted, d.req.TaskType)
+		if err == nil {
+			l.observe(EventCompleted, req.TaskType)
 		}
 	}
-	if IsPermanent(a.Err) && !a.Recorded {
-		l.recordPermanent(ctx, d.req, a.Err)
+	if IsPermanent(err) && !o.Recorded {
+		l.recordPermanent(ctx, req, err)
 	}
-	if a.Err != nil {
-		return Result{}, txUnavailable(ctx, a.Err)
+	if err != nil {
+		return c, Result{}, txUnavailable(ctx, err)
 	}
-	return d.res, nil
+	return c, res, nil
 }
 
 // txUnavailable marks err, a DoTx answer, as ErrUnavailable when it carries the error of

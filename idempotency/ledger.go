@@ -211,7 +211,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	l.tx = sharedtx.New(sharedtx.Config{
 		Pool: pool, Writes: l.writes, MaxBatch: c.MaxBatch, Committers: c.Committers,
 		WriteTimeout: c.WriteTimeout, ClaimLockTimeout: c.ClaimLockTimeout, SessionTimeout: c.SessionTimeout, MaxAge: c.MaxAge,
-		Alone: c.DisableGroupCommit, Permanent: IsPermanent, CleanText: cleanText,
+		MaxResultBytes: c.MaxResultBytes, Alone: c.DisableGroupCommit, Permanent: IsPermanent,
 		Observe:      func(ev, taskType string) { l.observe(Event(ev), taskType) },
 		ObserveBatch: func(n int) { l.observeBatch(BatchTx, n) },
 		Tracer:       l.tracer,

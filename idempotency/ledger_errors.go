@@ -171,3 +171,45 @@ func IsPermanent(err error) bool {
 	var p *permanentError
 	return errors.As(err, &p)
 }
+
+// refused is the error of a DoTx statement the server refused: the claim (claim), or the
+// claimed row's write or its result. A result jsonb refuses (a data exception) is
+// recorded for good; see claimError for the rest.
+func (l *Ledger) refused(ctx context.Context, req Request, err error, claim bool) error {
+	var pgErr *pgconn.PgError
+	isPg := errors.As(err, &pgErr)
+	switch {
+	case !claim && isPg && pgErr.Code[:2] == pgcode.DataExceptionClass:
+		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
+	case claim || isRetryable(err) || isPg && pgErr.Code == pgcode.CheckViolation:
+		return asUnavailable(ctx, l.claimError(req, err)) // an invalid key; busy: a row lock waited for too long
+	}
+	return asUnavailable(ctx, fmt.Errorf("idempotency: complete %s: %w", req.Key, err))
+}
+
+// claimError translates a claim's database error: lock, serialization and deadlock
+// failures mean another session holds the key.
+func (l *Ledger) claimError(req Request, err error) error {
+	if isRetryable(err) {
+		l.observe(EventBusy, req.TaskType)
+		return fmt.Errorf("%w: %w", &BusyError{Key: req.Key}, err)
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == pgcode.CheckViolation && (pgErr.ConstraintName == "processed_jobs_key_check" || pgErr.ConstraintName == "processed_jobs_key_no_hash_check") {
+		return fmt.Errorf("%w: %w", ErrInvalidKey, err)
+	}
+	return fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
+}
+
+// isRetryable reports serialization failures, deadlocks and lock timeouts.
+func isRetryable(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case pgcode.SerializationFailure, pgcode.DeadlockDetected, pgcode.LockNotAvailable:
+		return true
+	}
+	return false
+}

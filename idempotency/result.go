@@ -3,9 +3,7 @@ package idempotency
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgtype"
 
@@ -41,28 +39,18 @@ const maxLastErrorBytes = pgtext.MaxBytes
 // too large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an
 // unpaired surrogate). An empty result is valid (stored as NULL).
 func ValidateResult(result json.RawMessage, maxBytes int) error {
-	if len(result) == 0 {
-		return nil
-	}
-	if len(result) > maxBytes {
-		return fmt.Errorf("result too large: %d bytes > limit %d", len(result), maxBytes)
-	}
-	if !utf8.Valid(result) || !json.Valid(result) {
-		return fmt.Errorf("result is not valid JSON (%d bytes)", len(result))
-	}
-	return pgtext.CheckJSONEscapes(result)
+	return pgtext.Validate(result, maxBytes)
 }
 
 // checkResult returns what to store for result and the last_error to record (not
 // valid: none).
 func (l *Ledger) checkResult(ctx context.Context, c *Claim, result json.RawMessage) (stored, lastErr pgtype.Text) {
-	if len(result) == 0 {
-		return pgtype.Text{}, pgtype.Text{}
+	stored, lastErr = pgtext.Result(result, l.cfg.MaxResultBytes)
+	if lastErr.Valid {
+		l.observe(EventBadResult, c.TaskType)
+		l.badResult(ctx, c, lastErr.String)
 	}
-	if err := ValidateResult(result, l.cfg.MaxResultBytes); err != nil {
-		return l.markResult(ctx, c, err.Error())
-	}
-	return pgtype.Text{String: string(result), Valid: true}, pgtype.Text{}
+	return stored, lastErr
 }
 
 // completed is the Result of c's completion with out, whose checkResult verdict is
@@ -81,11 +69,15 @@ func (c *Claim) completed(out json.RawMessage, stored, lastErr pgtype.Text) Resu
 
 // markResult builds the error marker stored instead of a result that cannot be stored.
 func (l *Ledger) markResult(ctx context.Context, c *Claim, msg string) (stored, lastErr pgtype.Text) {
-	msg = cleanText(msg)
+	stored, lastErr = pgtext.Marker(msg)
 	l.observe(EventBadResult, c.TaskType)
+	l.badResult(ctx, c, lastErr.String)
+	return stored, lastErr
+}
+
+// badResult logs a result replaced by an error marker.
+func (l *Ledger) badResult(ctx context.Context, c *Claim, msg string) {
 	l.log.ErrorContext(ctx, "idempotency: result replaced by an error marker; the key completes", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", msg)
-	b, _ := json.Marshal(map[string]string{"idemq_error": msg})
-	return pgtype.Text{String: string(b), Valid: true}, pgtype.Text{String: msg, Valid: true}
 }
 
 // cleanText makes s storable as last_error (see pgtext.Clean).

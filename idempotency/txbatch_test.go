@@ -1155,3 +1155,4 @@ func TestDoTxFinishConflict(t *testing.T) {
 		}
 	}
 }
+

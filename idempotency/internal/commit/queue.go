@@ -84,27 +84,6 @@ func (q *Queue[T]) Leave(lane int, t T) bool {
 	return true
 }
 
-// Spare has one more worker start, within the maximum (spare ones included), when
-// requests wait that no batch in flight holds: a worker about to wait on a round trip of
-// its own (a commit) lets the next batch begin meanwhile. It reports whether the caller
-// must start that worker.
-func (q *Queue[T]) Spare() bool {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	if q.running >= q.workers+q.spare {
-		return false
-	}
-	for i, lane := range q.lanes {
-		for _, t := range lane {
-			if !q.held(i, t) {
-				q.running++
-				return true
-			}
-		}
-	}
-	return false
-}
-
 // Ready reports whether Take would find anything now.
 func (q *Queue[T]) Ready() bool {
 	q.mu.Lock()

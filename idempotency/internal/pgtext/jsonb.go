@@ -1,6 +1,49 @@
 package pgtext
 
-import "fmt"
+import (
+	"encoding/json"
+	"fmt"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Validate reports why result cannot be stored in a jsonb column within maxBytes: too
+// large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an unpaired
+// surrogate). An empty result is valid (stored as NULL).
+func Validate(result []byte, maxBytes int) error {
+	if len(result) == 0 {
+		return nil
+	}
+	if len(result) > maxBytes {
+		return fmt.Errorf("result too large: %d bytes > limit %d", len(result), maxBytes)
+	}
+	if !utf8.Valid(result) || !json.Valid(result) {
+		return fmt.Errorf("result is not valid JSON (%d bytes)", len(result))
+	}
+	return CheckJSONEscapes(result)
+}
+
+// Result is what to store for a handler's result (not valid: NULL) and the last_error to
+// record (not valid: none): the result itself, or, when Validate refuses it, an error
+// marker (Marker) and the reason.
+func Result(result []byte, maxBytes int) (stored, lastErr pgtype.Text) {
+	if len(result) == 0 {
+		return pgtype.Text{}, pgtype.Text{}
+	}
+	if err := Validate(result, maxBytes); err != nil {
+		return Marker(err.Error())
+	}
+	return pgtype.Text{String: string(result), Valid: true}, pgtype.Text{}
+}
+
+// Marker is the error marker stored instead of a result that cannot be stored,
+// {"idemq_error": msg}, and msg, cleaned, as the last_error.
+func Marker(msg string) (stored, lastErr pgtype.Text) {
+	msg = Clean(msg)
+	b, _ := json.Marshal(map[string]string{"idemq_error": msg})
+	return pgtype.Text{String: string(b), Valid: true}, pgtype.Text{String: msg, Valid: true}
+}
 
 // CheckJSONEscapes finds the \u escapes in valid JSON that jsonb refuses (\u0000, an
 // unpaired surrogate). In valid JSON a backslash only occurs inside strings, starting an

@@ -1,16 +1,21 @@
 // Package sharedtx is the ledger's DoTx executor: deliveries that commit their work in the
 // ledger's database queue for a transaction, and each transaction carries several of them,
 // one after another on one connection, with one multi-row claim before them and one
-// multi-row finish (with the COMMIT) after. What a delivery is (its claim, how a row
-// decides it, what its result stores) the ledger says through Delivery; the executor owns
-// the transaction, the hand-over to each delivery's goroutine, savepoints, the budget and
-// the fall-backs to transactions of their own.
+// multi-row finish (with the COMMIT) after. A delivery comes in as data (Delivery: its
+// key, its payload's fingerprint, its deadline, its work) and goes back as data (Outcome:
+// what the read found, what the finish stored, the handler's error); the ledger turns
+// the outcome into a result, an error and its logs. The executor owns the transaction,
+// the hand-over to each delivery's goroutine, savepoints, the budget and the fall-backs
+// to transactions of their own.
 package sharedtx
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -22,7 +27,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/commit"
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/pgtext"
+	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/internal/txshim"
 )
@@ -56,6 +65,9 @@ const SlowHandler = time.Millisecond
 
 // Events the executor reports through Config.Observe.
 const (
+	EventClaimed     = "claimed"      // a new key was claimed
+	EventTakeover    = "takeover"     // an expired lease was taken over
+	EventBadResult   = "bad_result"   // a result was replaced by an error marker
 	EventSharedRun   = "shared_run"   // a handler ran in a shared transaction without a savepoint
 	EventSharedRerun = "shared_rerun" // its shared transaction rolled back: the delivery runs alone
 	EventGivenBack   = "given_back"   // a shared transaction's budget ran out first: the claim is undone
@@ -74,39 +86,17 @@ const StallAfter = 30 * time.Second
 // Fn is a delivery's work, run on the transaction.
 type Fn func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error)
 
-// Delivery is one DoTx call, as the ledger knows it. The executor calls its methods from
-// the goroutine that runs its transaction, one at a time; the caller reads what they
-// recorded after Run returns.
-type Delivery interface {
-	// Key is the delivery's idempotency key: a transaction holds one delivery per key.
-	Key() string
-	// TaskType names the delivery for Config.Observe.
-	TaskType() string
-	// Deadline is the delivery's own deadline (zero: none).
-	Deadline() time.Time
-	// Claim starts claim round round: the parameters of the claim's row.
-	Claim(round int) (store.ClaimParams, error)
-	// Decide reads the claim's row (zero: a lost race): claimed, another round (again: it
-	// bounds the rounds), or an answer that ends the delivery without running it (err
-	// nil: a completed key).
-	Decide(r *store.ClaimRow, round int) (claimed, again bool, err error)
-	// ClaimRefused is the error of a claim the server refused.
-	ClaimRefused(err error) error
-	// Identity is the claimed row's key, fence and owner.
-	Identity() store.FinishParams
-	// Check checks the work's result: what to store and the last_error to record. The
-	// delivery keeps its completion's result.
-	Check(out json.RawMessage) (stored, lastErr pgtype.Text)
-	// Refused is the error of a result or claim write the server refused.
-	Refused(pgErr *pgconn.PgError) error
-	// Committed records the transaction id (and the server's start) the delivery's last
-	// write committed in, to resolve a commit whose answer was lost.
-	Committed(xid, serverStart string)
-	// Context is ctx carrying the claim, for the work.
-	Context(ctx context.Context) context.Context
+// Delivery is one DoTx call: its key's identity and its work.
+type Delivery struct {
+	Key, TaskType string
+	Fingerprint   []byte // the payload's; nil: not compared
+	IntentSum     []byte // see store.FinishParams.IntentSum
+	TraceID       string // the delivery's, "" when it is not traced
+	Deadline      time.Time
 	// Scope names the deliveries that must not overlap in this process (empty: none but
 	// the key's own): they take turns, several to a shared transaction when they meet.
-	Scope() string
+	Scope string
+	Fn    Fn
 }
 
 // StatementError is the error of the executor's own work on the database, not a
@@ -122,15 +112,31 @@ func (e *StatementError) Unwrap() error { return e.Err }
 // own marks err, not nil, as the executor's own (StatementError).
 func own(err error) error { return &StatementError{Err: err} }
 
-// Answer is how a delivery ended; what it recorded on the way, the Delivery holds.
-type Answer struct {
+// Outcome is how a delivery ended.
+type Outcome struct {
+	// Verdict and Row are the last read of the key. Claimed: the key was taken (Row's
+	// Fence is the claim's, Attempts its attempt, Owner the claim's owner); otherwise Row
+	// answers the delivery (a stored result, or why the key was not taken; Race: the
+	// finish kept finding the row changed since the read).
+	Verdict store.Verdict
+	Row     store.ClaimRow
+	Owner   pgtype.UUID
+	// Out is the handler's result; Stored and LastErr what the finish stored for it.
+	Out             json.RawMessage
+	Stored, LastErr pgtype.Text
+	// XID and ServerStart identify the transaction that wrote the row.
+	XID, ServerStart string
+	// Err is the handler's error, or the executor's own (StatementError).
 	Err error
+	// Refused: the server refused the claim (Verdict Unread), or the claimed row's write
+	// or its result (a *pgconn.PgError).
+	Refused error
 	// Lost: the commit's answer was lost: resolve it from the transaction id.
 	Lost error
 	// Recorded: a permanent failure was committed with the batch.
 	Recorded bool
-	// alone: the shared claim could not decide this member (a lost race, or a batch the
-	// server refused): it runs in a transaction of its own instead.
+	// alone: the shared transaction could not decide this delivery (a lost race, an
+	// undone transaction, a turn past the budget): it runs in a transaction of its own.
 	alone bool
 }
 
@@ -145,10 +151,10 @@ type Config struct {
 	ClaimLockTimeout     time.Duration
 	SessionTimeout       time.Duration // idle_in_transaction_session_timeout, cut to the deadline
 	MaxAge               time.Duration
+	MaxResultBytes       int
 	// Alone: every delivery in a transaction of its own (Config.DisableGroupCommit).
 	Alone        bool
-	Permanent    func(error) bool    // a failure recorded for good
-	CleanText    func(string) string // last_error text fit for the column
+	Permanent    func(error) bool // a failure recorded for good
 	Observe      func(ev, taskType string)
 	ObserveBatch func(size int)
 	// Stalled, if set, is told of a delivery that waited StallAfter in its scope's line.
@@ -180,7 +186,7 @@ func New(cfg Config) *Exec {
 	return &Exec{
 		cfg:            cfg,
 		lockTimeoutSQL: fmt.Sprintf("%dms", max(1, cfg.ClaimLockTimeout.Milliseconds())),
-		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key() }),
+		q:              commit.NewQueueSpare(1, cfg.Committers, cfg.Committers, func(m *member) string { return m.d.Key }),
 		Budget:         Budget,
 		Slow:           SlowHandler,
 		StallAfter:     StallAfter,
@@ -198,31 +204,31 @@ func (e *Exec) SavepointsUntil(t time.Time) { e.savepointsUntil.Store(t.UnixNano
 // Optimistic reports whether shared transactions run their members without savepoints now.
 func (e *Exec) Optimistic() bool { return time.Now().UnixNano() >= e.savepointsUntil.Load() }
 
-// Run runs fn for d: in a transaction shared with concurrent deliveries, or in one of its
-// own (Config.Alone, handlers slow, or when the shared one could not decide it). A panic
-// of fn is raised again on the caller's goroutine after the transaction rolled back.
-func (e *Exec) Run(ctx context.Context, d Delivery, fn Fn) Answer {
-	if s := d.Scope(); s != "" {
-		return e.scoped(ctx, d, fn, s)
+// Run runs d: in a transaction shared with concurrent deliveries, or in one of its own
+// (Config.Alone, handlers slow, or when the shared one could not decide it). A panic of
+// d.Fn is raised again on the caller's goroutine after the transaction rolled back.
+func (e *Exec) Run(ctx context.Context, d Delivery) Outcome {
+	if d.Scope != "" {
+		return e.scoped(ctx, d)
 	}
 	if e.cfg.Alone || e.handlers.slow(e.Slow) {
 		// Handlers this slow gain nothing from sharing a connection: alone, side by side.
-		return e.alone(ctx, d, fn, 0, !e.cfg.Alone)
+		return e.alone(ctx, d, 0, !e.cfg.Alone)
 	}
-	return e.shared(ctx, d, fn)
+	return e.shared(ctx, d)
 }
 
 // shared queues d, and the executor that takes it hands the claimed transaction to this
-// goroutine for fn's turn (member).
-func (e *Exec) shared(ctx context.Context, d Delivery, fn Fn) Answer {
-	m := newMember(ctx, d, nil)
+// goroutine for d's turn (member).
+func (e *Exec) shared(ctx context.Context, d Delivery) Outcome {
+	m := newMember(ctx, d, false)
 	m.timed = true
 	e.push(m)
-	a := e.await(ctx, m, fn, func() bool { return e.q.Leave(0, m) })
-	if a.alone {
-		return e.alone(ctx, d, fn, 1, false)
+	o := e.await(m, func() bool { return e.q.Leave(0, m) })
+	if o.alone {
+		return e.alone(ctx, d, 1, false)
 	}
-	return a
+	return o
 }
 
 // push queues m for a shared transaction, starting an executor when one more may run.
@@ -232,38 +238,37 @@ func (e *Exec) push(m *member) {
 	}
 }
 
-// await waits for m's answer, running fn when the executor hands m the transaction.
-// When ctx ends first, leave takes m out of where it waits (false: a batch took it
+// await waits for m's outcome, running m's fn when the executor hands m the transaction.
+// When m's ctx ends first, leave takes m out of where it waits (false: a batch took it
 // already, and answers it, at the latest when its turn comes).
-func (e *Exec) await(ctx context.Context, m *member, fn Fn, leave func() bool) Answer {
-	done := ctx.Done()
+func (e *Exec) await(m *member, leave func() bool) Outcome {
+	done := m.ctx.Done()
 	for {
 		select {
 		case <-done:
 			if leave() {
-				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), ctx.Err())}
+				return Outcome{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key, m.ctx.Err())}
 			}
 			done = nil
 		case tx := <-m.run:
-			r, pval := runFn(m.d.Context(ctx), tx, fn)
+			r := m.runFn(tx)
 			m.ran <- r
 			if r.panicked {
 				<-m.answer // rolled back
-				panic(pval)
+				panic(m.pval)
 			}
-		case a := <-m.answer:
-			return a
+		case o := <-m.answer:
+			return o
 		}
 	}
 }
 
 // alone runs d in a transaction of its own: a batch of one, run on the caller's
-// goroutine. A claim that lost a race is tried again, from round on, until Decide stops
-// asking for another round.
+// goroutine, from claim round round on, until it is decided.
 // timed: fn's run time joins the moving average (member.timed).
-func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bool) Answer {
+func (e *Exec) alone(ctx context.Context, d Delivery, round int, timed bool) Outcome {
 	for ; ; round++ {
-		m := newMember(ctx, d, fn)
+		m := newMember(ctx, d, true)
 		m.round, m.timed = round, timed
 		// A connection that does not come within the write timeout is the database's
 		// doing, one that the caller stopped waiting for is the caller's.
@@ -272,19 +277,209 @@ func (e *Exec) alone(ctx context.Context, d Delivery, fn Fn, round int, timed bo
 		cancel()
 		if err != nil {
 			if ctx.Err() != nil {
-				return Answer{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key(), ctx.Err())}
+				return Outcome{Err: fmt.Errorf("idempotency: claim %s: %w", d.Key, ctx.Err())}
 			}
-			return Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", d.Key(), err))}
+			return Outcome{Err: own(fmt.Errorf("idempotency: claim %s: %w", d.Key, err))}
 		}
-		e.runBatch(conn.Conn(), []*member{m}, false)
+		e.runBatch(conn.Conn(), []*member{m})
 		conn.Release() // the pool closes a connection left in a transaction
-		a := <-m.answer
+		o := <-m.answer
 		if m.panicked {
 			panic(m.pval)
 		}
-		if !a.alone {
-			return a
+		if !o.alone {
+			return o
 		}
+	}
+}
+
+// The deliveries of one scope (Delivery.Scope) never overlap in this process. They wait
+// in the scope's line, and one unit of the scope runs at a time: a batch, which takes the
+// line's waiting deliveries with it (up to the batch's size, one per key) and runs them
+// one after another in its transaction, or one delivery alone on its own goroutine (when
+// deliveries do not share transactions now). A delivery its batch could not decide (a
+// lost race, a refused claim, its turn past the budget, an undone transaction) goes back
+// to the head of its line, instead of running alone beside the scope's next unit.
+
+// Waiting is how many deliveries of scope wait in its line: for tests.
+func (e *Exec) Waiting(scope string) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if ln := e.scopes[scope]; ln != nil {
+		return len(ln.waiting)
+	}
+	return 0
+}
+
+// line is a scope's waiting deliveries; the scope is in Exec.scopes while a unit of it
+// is queued or runs.
+type line struct{ waiting []*member }
+
+// requeueRounds bounds how often a delivery runs again after a conflict: then it is busy.
+const requeueRounds = 5
+
+// scoped is Run for a delivery with a scope.
+func (e *Exec) scoped(ctx context.Context, d Delivery) Outcome {
+	m := newMember(ctx, d, false)
+	m.scope, m.timed = d.Scope, true
+	e.mu.Lock()
+	if ln := e.scopes[d.Scope]; ln != nil {
+		ln.waiting = append(ln.waiting, m)
+		e.mu.Unlock()
+		stall := time.AfterFunc(e.StallAfter, func() { e.stalled(m) })
+		defer stall.Stop()
+	} else {
+		e.scopes[d.Scope] = &line{}
+		e.mu.Unlock()
+		e.startUnit(m)
+	}
+	o := e.await(m, func() bool { return e.leaveLine(m) })
+	if !o.alone {
+		return o
+	}
+	// The scope's turn is this delivery's, alone, on this goroutine.
+	defer e.release(d.Scope)
+	return e.alone(ctx, d, m.round, !e.cfg.Alone)
+}
+
+// stalled reports m, which waited Exec.StallAfter in its scope's line.
+func (e *Exec) stalled(m *member) {
+	e.observe(EventLineStalled, m)
+	if e.cfg.Stalled != nil {
+		e.cfg.Stalled(m.scope, m.d.Key, e.StallAfter)
+	}
+}
+
+// startUnit starts the scope's next unit with m at its head: queued for a batch, or
+// alone when deliveries do not share transactions now.
+func (e *Exec) startUnit(m *member) {
+	if e.cfg.Alone || e.handlers.slow(e.Slow) {
+		m.answer <- Outcome{alone: true}
+		return
+	}
+	e.push(m)
+}
+
+// leaveLine takes m, whose caller gives up, out of its line or the queue, unless a batch
+// took it already (then it reports false).
+func (e *Exec) leaveLine(m *member) bool {
+	e.mu.Lock()
+	if ln := e.scopes[m.scope]; ln != nil {
+		if i := slices.Index(ln.waiting, m); i >= 0 {
+			ln.waiting = slices.Delete(ln.waiting, i, i+1)
+			e.mu.Unlock()
+			return true
+		}
+	}
+	e.mu.Unlock()
+	if e.q.Leave(0, m) {
+		e.release(m.scope) // m headed the scope's unit
+		return true
+	}
+	return false
+}
+
+// release ends a unit of scope: the line's next delivery starts the next unit, or the
+// scope is forgotten.
+func (e *Exec) release(scope string) {
+	e.mu.Lock()
+	ln := e.scopes[scope]
+	if len(ln.waiting) == 0 {
+		delete(e.scopes, scope)
+		e.mu.Unlock()
+		return
+	}
+	next := ln.waiting[0]
+	ln.waiting = slices.Delete(ln.waiting, 0, 1)
+	e.mu.Unlock()
+	e.startUnit(next)
+}
+
+// withLines adds to the batch ms the deliveries waiting in the lines of its scoped
+// members, up to n members in all, one per key, and sorts it by key.
+func (e *Exec) withLines(ms []*member, n int) []*member {
+	// ms is the queue's batch, which Done must get back as it was (the leads' keys are
+	// in flight): the batch grows and is sorted in a copy.
+	if !slices.ContainsFunc(ms, func(m *member) bool { return m.scope != "" }) {
+		return ms
+	}
+	leads := ms
+	ms = slices.Clone(ms)
+	keys := make(map[string]bool, len(ms))
+	for _, m := range ms {
+		keys[m.d.Key] = true
+	}
+	e.mu.Lock()
+	for _, lead := range leads {
+		if lead.scope == "" {
+			continue
+		}
+		ln := e.scopes[lead.scope]
+		rest := ln.waiting[:0]
+		for _, f := range ln.waiting {
+			if len(ms) < n && !keys[f.d.Key] {
+				keys[f.d.Key] = true
+				ms = append(ms, f)
+			} else {
+				rest = append(rest, f)
+			}
+		}
+		clear(ln.waiting[len(rest):])
+		ln.waiting = rest
+	}
+	e.mu.Unlock()
+	if len(ms) > len(leads) {
+		slices.SortFunc(ms, func(a, b *member) int { return cmp.Compare(a.d.Key, b.d.Key) })
+	}
+	return ms
+}
+
+// afterLines ends the units of the scopes of the batch ms that ran: the members it sent
+// back go to the head of their lines, and each scope's next unit starts.
+func (e *Exec) afterLines(ms []*member) {
+	if !slices.ContainsFunc(ms, func(m *member) bool { return m.scope != "" }) {
+		return
+	}
+	var scopes []string
+	back := map[string][]*member{}
+	for _, m := range ms {
+		if m.scope == "" {
+			continue
+		}
+		if !slices.Contains(scopes, m.scope) {
+			scopes = append(scopes, m.scope)
+		}
+		if m.requeue {
+			m.requeue, m.answered, m.finish, m.later = false, false, finish{}, false
+			back[m.scope] = append(back[m.scope], m)
+		}
+	}
+	for _, s := range scopes {
+		if b := back[s]; len(b) > 0 {
+			e.mu.Lock()
+			ln := e.scopes[s]
+			ln.waiting = append(b, ln.waiting...)
+			e.mu.Unlock()
+		}
+		e.release(s)
+	}
+}
+
+// again has m run once more: in a transaction of its own, or, when it has a scope, in
+// its line's next unit. After a conflict (its finish found the row changed since its
+// read), that is so only up to requeueRounds: then the key is busy (store.Race).
+func (b *batch) again(m *member, conflict bool) {
+	switch {
+	case m.answered:
+	case conflict && m.round+1 >= requeueRounds:
+		m.out.Verdict = store.Race
+		b.reply(m, nil)
+	case m.scope == "":
+		m.out.alone = true
+		b.reply(m, nil)
+	default:
+		m.answered, m.requeue = true, true
+		m.round++
 	}
 }
 
@@ -315,20 +510,502 @@ func (e *Exec) runBatches() {
 		}
 		if acqErr != nil {
 			for _, m := range ms {
-				m.answer <- Answer{Err: own(fmt.Errorf("idempotency: claim %s: %w", m.d.Key(), acqErr))}
+				m.answer <- Outcome{Err: own(fmt.Errorf("idempotency: claim %s: %w", m.d.Key, acqErr))}
 			}
 			e.q.Done(batches)
 			e.afterLines(ms)
 			continue
 		}
 		e.observeBatch(len(ms))
-		if !e.runBatch(conn.Conn(), ms, true) {
+		span := e.batchSpan(ms)
+		fit := e.runBatch(conn.Conn(), ms)
+		if span != nil {
+			span.End()
+		}
+		if !fit {
 			conn.Release() // the pool closes a connection left in a transaction
 			conn = nil
 		}
 		e.q.Done(batches)
 		e.afterLines(ms)
 	}
+}
+
+// batch is the state of one transaction, used by its executor only: the members' keys
+// held and read in its first round trip (Writes.BeginClaims), each claimed member's
+// handler, and one multi-row finish that writes every completed or failed member's row,
+// with the COMMIT (Writes.FinishAndCommit). With several members claimed, each handler
+// runs in a savepoint of its own (made when it first uses the transaction) unless the
+// transaction is optimistic; a member claimed alone needs none: its failure rolls the
+// whole transaction back. A member that failed leaves no row (a permanent failure: a
+// failed one).
+type batch struct {
+	e    *Exec
+	conn *pgx.Conn
+	idle string // idle_in_transaction_session_timeout for the whole transaction
+
+	xid, serverStart string // the transaction's id, drawn with the claims
+
+	pre     []string      // statements sent ahead of the next round trip (a RELEASE)
+	own     time.Duration // the members' handlers' time outside the database so far
+	claimed []*member     // members whose rows the finish ends, in order
+	broken  error         // the transaction cannot commit
+	// optimistic: the members run without savepoints, their results stored by the finish;
+	// undone: one of them failed, so the transaction rolls back and every member runs
+	// alone (its outcome then is its outcome alone).
+	optimistic, undone bool
+}
+
+// runBatch runs ms, sorted by key, in one transaction on conn, and answers each. It
+// reports whether conn is fit for another batch.
+func (e *Exec) runBatch(conn *pgx.Conn, ms []*member) bool {
+	// The transaction lives across its members: its idle timeout is the longest any
+	// member allows, so no member's short deadline cuts the others off.
+	var latest time.Time
+	for _, m := range ms {
+		if m.d.Deadline.IsZero() {
+			latest = time.Time{}
+			break
+		}
+		if m.d.Deadline.After(latest) {
+			latest = m.d.Deadline
+		}
+	}
+	b := &batch{e: e, conn: conn, idle: e.idleTimeout(latest)}
+	switch {
+	case !b.claimAll(ms):
+		// Nothing claimed (completed keys, busy ones): the transaction wrote nothing; end
+		// it so that the connection goes back to the pool (or on to the next batch)
+		// instead of being closed for a transaction left open.
+		if b.broken == nil {
+			b.rollback()
+		}
+	case len(b.claimed) == 1:
+		b.runSolo(b.claimed[0])
+	default:
+		b.runShared()
+	}
+	if b.broken != nil {
+		for _, m := range ms {
+			b.reply(m, fmt.Errorf("idempotency: DoTx %s: the transaction did not commit; nothing recorded: %w", m.d.Key, b.broken))
+		}
+		b.rollback()
+	}
+	return !conn.IsClosed() && conn.PgConn().TxStatus() == 'I'
+}
+
+// claimAll begins the transaction, holds every member's key and reads its row, in one
+// round trip. A member that is not claimed is answered at once (a completed key's result
+// is committed data; a key another transaction holds is busy). When the server refuses
+// (or the connection fails), nothing is claimed and every member gets the error. It
+// reports whether any member was claimed.
+func (b *batch) claimAll(ms []*member) bool {
+	var ps []store.ClaimParams
+	var live []*member
+	for _, m := range ms {
+		m.out = Outcome{}
+		if err := m.ctx.Err(); err != nil {
+			b.reply(m, fmt.Errorf("idempotency: claim %s: %w", m.d.Key, err))
+			continue
+		}
+		if dl := m.d.Deadline; !dl.IsZero() && !time.Now().Before(dl) {
+			b.reply(m, fmt.Errorf("idempotency: claim %s: the delivery deadline has passed: %w", m.d.Key, context.DeadlineExceeded))
+			continue
+		}
+		owner, err := store.NewOwner()
+		if err != nil {
+			b.reply(m, fmt.Errorf("idempotency: owner id: %w", err))
+			continue
+		}
+		m.out.Owner = owner
+		ps = append(ps, store.ClaimParams{Key: m.d.Key, TaskType: m.d.TaskType, Owner: owner, Fingerprint: m.d.Fingerprint, TraceID: m.d.TraceID})
+		live = append(live, m)
+	}
+	if len(live) == 0 {
+		return false
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	t, err := b.e.cfg.Writes.BeginClaims(ctx, b.conn, b.idle, ps, b.e.cfg.MaxAge)
+	if err != nil {
+		if !store.Answered(err) {
+			b.broken = own(err)
+			return false
+		}
+		for _, m := range live {
+			m.out.Refused = err
+			b.reply(m, nil)
+		}
+		b.rollback()
+		return false
+	}
+	b.xid, b.serverStart = t.XID, t.ServerStart
+	for i, m := range live {
+		m.out.Row, m.out.Verdict = t.Rows[i], t.Rows[i].Verdict(m.d.Fingerprint, b.e.cfg.MaxAge)
+		switch {
+		case m.out.Verdict != store.Claimed:
+			b.reply(m, nil) // the row answers (a race, which no read of this kind finds, is busy)
+		case m.out.Row.Attempts.Int32 > 1:
+			b.e.observe(EventTakeover, m)
+			b.claimed = append(b.claimed, m)
+		default:
+			b.e.observe(EventClaimed, m)
+			b.claimed = append(b.claimed, m)
+		}
+	}
+	return len(b.claimed) > 0
+}
+
+// runSolo runs the one member a transaction claimed: no savepoint (its failure rolls the
+// whole transaction back), and its row is written, with the COMMIT, in one round trip. A
+// finish refused for a conflict (the row is not what the read found) has it run again.
+func (b *batch) runSolo(m *member) {
+	if err := m.ctx.Err(); err != nil {
+		b.rollback()
+		b.reply(m, fmt.Errorf("idempotency: DoTx %s: %w", m.d.Key, err))
+		return
+	}
+	r, ok := b.turn(m, nil)
+	switch {
+	case !ok:
+		return
+	case r.err != nil || r.panicked:
+		b.rollback()
+		b.reply(m, r.err) // a permanent error is recorded by its caller; a panic is raised again
+		return
+	}
+	b.complete(m, r.out)
+	ctx, cancel := b.ctx()
+	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
+	cancel()
+	var pgErr *pgconn.PgError
+	switch {
+	case store.Conflict(err):
+		b.e.observe(EventConflict, m)
+		b.rollback()
+		b.again(m, true)
+	case errors.As(err, &pgErr):
+		b.rollback()
+		m.out.Refused = pgErr
+		b.reply(m, nil)
+	default:
+		b.answerCommitted(err)
+	}
+}
+
+// runShared runs the claimed members one after another, within the budget, and commits
+// them (or, undone, rolls back and has them run alone).
+func (b *batch) runShared() {
+	e := b.e
+	b.optimistic = e.Optimistic()
+	start := time.Now()
+	ran := 0
+	for _, m := range b.claimed {
+		if b.broken != nil || b.undone {
+			break
+		}
+		if b.own > e.Budget || time.Since(start) > e.Budget*wallBudgets {
+			// Handlers this slow gain nothing from sharing a connection: the rest give
+			// their claims back and run alone, side by side. What counts is the handlers'
+			// own time, outside the database: on a saturated machine every turn takes
+			// longer (a round trip and two wake-ups, each waiting for a core), which is
+			// when sharing matters most, and a claim given back is a claim and a commit
+			// more. Only a transaction that has run several budgets' worth of turns (a
+			// handler waiting on a slow query) gives its rest back for its wall time.
+			m.later = true
+			e.observe(EventGivenBack, m)
+			continue
+		}
+		if b.optimistic {
+			b.runOptimistic(m)
+		} else {
+			b.runMember(m)
+		}
+		ran++
+	}
+	if ran > 0 {
+		// A member's turn costs its handler and the round trips around it (its savepoint,
+		// its result): a shared transaction takes only as many members as fit in the
+		// budget at that cost, so that it gives none back.
+		e.turns.record(time.Since(start) / time.Duration(ran))
+	}
+	if b.broken == nil && !b.undone {
+		b.commit()
+	}
+	if b.undone && b.broken == nil {
+		b.rollback()
+		b.rerunAlone()
+	}
+}
+
+// runOptimistic runs m's fn on the shared transaction without a savepoint: its result is
+// stored by the finish. A handler that fails (or panics, or leaves the transaction
+// aborted) undoes the whole transaction; every member then runs alone, a panicking one
+// panics again.
+func (b *batch) runOptimistic(m *member) {
+	r, ok := b.turn(m, nil)
+	switch {
+	case !ok:
+	case r.panicked:
+		b.undone = true
+		b.reply(m, nil) // the member panics again
+	case r.err != nil:
+		b.undone = true
+	default:
+		b.complete(m, r.out)
+	}
+}
+
+// runMember runs m's fn on the shared transaction. The member's savepoint is made when fn
+// first uses the transaction; it is released when fn succeeds and the server takes its
+// result (its row is written by the finish) and rolled back when fn fails (its row is not
+// written, or written failed).
+func (b *batch) runMember(m *member) {
+	saved := false
+	r, ok := b.turn(m, func(ctx context.Context) error {
+		saved = true
+		return store.Exec(ctx, b.conn, append(b.takePre(), store.Savepoint)...)
+	})
+	if !ok {
+		return
+	}
+	var rej *pgconn.PgError // the server refused the result
+	if r.err == nil && !r.panicked {
+		b.complete(m, r.out)
+		var err error
+		if m.out.Stored.Valid {
+			// The server parses the result while the savepoint still holds the effect: a
+			// value jsonb refuses rolls back this member alone, not the whole transaction.
+			var pre []string
+			if !saved {
+				saved = true
+				pre = append(b.takePre(), store.Savepoint)
+			}
+			ctx, cancel := b.ctx()
+			err = store.CheckResult(ctx, b.conn, pre, m.out.Stored.String)
+			cancel()
+		}
+		switch {
+		case err == nil:
+			if saved {
+				b.pre = append(b.pre, store.Release)
+			}
+			return
+		case !errors.As(err, &rej):
+			b.broken = own(err)
+			b.reply(m, b.broken)
+			return
+		}
+		m.finish, m.out.Refused = finish{}, rej
+	}
+	// fn failed: its effect goes with its savepoint.
+	if saved {
+		ctx, cancel := b.ctx()
+		_, err := b.conn.Exec(ctx, store.Undo)
+		cancel()
+		if err != nil {
+			b.broken = own(err)
+			b.reply(m, errors.Join(r.err, b.broken))
+			return
+		}
+	}
+	switch {
+	case r.panicked:
+		b.reply(m, nil) // the member panics again
+	case rej != nil && rej.Code[:2] == pgcode.DataExceptionClass:
+		// A result jsonb refuses is recorded for good, with the commit.
+		msg := "idempotency: result refused by the database: " + rej.Message
+		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(msg), Valid: true}}
+	case rej != nil:
+		b.reply(m, nil)
+	case b.e.cfg.Permanent(r.err):
+		// Answered with the commit, which records the failure.
+		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(r.err.Error()), Valid: true}, err: r.err}
+	default:
+		b.reply(m, r.err) // no row: the next delivery runs it
+	}
+}
+
+// turn hands the transaction to m's fn, as a pgx.Tx whose first use runs first (nil:
+// none), on this goroutine for a local member, else on m's own, and checks the
+// transaction after it. ok is false when m is answered already: its caller ended, or its
+// handler broke the transaction (the connection closed or busy, the transaction neither
+// open nor aborted), which breaks the batch. A handler that succeeded but left the
+// transaction aborted gets that as its error: nothing of it is recorded.
+//
+// A timed member's time outside the database joins the moving average that decides
+// whether deliveries share transactions: on a saturated machine every query takes
+// longer, which is when sharing matters most, so the database's time is no reason to
+// stop.
+func (b *batch) turn(m *member, first func(ctx context.Context) error) (r ran, ok bool) {
+	m.finish = finish{}
+	if err := m.ctx.Err(); err != nil {
+		b.reply(m, fmt.Errorf("idempotency: DoTx %s: %w", m.d.Key, err))
+		return r, false
+	}
+	if b.optimistic {
+		b.e.observe(EventSharedRun, m)
+	}
+	tx := txshim.New(b.conn, first)
+	if m.local {
+		r = m.runFn(tx)
+	} else {
+		m.run <- tx
+		r = <-m.ran
+	}
+	if m.timed {
+		b.e.handlers.record(r.own)
+	}
+	b.own += r.own
+	pc := b.conn.PgConn()
+	st := pc.TxStatus()
+	if b.conn.IsClosed() || pc.IsBusy() || st != 'T' && st != 'E' {
+		b.broken = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q)", m.d.Key, st)
+		b.reply(m, errors.Join(r.err, b.broken))
+		return r, false
+	}
+	if r.err == nil && !r.panicked && st != 'T' {
+		r.err = fmt.Errorf("idempotency: DoTx %s: the handler ended or broke the transaction (status %q); nothing recorded", m.d.Key, st)
+	}
+	return r, true
+}
+
+// complete has the finish write m's row completed with out, checked (pgtext.Result): the
+// result itself, or an error marker in its place.
+func (b *batch) complete(m *member, out []byte) {
+	m.out.Out = out
+	m.out.Stored, m.out.LastErr = pgtext.Result(out, b.e.cfg.MaxResultBytes)
+	if m.out.LastErr.Valid {
+		b.e.observe(EventBadResult, m)
+	}
+	m.finish = finish{action: store.ActionComplete}
+}
+
+// commit writes every completed or failed member's row in one statement and commits, in
+// one round trip; then it answers those members. When the server refuses the finish (a
+// row is not what the read found: a conflict, counted; or a result jsonb does not take),
+// nothing committed, and the members not answered yet run again, alone, so that each
+// outcome is the member's alone. With no row to write, the transaction rolls back.
+func (b *batch) commit() {
+	var ps []store.FinishParams
+	for _, m := range b.claimed {
+		if !m.answered && !m.later && m.finish.action != "" {
+			ps = append(ps, b.params(m))
+		}
+	}
+	if len(ps) == 0 {
+		b.rollback()
+		b.answerCommitted(nil)
+		return
+	}
+	ctx, cancel := b.ctx()
+	defer cancel()
+	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, b.takePre(), b.e.lockTimeoutSQL, ps)
+	if err != nil && store.Answered(err) {
+		if store.Conflict(err) {
+			b.e.observe(EventConflict, b.claimed[0])
+		}
+		b.rollback()
+		b.rerunAlone()
+		return
+	}
+	b.answerCommitted(err)
+}
+
+// params are m's row in the finish.
+func (b *batch) params(m *member) store.FinishParams {
+	d, r, f := &m.d, &m.out.Row, m.finish
+	p := store.FinishParams{Key: d.Key, Fence: r.Fence.Int64, Owner: m.out.Owner, Action: f.action, Result: m.out.Stored, Error: m.out.LastErr,
+		IntentSum: d.IntentSum, TaskType: d.TaskType, Fingerprint: d.Fingerprint, Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), TraceID: d.TraceID,
+		Found: r.Status.Valid}
+	if f.action == store.ActionFail {
+		p.Result, p.Error = pgtype.Text{}, f.errMsg
+	}
+	return p
+}
+
+// answerCommitted answers the claimed members after the COMMIT, whose error is err. An
+// error on a connection still open means nothing committed: the batch is broken. A
+// COMMIT whose answer was lost is resolved by each member with the transaction id drawn
+// with the claims.
+func (b *batch) answerCommitted(err error) {
+	if err != nil && (store.Answered(err) || !b.conn.IsClosed() || b.xid == "") {
+		b.broken = own(err)
+		return
+	}
+	for _, m := range b.claimed {
+		m.out.XID, m.out.ServerStart = b.xid, b.serverStart
+		switch {
+		case m.answered:
+		case m.later:
+			// It did not run: it runs alone now, whatever the commit's fate.
+			b.again(m, false)
+		case err != nil: // the answer was lost: each member resolves it by transaction id
+			m.out.Lost, m.out.Recorded = err, m.finish.action == store.ActionFail
+			b.reply(m, m.finish.err)
+		case m.finish.action == store.ActionFail:
+			b.e.observe(EventFailed, m)
+			m.out.Recorded = true
+			b.reply(m, m.finish.err)
+		default:
+			b.e.observe(EventCompleted, m)
+			b.reply(m, nil)
+		}
+	}
+}
+
+// rerunAlone answers every member of an undone transaction that is not answered yet: it
+// runs in a transaction of its own; and shared transactions give their members
+// savepoints for a while.
+func (b *batch) rerunAlone() {
+	b.e.SavepointsUntil(time.Now().Add(SavepointsFor))
+	for _, m := range b.claimed {
+		if !m.answered {
+			b.e.observe(EventSharedRerun, m)
+		}
+		b.again(m, false)
+	}
+}
+
+// reply answers m, once, with its outcome so far and err.
+func (b *batch) reply(m *member, err error) {
+	if m.answered {
+		return
+	}
+	m.answered = true
+	m.out.Err = err
+	m.answer <- m.out
+}
+
+// ctx bounds one round trip of the executor: a claim's lock wait and a write.
+func (b *batch) ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), b.e.cfg.WriteTimeout+b.e.cfg.ClaimLockTimeout)
+}
+
+func (b *batch) takePre() []string {
+	p := b.pre
+	b.pre = nil
+	return p
+}
+
+// rollback ends the transaction (or closes the connection).
+func (b *batch) rollback() {
+	ctx, cancel := b.ctx()
+	defer cancel()
+	store.Rollback(ctx, b.conn)
+}
+
+// batchSpan starts, when two or more of ms are traced, the span of the transaction they
+// share, "idemq.shared_tx" (see sharedspan).
+func (e *Exec) batchSpan(ms []*member) trace.Span {
+	if e.cfg.Tracer == nil || len(ms) < 2 {
+		return nil
+	}
+	var traced sharedspan.Members
+	for _, m := range ms {
+		traced.Add(trace.SpanFromContext(m.ctx))
+	}
+	return sharedspan.Start(e.cfg.Tracer, "idemq.shared_tx", len(ms), traced)
 }
 
 func (e *Exec) acquire() (*pgxpool.Conn, error) {
@@ -339,7 +1016,7 @@ func (e *Exec) acquire() (*pgxpool.Conn, error) {
 
 func (e *Exec) observe(ev string, m *member) {
 	if e.cfg.Observe != nil {
-		e.cfg.Observe(ev, m.d.TaskType())
+		e.cfg.Observe(ev, m.d.TaskType)
 	}
 }
 
@@ -388,41 +1065,41 @@ func (h *times) fit(budget time.Duration, most int) int {
 }
 
 // member is one delivery in a transaction: shared (it waits in Exec.q and its own
-// goroutine runs fn when the executor hands it the transaction) or alone (local: the
+// goroutine runs fn when the executor hands it the transaction) or local (alone: the
 // caller's goroutine is the executor and runs fn itself). It carries its caller's ctx,
 // as an http.Request does, so that the executor can tell at the member's turn whether the
 // caller still waits.
 type member struct {
 	ctx   context.Context
 	d     Delivery
-	fn    Fn  // local members only
+	local bool
 	round int // claim rounds before this one
 	// timed: fn's run time joins the moving average (Exec.handlers). Shared members and
 	// deliveries run alone because handlers are slow are timed, so that the average can
 	// come down again; a member given back by a shared transaction (past its budget, or
 	// after a lost race) is not: its run alone says nothing of how sharing goes.
 	timed bool
+	scope string // its scope's line, when it waits in one (Exec.scoped)
 
 	run    chan *txshim.Tx // executor → member: the claim is taken, run fn
 	ran    chan ran        // member → executor: fn returned or panicked
-	answer chan Answer     // executor → member: the outcome (buffered)
-
-	scope string // Delivery.Scope
+	answer chan Outcome    // executor → member: the outcome (buffered)
 
 	// The executor's own.
+	out      Outcome // the outcome so far, of this claim round
 	answered bool
 	requeue  bool // back to the head of its scope's line after the batch (batch.again)
 	finish   finish
 	later    bool // did not run in the batch (past Budget): runs alone after it
-	panicked bool // a local fn panicked with pval: the caller panics again
+	panicked bool // fn panicked with pval: the caller panics again
 	pval     any
 }
 
-// newMember returns the member of a delivery: local (fn set, run by its executor) or
-// shared (fn nil; the hand-over channels carry its turn).
-func newMember(ctx context.Context, d Delivery, fn Fn) *member {
-	m := &member{ctx: ctx, d: d, fn: fn, answer: make(chan Answer, 1)}
-	if fn == nil {
+// newMember returns the member of a delivery, local or shared (the hand-over channels
+// carry its turn).
+func newMember(ctx context.Context, d Delivery, local bool) *member {
+	m := &member{ctx: ctx, d: d, local: local, answer: make(chan Outcome, 1)}
+	if !local {
 		m.run, m.ran = make(chan *txshim.Tx, 1), make(chan ran, 1)
 	}
 	return m
@@ -439,20 +1116,20 @@ type ran struct {
 // result, or failed (permanent); none (action "") when its handler failed otherwise.
 type finish struct {
 	action store.Action // complete or fail
-	result pgtype.Text  // store: the result
 	errMsg pgtype.Text
 	err    error // the handler's error, answered after the commit (fail)
 }
 
-// runFn runs fn on tx, recovering a panic (its value is pval).
-func runFn(ctx context.Context, tx *txshim.Tx, fn Fn) (r ran, pval any) {
+// runFn runs m's fn on tx, in ctx carrying the claim, recovering a panic (its value is
+// m.pval).
+func (m *member) runFn(tx *txshim.Tx) (r ran) {
 	began := time.Now()
 	defer func() {
 		r.own = time.Since(began) - tx.InDB()
 		if p := recover(); p != nil {
-			r.panicked, pval = true, p
+			r.panicked, m.panicked, m.pval = true, true, p
 		}
 	}()
-	r.out, r.err = fn(ctx, tx)
-	return r, nil
+	r.out, r.err = m.d.Fn(claimctx.With(m.ctx, m.d.Key, m.out.Row.Fence.Int64), tx)
+	return r
 }

@@ -33,20 +33,11 @@ func TestTimesFitAndSlow(t *testing.T) {
 	}
 }
 
-// keyed is a delivery with a key and a scope and nothing else: withLines reads no more.
-type keyed struct {
-	Delivery
-	key, scope string
-}
-
-func (k keyed) Key() string   { return k.key }
-func (k keyed) Scope() string { return k.scope }
-
 // TestWithLinesLeavesTheQueueBatchAlone: the lines' deliveries join a batch in a copy,
 // so the queue's batch, which Done frees key by key, still holds exactly its leads.
 func TestWithLinesLeavesTheQueueBatchAlone(t *testing.T) {
 	e := New(Config{MaxBatch: 64})
-	lead := func(key, scope string) *member { return &member{d: keyed{key: key, scope: scope}, scope: scope} }
+	lead := func(key, scope string) *member { return &member{d: Delivery{Key: key, Scope: scope}, scope: scope} }
 	leads := make([]*member, 0, 16) // room to grow in place, as the queue's batches often have
 	leads = append(leads, lead("x-1", "s1"), lead("y-2", "s2"), lead("z-3", "s3"))
 	for _, s := range []string{"s1", "s2", "s3"} {
@@ -55,12 +46,12 @@ func TestWithLinesLeavesTheQueueBatchAlone(t *testing.T) {
 	want := []string{"x-1", "y-2", "z-3"}
 	got := e.withLines(leads, 64)
 	for i, m := range leads {
-		if m.d.Key() != want[i] {
-			t.Fatalf("the queue's batch now holds %s at %d, want %s: its leads' keys would stay in flight", m.d.Key(), i, want[i])
+		if m.d.Key != want[i] {
+			t.Fatalf("the queue's batch now holds %s at %d, want %s: its leads' keys would stay in flight", m.d.Key, i, want[i])
 		}
 	}
-	if len(got) != 9 || got[0].d.Key() != "a-s1" || got[8].d.Key() != "z-3" {
-		t.Fatalf("batch with lines: %d members, first %s, last %s; want 9, a-s1 … z-3", len(got), got[0].d.Key(), got[len(got)-1].d.Key())
+	if len(got) != 9 || got[0].d.Key != "a-s1" || got[8].d.Key != "z-3" {
+		t.Fatalf("batch with lines: %d members, first %s, last %s; want 9, a-s1 … z-3", len(got), got[0].d.Key, got[len(got)-1].d.Key)
 	}
 	for s, ln := range e.scopes {
 		if len(ln.waiting) != 0 {

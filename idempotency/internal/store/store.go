@@ -11,7 +11,9 @@
 package store
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
 	"sync"
 	"time"
 
@@ -89,6 +91,59 @@ type ClaimRow struct {
 	CompletedAt        pgtype.Timestamptz
 	Generation         pgtype.Int4
 	DBNow              time.Time
+}
+
+// Verdict is what a claim's row says of its key.
+type Verdict uint8
+
+// Verdicts of a claim's row (ClaimRow.Verdict).
+const (
+	Unread         Verdict = iota // no row was read
+	Claimed                       // taken: Fence is the claim's, Attempts its attempt
+	Cached                        // completed: the stored result answers
+	Busy                          // held: under a live lease, or (a DoTx read) by another transaction
+	Mismatch                      // another payload's fingerprint
+	Failed                        // failed for good
+	NeedsAttention                // waits for an operator
+	Stuck                         // in progress past the maximum age, its lease ended: to be marked needs_attention
+	Race                          // not taken, yet nothing stood in the way: a race with a concurrent change
+)
+
+// Verdict classifies r for a claim whose payload has fingerprint fp (nil: not compared),
+// with the maximum age maxAge.
+func (r *ClaimRow) Verdict(fp []byte, maxAge time.Duration) Verdict {
+	switch {
+	case r.Claimed:
+		return Claimed
+	case r.Attempted: // only a DoTx read answers it: another transaction holds the key
+		return Busy
+	case !r.Status.Valid: // no row visible, yet the insert conflicted
+		return Race
+	case r.Fingerprint != nil && fp != nil && !bytes.Equal(r.Fingerprint, fp):
+		return Mismatch
+	case r.Status.String == StatusCompleted:
+		return Cached
+	case r.Status.String == StatusFailed:
+		return Failed
+	case r.Status.String == StatusNeedsAttention:
+		return NeedsAttention
+	case !r.LockedUntil.Time.Before(r.DBNow):
+		return Busy
+	case r.StartedAt.Time.Before(r.DBNow.Add(-maxAge)):
+		return Stuck
+	}
+	return Race
+}
+
+// NewOwner returns a claim's owner id: a random (version 4) UUID.
+func NewOwner() (pgtype.UUID, error) {
+	u := pgtype.UUID{Valid: true}
+	if _, err := rand.Read(u.Bytes[:]); err != nil {
+		return pgtype.UUID{}, err
+	}
+	u.Bytes[6] = u.Bytes[6]&0x0f | 0x40 // version 4
+	u.Bytes[8] = u.Bytes[8]&0x3f | 0x80 // RFC 4122 variant
+	return u, nil
 }
 
 // targets are the scan destinations of a claim row's columns, in order, after lead.
