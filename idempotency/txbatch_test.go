@@ -1156,3 +1156,45 @@ func TestDoTxFinishConflict(t *testing.T) {
 	}
 }
 
+// TestDoTxAloneWaitsForTheKey: a delivery in a transaction of its own whose key another
+// transaction holds waits for it, up to ClaimLockTimeout, and then sees that
+// transaction's row (a cached result); past the timeout it is busy.
+func TestDoTxAloneWaitsForTheKey(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Postgres(t)
+	l := New(pool, &Config{DisableGroupCommit: true, ClaimLockTimeout: 3 * time.Second})
+	defer l.Close()
+	short := New(pool, &Config{DisableGroupCommit: true, ClaimLockTimeout: 100 * time.Millisecond})
+	defer short.Close()
+	for _, tc := range []struct {
+		key    string
+		l      *Ledger
+		cached bool
+	}{{"waits", l, true}, {"gives-up", short, false}} {
+		entered, release := make(chan struct{}), make(chan struct{})
+		first := make(chan error, 1)
+		go func() {
+			_, err := l.DoTx(ctx, batchReq(tc.key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+				close(entered)
+				<-release
+				return json.RawMessage(`"first"`), nil
+			})
+			first <- err
+		}()
+		<-entered
+		time.AfterFunc(300*time.Millisecond, func() { close(release) })
+		res, err := tc.l.DoTx(ctx, batchReq(tc.key), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			return json.RawMessage(`"second"`), nil
+		})
+		if ferr := <-first; ferr != nil {
+			t.Fatalf("%s: first: %v", tc.key, ferr)
+		}
+		if tc.cached && (err != nil || !res.Cached || string(res.Result) != `"first"`) {
+			t.Errorf("%s: second: %+v, %v; want the first's result, cached", tc.key, res, err)
+		}
+		if !tc.cached && !errors.Is(err, ErrBusy) {
+			t.Errorf("%s: second: %+v, %v; want ErrBusy", tc.key, res, err)
+		}
+	}
+}

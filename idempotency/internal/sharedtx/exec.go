@@ -626,7 +626,12 @@ func (b *batch) claimAll(ms []*member) bool {
 	}
 	ctx, cancel := b.ctx()
 	defer cancel()
-	t, err := b.e.cfg.Writes.BeginClaims(ctx, b.conn, b.idle, ps, b.e.cfg.MaxAge)
+	// A delivery alone on its caller's goroutine waits for its key's lock, up to
+	// ClaimLockTimeout, as a duplicate of a key another transaction runs should: it then
+	// sees that transaction's row. A shared transaction waits for no key: a busy one must
+	// not hold up the others.
+	wait := len(live) == 1 && live[0].local
+	t, err := b.e.cfg.Writes.BeginClaims(ctx, b.conn, b.idle, b.e.lockTimeoutSQL, wait, ps, b.e.cfg.MaxAge)
 	if err != nil {
 		if !store.Answered(err) {
 			b.broken = own(err)

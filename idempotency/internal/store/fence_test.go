@@ -23,7 +23,7 @@ func TestFencedWritesAndTheirUnsafeTwins(t *testing.T) {
 	for name, p := range pairs {
 		f, u := p[0], p[1]
 		checks := func(sql string, c fenceChecks) bool {
-			return strings.Contains(sql, c.args) || strings.Contains(sql, c.rows) || strings.Contains(sql, c.hold) ||
+			return strings.Contains(sql, c.args) || strings.Contains(sql, c.rows) || strings.Contains(sql, c.hold) || strings.Contains(sql, c.holdWait) ||
 				strings.Contains(sql, c.conflict) || strings.Contains(sql, c.takeover) || strings.Contains(sql, c.guard)
 		}
 		if !checks(f, checkFence) {
@@ -33,7 +33,7 @@ func TestFencedWritesAndTheirUnsafeTwins(t *testing.T) {
 			t.Errorf("the unsafe %s still checks the fence:\n%s", name, u)
 		}
 		back := strings.NewReplacer(checkNothing.args, checkFence.args, checkNothing.rows, checkFence.rows,
-			checkNothing.hold, checkFence.hold, checkNothing.conflict, checkFence.conflict, checkNothing.takeover, checkFence.takeover,
+			checkNothing.hold, checkFence.hold, checkNothing.holdWait, checkFence.holdWait, checkNothing.conflict, checkFence.conflict, checkNothing.takeover, checkFence.takeover,
 			checkNothing.guard, checkFence.guard).Replace(u)
 		if back != f {
 			t.Errorf("%s and its unsafe twin differ beyond their fence checks", name)

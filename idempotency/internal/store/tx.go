@@ -43,18 +43,28 @@ const (
 // database do not meet either.
 const keyLockSeed = `7309475139880105073`
 
+// keyLockID is the advisory lock id of key k.key.
+const keyLockID = `hashtextextended(k.key, ` + keyLockSeed + ` # 'processed_jobs'::regclass::oid::bigint)`
+
 // holdKeysSQL begins a DoTx transaction's work: it takes each key's advisory lock ($2,
-// text[]; a lock another transaction holds is not waited for), records which it took in
-// the transaction's idemq.held setting (a string of 't' and 'f', in the keys' order), bounds
-// how long the transaction may sit idle ($1, as "30000ms"), makes its commit durable,
-// turns the plans of the read that follows to the primary keys (keyPlansSQL), and
-// answers the transaction's id and the server's start time, for a COMMIT whose answer is
-// lost. Unfenced (f), it takes no lock and records every key as held.
-func holdKeysSQL(f fenceChecks) string {
+// text[]; f.hold: a lock another transaction holds is not waited for, unless wait, when
+// the one key waits for it up to $3, as "2000ms", and a lock timeout refuses the
+// statement), records which it took in the transaction's idemq.held setting (a string of
+// 't' and 'f', in the keys' order), bounds how long the transaction may sit idle ($1, as
+// "30000ms"), makes its commit durable, turns the plans of the read that follows to the
+// primary keys (keyPlansSQL), and answers the transaction's id and the server's start
+// time, for a COMMIT whose answer is lost. Unfenced (f), it takes no lock and records
+// every key as held.
+func holdKeysSQL(f fenceChecks, wait bool) string {
+	hold := f.hold
+	if wait {
+		hold = f.holdWait
+	}
 	return keyPlansSQL + `,
+	       set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), set_config('lock_timeout', $3, true),
 	       set_config('idle_in_transaction_session_timeout', $1, true),
 	       set_config('synchronous_commit', 'on', true),
-	       set_config('idemq.held', (SELECT string_agg(CASE WHEN ` + f.hold + ` THEN 't' ELSE 'f' END, '' ORDER BY ord)
+	       set_config('idemq.held', (SELECT string_agg(CASE WHEN ` + hold + ` THEN 't' ELSE 'f' END, '' ORDER BY ord)
 	                                 FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)), true),
 	       pg_current_xact_id()::text, pg_postmaster_start_time()::text`
 }
@@ -77,7 +87,7 @@ WITH k AS (
 	FROM unnest($1::text[], $3::bytea[]) WITH ORDINALITY AS k(key, fp, ord)
 	LEFT JOIN processed_jobs p ON p.idempotency_key = k.key
 ), restored AS (
-	SELECT ` + restorePlans + `
+	SELECT ` + restorePlans + `, set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
 )
 SELECT ord, held AND open, open AND NOT held, status,
        CASE WHEN held AND open THEN nextval('processed_jobs_fence_seq') ELSE fence END,
@@ -96,23 +106,29 @@ type TxClaims struct {
 // BeginClaims begins a transaction on conn and holds and reads the keys of ps in it (see
 // holdKeysSQL, readKeysSQL), in one round trip of three statements. A row whose
 // Claimed is set was taken: its Fence is the claim's and Attempts its attempt. One whose
-// Busy is set is held by another transaction. idle is the transaction's
-// idle_in_transaction_session_timeout, as "30000ms". An error the server answered leaves
-// the transaction open, aborted.
-func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle string, ps []ClaimParams, maxAge time.Duration) (TxClaims, error) {
+// Attempted is set is held by another transaction. idle is the transaction's
+// idle_in_transaction_session_timeout, as "30000ms". With wait and one key, the key's
+// lock is waited for, up to lockTimeout (as "2000ms"): a lock timeout (SQLSTATE 55P03)
+// refuses the round trip. An error the server answered leaves the transaction open,
+// aborted.
+func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTimeout string, wait bool, ps []ClaimParams, maxAge time.Duration) (TxClaims, error) {
 	keys, fps := make([]string, len(ps)), make([][]byte, len(ps))
 	for i, p := range ps {
 		keys[i], fps[i] = p.Key, p.Fingerprint
 	}
 	batch := &pgx.Batch{}
 	batch.Queue(beginSQL)
-	batch.Queue(w.HoldKeys, idle, keys)
+	hold := w.HoldKeys
+	if wait && len(ps) == 1 {
+		hold = w.HoldKeyWait
+	}
+	batch.Queue(hold, idle, keys, lockTimeout)
 	batch.Queue(readKeysSQL, keys, maxAge.Microseconds(), fps)
 	br := conn.SendBatch(ctx, batch)
 	t := TxClaims{Rows: make([]ClaimRow, len(ps))}
 	_, err := br.Exec()
 	if err == nil {
-		err = br.QueryRow().Scan(nil, nil, nil, nil, nil, nil, nil, &t.XID, &t.ServerStart)
+		err = br.QueryRow().Scan(nil, nil, nil, nil, nil, nil, nil, nil, nil, &t.XID, &t.ServerStart)
 	}
 	if err == nil {
 		var rs pgx.Rows
