@@ -5,11 +5,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/stdlib"
-
-	"github.com/idemq/idemq/internal/testenv"
-	"github.com/idemq/idemq/migrations"
 )
 
 // TestKeysWithoutHashRefusesUnfinishedRows applies the migrations up to the one before the
@@ -20,17 +15,7 @@ func TestKeysWithoutHashRefusesUnfinishedRows(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	url := testenv.EmptyPostgresURL(t)
-	pool := testenv.Pool(t, url)
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	p, err := migrations.NewProvider(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.UpTo(ctx, 40); err != nil {
-		t.Fatal(err)
-	}
+	pool, p := migratedTo(ctx, t, 40)
 	if _, err := pool.Exec(ctx, `
 		INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, locked_until, attempts, completed_at)
 		VALUES ('debit:victim#r1', 'wallet:debit', 'in_progress', 1, gen_random_uuid(), now() + interval '1 minute', 1, NULL),
@@ -43,7 +28,7 @@ func TestKeysWithoutHashRefusesUnfinishedRows(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	_, err = p.Up(ctx)
+	_, err := p.Up(ctx)
 	if err == nil {
 		t.Fatal("the migration applied with unfinished rows whose keys hold '#'")
 	}

@@ -8,7 +8,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/migrations"
@@ -63,17 +65,7 @@ func TestRowCheckKeepsEveryRule(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	url := testenv.EmptyPostgresURL(t)
-	pool := testenv.Pool(t, url)
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	p, err := migrations.NewProvider(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.UpTo(ctx, 61); err != nil {
-		t.Fatal(err)
-	}
+	pool, p := migratedTo(ctx, t, 61)
 
 	// A populated ledger: rows of every status, with and without fingerprints.
 	testenv.Exec(t, pool, `
@@ -127,4 +119,21 @@ func TestRowCheckKeepsEveryRule(t *testing.T) {
 	t.Run("after", func(t *testing.T) {
 		check(t, func(string) string { return "processed_jobs_row_check" })
 	})
+}
+
+// migratedTo returns a pool on an empty schema of its own, migrated up to version, and
+// the provider that goes on from there.
+func migratedTo(ctx context.Context, t *testing.T, version int64) (*pgxpool.Pool, *goose.Provider) {
+	t.Helper()
+	pool := testenv.Pool(t, testenv.EmptyPostgresURL(t))
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { db.Close() })
+	p, err := migrations.NewProvider(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(ctx, version); err != nil {
+		t.Fatal(err)
+	}
+	return pool, p
 }
