@@ -60,9 +60,12 @@ import (
 //
 // When fn returns an error, its effect rolls back, no row is written and DoTx returns
 // fn's error (asynq retries it, counting its attempts and keeping its error). If
-// IsPermanent(err), the key is recorded as failed (in the shared transaction's last
-// statement; in a transaction of its own, by a claim and Fail, as in leased mode), so no
-// delivery runs it again. When fn panics, the transaction rolls back and DoTx panics
+// IsPermanent(err), the key is recorded as failed, so no delivery runs it again: in the
+// shared transaction's last statement, or, for fn run in a transaction of its own, after
+// the rollback, by a new transaction on the same connection that holds and reads the key
+// again and writes its row failed; if that read finds the key finished or held by another
+// delivery meanwhile, that delivery decides, and DoTx answers what the read found (a
+// cached result, ErrBusy, …). When fn panics, the transaction rolls back and DoTx panics
 // again with the same value. A result that cannot be stored completes the key with an
 // error marker, as in Complete. If the connection drops during the commit, the outcome is
 // learned from the transaction id, within Config.WriteTimeout (ErrCommitUnknown when it
@@ -90,9 +93,9 @@ func (l *Ledger) DoTx(ctx context.Context, req Request, fn func(ctx context.Cont
 }
 
 // settle turns the outcome of req's transaction into DoTx's answer, and does what the
-// transaction left to do: log a takeover and a result replaced by an error marker, mark
-// a stuck key, resolve a commit whose answer was lost, record a permanent failure. c is
-// the claim that ran, if one did.
+// transaction left to do: log a takeover, a result replaced by an error marker and a
+// permanent failure left unrecorded, mark a stuck key, resolve a commit whose answer was
+// lost. c is the claim that ran, if one did.
 func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (c *Claim, res Result, err error) {
 	if o.Verdict == store.Claimed {
 		r := &o.Row
@@ -135,8 +138,8 @@ func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (
 			l.observe(EventCompleted, req.TaskType)
 		}
 	}
-	if IsPermanent(err) && !o.Recorded {
-		l.recordPermanent(ctx, req, err)
+	if o.Unrecorded != nil {
+		l.log.WarnContext(ctx, "idempotency: record a permanent failure", "task_type", req.TaskType, "key", req.Key, "err", o.Unrecorded, "cause", err)
 	}
 	if err != nil {
 		return c, Result{}, txUnavailable(ctx, err)
@@ -155,19 +158,4 @@ func txUnavailable(caller context.Context, err error) error {
 		return err
 	}
 	return &unavailableError{err: err}
-}
-
-// recordPermanent records a permanent DoTx failure, whose transaction rolled back, with a
-// claim of its own and a fenced Fail. If another delivery holds or finished the key
-// meanwhile, that one decides.
-func (l *Ledger) recordPermanent(ctx context.Context, req Request, cause error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.WriteTimeout)
-	defer cancel()
-	cr, err := l.Claim(ctx, req)
-	if err == nil && cr.Claim != nil {
-		err = l.Fail(ctx, cr.Claim, cause)
-	}
-	if err != nil {
-		l.log.WarnContext(ctx, "idempotency: record a permanent failure", "task_type", req.TaskType, "key", req.Key, "err", err, "cause", cause)
-	}
 }

@@ -377,6 +377,53 @@ func TestPermanentFailureAndRerun(t *testing.T) {
 	}
 }
 
+// TestDoTxPermanentFailureOfADecidedKey: a DoTx alone whose handler fails for good reads
+// its key again after the rollback; when another delivery finished the key meanwhile, that
+// one decides: DoTx answers its result and records nothing.
+func TestDoTxPermanentFailureOfADecidedKey(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	ev := &events{}
+	l, pool := newLedger(t, &idempotency.Config{Observe: ev.observe})
+	mustExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	res, err := l.DoTx(ctx, req("decided"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO effects VALUES ('decided')`); err != nil {
+			return nil, err
+		}
+		// Another delivery, in leased mode (no advisory lock), completes the key meanwhile.
+		if _, err := l.Do(ctx, req("decided"), func(context.Context) (json.RawMessage, error) {
+			return json.RawMessage(`{"by":"other"}`), nil
+		}); err != nil {
+			return nil, err
+		}
+		return nil, idempotency.Permanent(errors.New("declined"))
+	})
+	if err != nil || !res.Cached || !jsonEqual(res.Result, json.RawMessage(`{"by":"other"}`)) {
+		t.Fatalf("DoTx: %+v, %v; want the other delivery's cached result", res, err)
+	}
+	if r := get(t, l, "decided"); r.Status != idempotency.StatusCompleted || r.LastError != "" {
+		t.Fatalf("row %+v: want the other delivery's completion", r)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 0 {
+		t.Fatalf("effects = %d, want 0", n)
+	}
+	if got := ev.get(idempotency.EventFailed); got != 0 {
+		t.Errorf("failed events = %d, want 0", got)
+	}
+	// Undecided, the key is recorded failed, once.
+	if _, err := l.DoTx(ctx, req("declined"), func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		return nil, idempotency.Permanent(errors.New("declined"))
+	}); !idempotency.IsPermanent(err) {
+		t.Fatalf("DoTx: %v, want the permanent error", err)
+	}
+	if r := get(t, l, "declined"); r.Status != idempotency.StatusFailed || r.LastError != "declined" || r.Attempts != 1 {
+		t.Fatalf("row %+v: want failed at attempt 1", r)
+	}
+	if got := ev.get(idempotency.EventFailed); got != 1 {
+		t.Errorf("failed events = %d, want 1", got)
+	}
+}
+
 func TestDoTxErrorLeavesNoTraceAndFencesAreNotReused(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)

@@ -324,7 +324,7 @@ func testFailingMembers(t *testing.T, mode string) {
 		}
 		want := 0
 		if key == "g-refused-result" {
-			want = 1 // recorded failed, with a claim of its own
+			want = 1 // recorded failed, in a transaction of its own after the rollback
 		}
 		if n := batchCount(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = $1 AND status IN ('failed', 'completed')`, key); n != want {
 			t.Errorf("%s: %d ledger rows, want %d", key, n, want)

@@ -133,8 +133,12 @@ type Outcome struct {
 	Refused error
 	// Lost: the commit's answer was lost: resolve it from the transaction id.
 	Lost error
-	// Recorded: a permanent failure was committed with the batch.
-	Recorded bool
+	// Recorded: a permanent failure was committed (with the batch, or, for a delivery
+	// claimed alone, in a transaction after the one that rolled back). Unrecorded: why
+	// one was not (its read answers the delivery instead when the key was decided or held
+	// meanwhile).
+	Recorded   bool
+	Unrecorded error
 	// alone: the shared transaction could not decide this delivery (a lost race, an
 	// undone transaction, a turn past the budget): it runs in a transaction of its own.
 	alone bool
@@ -646,24 +650,35 @@ func (b *batch) claimAll(ms []*member) bool {
 	}
 	b.xid, b.serverStart = t.XID, t.ServerStart
 	for i, m := range live {
-		m.out.Row, m.out.Verdict = t.Rows[i], t.Rows[i].Verdict(m.d.Fingerprint, b.e.cfg.MaxAge)
-		switch {
-		case m.out.Verdict != store.Claimed:
+		if b.read(m, t.Rows[i]) {
+			b.claimed = append(b.claimed, m)
+		} else {
 			b.reply(m, nil) // the row answers (a race, which no read of this kind finds, is busy)
-		case m.out.Row.Attempts.Int32 > 1:
-			b.e.observe(EventTakeover, m)
-			b.claimed = append(b.claimed, m)
-		default:
-			b.e.observe(EventClaimed, m)
-			b.claimed = append(b.claimed, m)
 		}
 	}
 	return len(b.claimed) > 0
 }
 
+// read sets m's outcome from its key's row as the transaction read it, and reports
+// whether m took the key (EventClaimed, or EventTakeover).
+func (b *batch) read(m *member, row store.ClaimRow) bool {
+	m.out.Row, m.out.Verdict = row, row.Verdict(m.d.Fingerprint, b.e.cfg.MaxAge)
+	switch {
+	case m.out.Verdict != store.Claimed:
+		return false
+	case row.Attempts.Int32 > 1:
+		b.e.observe(EventTakeover, m)
+	default:
+		b.e.observe(EventClaimed, m)
+	}
+	return true
+}
+
 // runSolo runs the one member a transaction claimed: no savepoint (its failure rolls the
 // whole transaction back), and its row is written, with the COMMIT, in one round trip. A
-// finish refused for a conflict (the row is not what the read found) has it run again.
+// finish refused for a conflict (the row is not what the read found) has it run again. A
+// permanent failure (the handler's, or a result jsonb refuses) is recorded after the
+// rollback (record).
 func (b *batch) runSolo(m *member) {
 	if err := m.ctx.Err(); err != nil {
 		b.rollback()
@@ -676,7 +691,11 @@ func (b *batch) runSolo(m *member) {
 		return
 	case r.err != nil || r.panicked:
 		b.rollback()
-		b.reply(m, r.err) // a permanent error is recorded by its caller; a panic is raised again
+		if !r.panicked && b.e.cfg.Permanent(r.err) {
+			b.record(m, failed(r.err.Error(), r.err))
+			return
+		}
+		b.reply(m, r.err) // a panic is raised again
 		return
 	}
 	b.complete(m, r.out)
@@ -692,10 +711,63 @@ func (b *batch) runSolo(m *member) {
 	case errors.As(err, &pgErr):
 		b.rollback()
 		m.out.Refused = pgErr
+		if pgErr.Code[:2] == pgcode.DataExceptionClass {
+			b.record(m, failed(refusedResult+pgErr.Message, nil)) // answered as refused
+			return
+		}
 		b.reply(m, nil)
 	default:
 		b.answerCommitted(err)
 	}
+}
+
+// record writes m's row failed (f) after m's handler failed for good in the transaction
+// that just rolled back, taking its effects with it: in a new transaction on the same
+// connection, which holds and reads m's key again (a fresh fence) and, if m may still
+// take it, writes the row with the COMMIT (Outcome.Recorded). A read that finds the key
+// decided or held meanwhile (or is refused, as busy) answers m instead: that claim
+// decides. A finish refused (a conflict, counted) or a connection that fails leaves the
+// failure unrecorded (Outcome.Unrecorded), and m answered as it failed. The record is
+// the ledger's own write, as a Fail is: the caller's ctx and deadline do not cut it.
+func (b *batch) record(m *member, f finish) {
+	failure := m.out
+	unrecorded := func(err error) {
+		b.rollback()
+		m.out, m.out.Unrecorded = failure, err
+		b.reply(m, f.err)
+	}
+	ctx, cancel := b.ctx()
+	t, err := b.e.cfg.Writes.BeginClaims(ctx, b.conn, b.e.idleTimeout(time.Time{}), b.e.lockTimeoutSQL, m.local,
+		[]store.ClaimParams{{Key: m.d.Key, TaskType: m.d.TaskType, Owner: failure.Owner, Fingerprint: m.d.Fingerprint, TraceID: m.d.TraceID}}, b.e.cfg.MaxAge)
+	cancel()
+	m.out = Outcome{Owner: failure.Owner, Refused: failure.Refused}
+	switch {
+	case err != nil && !store.Answered(err):
+		unrecorded(err)
+		return
+	case err != nil:
+		b.rollback()
+		m.out.Refused = err
+		b.reply(m, nil)
+		return
+	case !b.read(m, t.Rows[0]):
+		b.rollback()
+		m.out.Refused = nil
+		b.reply(m, nil)
+		return
+	}
+	b.xid, b.serverStart, m.finish = t.XID, t.ServerStart, f
+	ctx, cancel = b.ctx()
+	err = b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
+	cancel()
+	if err != nil && (store.Answered(err) || !b.conn.IsClosed()) {
+		if store.Conflict(err) {
+			b.e.observe(EventConflict, m)
+		}
+		unrecorded(err)
+		return
+	}
+	b.answerCommitted(err)
 }
 
 // runShared runs the claimed members one after another, within the budget, and commits
@@ -819,13 +891,12 @@ func (b *batch) runMember(m *member) {
 		b.reply(m, nil) // the member panics again
 	case rej != nil && rej.Code[:2] == pgcode.DataExceptionClass:
 		// A result jsonb refuses is recorded for good, with the commit.
-		msg := "idempotency: result refused by the database: " + rej.Message
-		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(msg), Valid: true}}
+		m.finish = failed(refusedResult+rej.Message, nil)
 	case rej != nil:
 		b.reply(m, nil)
 	case b.e.cfg.Permanent(r.err):
 		// Answered with the commit, which records the failure.
-		m.finish = finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(r.err.Error()), Valid: true}, err: r.err}
+		m.finish = failed(r.err.Error(), r.err)
 	default:
 		b.reply(m, r.err) // no row: the next delivery runs it
 	}
@@ -1123,6 +1194,15 @@ type finish struct {
 	action store.Action // complete or fail
 	errMsg pgtype.Text
 	err    error // the handler's error, answered after the commit (fail)
+}
+
+// refusedResult begins the recorded error of a result jsonb refuses.
+const refusedResult = "idempotency: result refused by the database: "
+
+// failed is the finish that records a permanent failure, msg (cleaned) as its last error;
+// err is answered after the commit.
+func failed(msg string, err error) finish {
+	return finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(msg), Valid: true}, err: err}
 }
 
 // runFn runs m's fn on tx, in ctx carrying the claim, recovering a panic (its value is
