@@ -46,23 +46,23 @@ const keyLockSeed = `7309475139880105073`
 // keyLockID is the advisory lock id of key k.key.
 const keyLockID = `hashtextextended(k.key, ` + keyLockSeed + ` # 'processed_jobs'::regclass::oid::bigint)`
 
-// holdKeysSQL begins a DoTx transaction's work: it takes each key's advisory lock ($2,
-// text[]; f.hold: a lock another transaction holds is not waited for, unless wait, when
-// the one key waits for it up to $3, as "2000ms", and a lock timeout refuses the
-// statement), records which it took in the transaction's idemq.held setting (a string of
-// 't' and 'f', in the keys' order), bounds how long the transaction may sit idle ($1, as
-// "30000ms"), makes its commit durable, turns the plans of the read that follows to the
-// primary keys (keyPlansSQL), and answers the transaction's id and the server's start
-// time, for a COMMIT whose answer is lost. Unfenced (f), it takes no lock and records
-// every key as held.
+// holdKeysSQL begins a DoTx transaction's work with the claims' settings
+// (claimSettingsSQL: the plans of the read that follows turned to the primary keys, and
+// lock waits bounded by $1, as "2000ms"): it takes each key's advisory lock ($2, text[];
+// f.hold: a lock another transaction holds is not waited for, unless wait, when the one
+// key waits for it up to $1 and a lock timeout refuses the statement), records which it
+// took in the transaction's idemq.held setting (a string of 't' and 'f', in the keys'
+// order), bounds how long the transaction may sit idle ($3, as "30000ms"), makes its
+// commit durable, and answers the transaction's id and the server's start time, for a
+// COMMIT whose answer is lost. Unfenced (f), it takes no lock and records every key as
+// held.
 func holdKeysSQL(f fenceChecks, wait bool) string {
 	hold := f.hold
 	if wait {
 		hold = f.holdWait
 	}
-	return keyPlansSQL + `,
-	       set_config('idemq.saved_lock_timeout', current_setting('lock_timeout'), true), set_config('lock_timeout', $3, true),
-	       set_config('idle_in_transaction_session_timeout', $1, true),
+	return claimSettingsSQL + `,
+	       set_config('idle_in_transaction_session_timeout', $3, true),
 	       set_config('synchronous_commit', 'on', true),
 	       set_config('idemq.held', (SELECT string_agg(CASE WHEN ` + hold + ` THEN 't' ELSE 'f' END, '' ORDER BY ord)
 	                                 FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)), true),
@@ -74,8 +74,9 @@ func holdKeysSQL(f fenceChecks, wait bool) string {
 // lock and the key may be taken (no row, or one in progress whose lease ended, younger
 // than the maximum age $2 in microseconds, with the same fingerprint, $3) — then the
 // fence is a new one and the attempt the row's next; busy when the key may be taken but
-// another transaction holds its lock. It puts back the plans holdKeysSQL turned, so that
-// the handlers' own queries plan as they would without the ledger.
+// another transaction holds its lock. It puts back the settings holdKeysSQL made
+// (restoreSettings), so that the handlers' own queries plan and wait as they would
+// without the ledger.
 const readKeysSQL = `
 WITH k AS (
 	SELECT k.ord, k.key, k.fp, substr(current_setting('idemq.held'), k.ord::int, 1) = 't' AS held,
@@ -87,7 +88,7 @@ WITH k AS (
 	FROM unnest($1::text[], $3::bytea[]) WITH ORDINALITY AS k(key, fp, ord)
 	LEFT JOIN processed_jobs p ON p.idempotency_key = k.key
 ), restored AS (
-	SELECT ` + restorePlans + `, set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)
+	SELECT ` + restoreSettings + `
 )
 SELECT ord, held AND open, open AND NOT held, status,
        CASE WHEN held AND open THEN nextval('processed_jobs_fence_seq') ELSE fence END,
@@ -122,7 +123,7 @@ func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTime
 	if wait && len(ps) == 1 {
 		hold = w.HoldKeyWait
 	}
-	batch.Queue(hold, idle, keys, lockTimeout)
+	batch.Queue(hold, lockTimeout, keys, idle)
 	batch.Queue(readKeysSQL, keys, maxAge.Microseconds(), fps)
 	br := conn.SendBatch(ctx, batch)
 	t := TxClaims{Rows: make([]ClaimRow, len(ps))}
@@ -218,10 +219,6 @@ func CheckResult(ctx context.Context, conn *pgx.Conn, pre []string, result strin
 	return conn.SendBatch(ctx, batch).Close()
 }
 
-// finishSettingsSQL comes before a finish: the bound on its waits for another session's
-// row lock ($1, as "2000ms"), and its plans turned to the primary keys (keyPlansSQL).
-const finishSettingsSQL = keyPlansSQL + `, set_config('lock_timeout', $1, true)`
-
 // FinishAndCommit runs pre (a savepoint's release), writes every row of ps in one
 // statement (finishTxSQL, which fails unless it wrote them all) and commits, in one round
 // trip; lockTimeout bounds its wait for a row another session holds, as "2000ms". A
@@ -233,7 +230,7 @@ func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []stri
 	for _, s := range pre {
 		batch.Queue(s)
 	}
-	batch.Queue(finishSettingsSQL, lockTimeout)
+	batch.Queue(claimSettingsSQL, lockTimeout) // the bound on its row-lock waits, its plans
 	batch.Queue(w.FinishTx, finishTxArgs(ps)...)
 	batch.Queue("COMMIT")
 	return sendCommit(ctx, conn, batch)
