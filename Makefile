@@ -24,22 +24,24 @@ cover:
 	$(GO) test -race -count=1 -cover $(PKGS)
 
 ## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
-## 2 minutes); writes docs/bench.json and docs/bench.svg. A full run (about 10 minutes):
+## 2 minutes), with idemq-bench (cmd/idemq-bench, a tool of its own, not in the idemq
+## binary); writes docs/bench.json and docs/bench.svg. A full run (about 10 minutes):
 ## make bench BENCH_FLAGS="-seconds 6 -workloads noop,debit,charge,scale,io,latency,dup -write-docs"
 ## Worker RSS, one process per configuration over 100,000 tasks (a few minutes):
 ## make bench BENCH_FLAGS="-memory"
 BENCH_FLAGS ?= -write-docs
 .PHONY: bench
 bench:
-	$(GO) run ./cmd/idemq bench $(BENCH_FLAGS)
+	$(GO) run ./cmd/idemq-bench $(BENCH_FLAGS)
 
 ## bench-river: idemq's exactly-once debits against River's (river.JobCompleteTx), paired in one
 ## drain run (debit-distinct and debit-hot at concurrency 10 and 50; about 2 minutes at these
-## sizes). riverdrain is built from internal/bench/river, a module of its own.
+## sizes). riverdrain is built from internal/bench/river, a module of its own, and the idemq
+## binary whose worker is measured from cmd/idemq (-idemq build).
 RIVER_FLAGS ?= -reps 3 -drain-n 2000
 .PHONY: bench-river
 bench-river:
-	$(GO) run ./cmd/idemq bench -drain -drain-workloads debit-distinct,debit-hot -drain-concurrency 10,50 -drain-river build $(RIVER_FLAGS)
+	$(GO) run ./cmd/idemq-bench -drain -drain-workloads debit-distinct,debit-hot -drain-concurrency 10,50 -drain-river build $(RIVER_FLAGS)
 
 ## migrate: apply migrations to DATABASE_URL
 migrate: build

@@ -49,7 +49,6 @@ func commands() []command {
 		ledgerCommand(),
 		fakepayCommand(),
 		healthcheckCommand(),
-		benchCommand(),
 	}
 }
 

@@ -72,6 +72,23 @@ func TestHelpListsEveryVariable(t *testing.T) {
 	}
 }
 
+// The benchmarks are a tool of their own (cmd/idemq-bench), not a subcommand.
+func TestHelpListsNoBench(t *testing.T) {
+	t.Parallel()
+	out, _, err := idemq(t, nil, "help")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "  bench ") || strings.HasPrefix(line, "idemq bench") {
+			t.Errorf("idemq help lists bench: %q", line)
+		}
+	}
+	if _, stderr, err := idemq(t, nil, "bench"); err == nil || !strings.Contains(stderr, `unknown subcommand "bench"`) {
+		t.Errorf("idemq bench: %v, stderr %q; want an unknown subcommand", err, stderr)
+	}
+}
+
 func TestBadValueStopsWithOneLine(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ env, want string }{

@@ -22,7 +22,7 @@ import (
 
 // API mode (-workloads api, RunAPI) measures the web side as users run it: `idemq api`
 // processes answering POST /v1/charges, loaded by a process of its own (this binary
-// again, as `idemq bench -api-child`), beside the floors the same charges reach without
+// again, as `idemq-bench -api-child`), beside the floors the same charges reach without
 // the API, from the same kind of process at the same concurrency: asynq's own client (not
 // durable), one plain INSERT per request (durable), and the outbox client from Go
 // (Enqueue; EnqueueTx in the caller's transaction, then Wake), its relay running in the
@@ -51,7 +51,7 @@ const (
 // APIPathNames lists API mode's paths, in the order a run measures them.
 var APIPathNames = []string{APIPathAPI, APIPathAsynq, APIPathInsert, APIPathEnqueue, APIPathEnqueueTx, APIPathE2E}
 
-// apiChildFlag, first among `idemq bench`'s arguments, makes the process API mode's load
+// apiChildFlag, first among idemq-bench's arguments, makes the process API mode's load
 // generator (runAPIChild).
 const apiChildFlag = "-api-child"
 
@@ -94,7 +94,7 @@ func (a *APIOptions) defaults(binary string) {
 	if a.Concurrency <= 0 {
 		a.Concurrency = 50
 	}
-	if len(a.Binaries) == 0 {
+	if len(a.Binaries) == 0 && binary != "" {
 		a.Binaries = []string{binary}
 	}
 	if len(a.Paths) == 0 {
@@ -186,6 +186,9 @@ func apiSteps(a APIOptions) ([]apiStep, error) {
 	for _, p := range a.Paths {
 		switch p = strings.TrimSpace(p); p {
 		case APIPathAPI, APIPathE2E:
+			if len(a.Binaries) == 0 {
+				return nil, fmt.Errorf("bench: the %s path runs idemq api: no idemq binary (Options.Binary, -idemq)", p)
+			}
 			for i, b := range a.Binaries {
 				config := p
 				if len(a.Binaries) > 1 {
@@ -258,7 +261,7 @@ func RunAPI(ctx context.Context, opt Options, progress io.Writer) (*APIReport, e
 			order = append(order[1:], order[0])
 		}
 		for _, st := range order {
-			s, err := e.apiSample(ctx, opt.Binary, opt.API, st, r)
+			s, err := e.apiSample(ctx, opt.Self, opt.API, st, r)
 			if err != nil {
 				return rep, err
 			}
@@ -330,7 +333,7 @@ const (
 func (e *env) apiSample(ctx context.Context, exe string, a APIOptions, st apiStep, rep int) (APISample, error) {
 	s := APISample{Path: st.path, Config: st.config, Binary: st.binary, Rep: rep + 1}
 	e2e := st.path == APIPathE2E
-	args := []string{"bench", apiChildFlag, "-wait", "-path", st.path, "-prefix", fmt.Sprintf("r%d%s", rep+1, randomHex(4))}
+	args := []string{apiChildFlag, "-wait", "-path", st.path, "-prefix", fmt.Sprintf("r%d%s", rep+1, randomHex(4))}
 	loadTime := a.Seconds
 	if e2e {
 		s.Rate, loadTime = a.E2ERate, a.E2ESeconds

@@ -55,7 +55,7 @@ type loadOp func(ctx context.Context, i int) (key string, err error)
 
 const insertFloorSQL = `INSERT INTO bench_floor (key, payload) VALUES ($1, $2)`
 
-// runAPIChild is API mode's load generator (bench -api-child), in a process of its own:
+// runAPIChild is API mode's load generator (idemq-bench -api-child), in a process of its own:
 // one path's load (APIPathNames, or apiPathSustain) on REDIS_URL and DATABASE_URL or on
 // the api at -url, reported as one line of JSON (apiLoadResult) on stdout. The throughput
 // paths keep -c calls in flight for -seconds; the e2e and sustained paths send -rate
@@ -66,7 +66,7 @@ const insertFloorSQL = `INSERT INTO bench_floor (key, payload) VALUES ($1, $2)`
 // running, until its stdin closes, so that the parent reads CPU times and the outbox's
 // state with the load's connections still there.
 func runAPIChild(ctx context.Context, redisURL, databaseURL string, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("bench "+apiChildFlag, flag.ContinueOnError)
+	fs := flag.NewFlagSet("idemq-bench "+apiChildFlag, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	path := fs.String("path", APIPathAPI, "the path: api, asynq, insert, enqueue, enqueuetx, e2e or sustain")
 	conc := fs.Int("c", 50, "calls in flight (throughput paths)")

@@ -160,6 +160,9 @@ func RunAPISustain(ctx context.Context, opt Options, progress io.Writer) (*APISu
 	opt.defaults()
 	a := opt.API
 	a.defaults(opt.Binary)
+	if len(a.Binaries) == 0 {
+		return nil, errors.New("bench: the sustained run runs idemq api and worker: no idemq binary (Options.Binary, -idemq)")
+	}
 	rep := &APISustainReport{Revision: revision(), Options: apiSustainOptions{
 		Seconds: a.Sustain.Seconds(), Rate: a.SustainRate, EverySeconds: a.SustainEvery.Seconds(),
 		KeyRetentionSeconds: sustainKeyRetention.Seconds(), PurgeIntervalSeconds: sustainPurgeInterval.Seconds(),
@@ -181,7 +184,7 @@ func RunAPISustain(ctx context.Context, opt Options, progress io.Writer) (*APISu
 		}
 		fmt.Fprintf(progress, "%s: debits at %.0f/s for %s through %s api (Idempotency-Key rows kept %s, purged every %s and at its start) to %d workers, a sample every %s\n",
 			config, a.SustainRate, a.Sustain, b, sustainKeyRetention, sustainPurgeInterval, sustainWorkers, a.SustainEvery)
-		run, err := e.apiSustain(ctx, opt.Binary, a, b, config, progress)
+		run, err := e.apiSustain(ctx, opt.Self, a, b, config, progress)
 		rep.Runs = append(rep.Runs, run)
 		if err != nil {
 			return rep, err
@@ -264,7 +267,7 @@ func (e *env) apiSustain(ctx context.Context, exe string, a APIOptions, binary, 
 		services, workers = append(services, w), append(workers, w)
 	}
 
-	args := []string{"bench", apiChildFlag, "-wait", "-path", apiPathSustain, "-prefix", "s" + randomHex(4), "-url", "http://" + addr,
+	args := []string{apiChildFlag, "-wait", "-path", apiPathSustain, "-prefix", "s" + randomHex(4), "-url", "http://" + addr,
 		"-rate", strconv.FormatFloat(a.SustainRate, 'g', -1, 64), "-seconds", strconv.FormatFloat(a.Sustain.Seconds(), 'g', -1, 64)}
 	l, err := e.startReadyLoad(ctx, exe, args)
 	if err != nil {

@@ -14,7 +14,7 @@ import (
 	"github.com/idemq/idemq/internal/testenv"
 )
 
-// TestAPIModeTiny runs `idemq bench -workloads api` briefly over every path, against an
+// TestAPIModeTiny runs `idemq-bench -workloads api` briefly over every path, against an
 // idemq binary built from this tree (the load generator is this test binary again): it
 // checks that each path ran without an error, that every accepted request left its
 // intent and that every e2e debit completed, never how fast.
@@ -75,7 +75,7 @@ func TestAPIModeTiny(t *testing.T) {
 	}
 }
 
-// TestAPISustainTiny runs `idemq bench -workloads api -api-sustain` for 20 s at 100
+// TestAPISustainTiny runs `idemq-bench -workloads api -api-sustain` for 20 s at 100
 // debits per second, against an idemq binary built from this tree: it checks that samples
 // were taken, that every accepted debit completed and took effect once, that the repeats
 // got 200 and that no request failed, never how fast.

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
@@ -61,9 +62,15 @@ type Options struct {
 	// always runs, as the base of the ratios.
 	Configs []string
 
-	// Binary is the idemq binary drain mode runs its bare asynq child from (RunDrain).
-	// Default: this executable.
+	// Binary is the idemq binary whose worker and api drain and API modes run (RunDrain,
+	// RunAPI, RunAPISustain) when DrainBinaries or APIOptions.Binaries is empty. No
+	// default: Main builds it from cmd/idemq (-idemq).
 	Binary string
+	// Self is the executable that plays the bench's own child roles: drain mode's bare
+	// asynq (-bare-child), API mode's load generator (-api-child) and memory mode's servers
+	// (-memory-child), each the child flag first among its arguments, then Main's routing.
+	// Default: this executable (idemq-bench, or a test binary that routes ChildEnv).
+	Self string
 	// DrainBinaries are the worker binaries drain mode compares, each at 1 and 3
 	// replicas. Default: Binary.
 	DrainBinaries []string
@@ -132,10 +139,10 @@ func (o *Options) defaults() {
 	if o.IOWait <= 0 {
 		o.IOWait = 10 * time.Millisecond
 	}
-	if o.Binary == "" {
-		o.Binary, _ = os.Executable()
+	if o.Self == "" {
+		o.Self, _ = os.Executable()
 	}
-	if len(o.DrainBinaries) == 0 {
+	if len(o.DrainBinaries) == 0 && o.Binary != "" {
 		o.DrainBinaries = []string{o.Binary}
 	}
 	if o.DrainN <= 0 {
@@ -375,11 +382,36 @@ func newReport(opt Options) *Report {
 	return rep
 }
 
-// Main is `idemq bench`: it parses args, runs, prints the table to stdout (progress to
+// idemqBinary resolves -idemq: the binary at flag, or with build, cmd/idemq built from
+// this repository into a temporary directory that cleanup removes. The bench measures the
+// binary users run, so it never plays idemq's worker or api itself.
+func idemqBinary(ctx context.Context, flag string, progress io.Writer) (bin string, cleanup func(), err error) {
+	if flag != "build" {
+		if _, err := os.Stat(flag); err != nil {
+			return "", nil, fmt.Errorf("bench: -idemq: %w", err)
+		}
+		return flag, func() {}, nil
+	}
+	dir, err := os.MkdirTemp("", "idemq-bench")
+	if err != nil {
+		return "", nil, fmt.Errorf("bench: %w", err)
+	}
+	bin = filepath.Join(dir, "idemq")
+	fmt.Fprintln(progress, "bench: building cmd/idemq (-idemq build)")
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/idemq/idemq/cmd/idemq").CombinedOutput(); err != nil {
+		os.RemoveAll(dir)
+		return "", nil, fmt.Errorf("bench: -idemq build: run inside the repository, or give the binary's path: %w\n%s", err, out)
+	}
+	return bin, func() { os.RemoveAll(dir) }, nil
+}
+
+// Main is idemq-bench: it parses args, runs, prints the table to stdout (progress to
 // stderr) and writes the JSON and the chart where asked.
 //
-// With -memory-child first among args it is instead a memory-mode child (see RunMemory):
-// one asynq server of one configuration on redisURL and databaseURL until ctx ends.
+// With a child flag first among args it is instead one of the bench's own children on
+// redisURL and databaseURL until ctx ends: -memory-child (a memory-mode server, see
+// RunMemory), -bare-child (drain mode's bare asynq, see RunDrain) or -api-child (API
+// mode's load generator, see RunAPI).
 func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && args[0] == childFlag {
 		return runChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
@@ -390,7 +422,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	if len(args) > 0 && args[0] == apiChildFlag {
 		return runAPIChild(ctx, redisURL, databaseURL, args[1:], stdout, stderr)
 	}
-	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs := flag.NewFlagSet("idemq-bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	opt := Options{RedisURL: redisURL, DatabaseURL: databaseURL}
 	workloads := fs.String("workloads", "noop,debit,charge", "comma-separated workloads: noop, debit, charge (the main table), scale (1, 2, 4 servers), io (a handler sleeping -io-wait), latency (no-op tasks arriving at -latency-rate, concurrency 10), dup (every no-op key delivered 3 times); or api alone (the web side: see the -api flags)")
@@ -421,10 +453,11 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.DurationVar(&opt.DrainTimeout, "drain-timeout", 5*time.Minute, "-drain: time limit of one drain")
 	fs.IntVar(&opt.DrainPrefill, "drain-prefill", 5_000_000, "-drain: completed rows in the ledger before each drain of debit-prefilled (about 1.8 GB with its indexes per 5,000,000; written once per run, in a few minutes)")
 	fs.StringVar(&opt.DrainRiver, "drain-river", "", "-drain: also drain debit-distinct and debit-hot through River (configuration river: each debit's entry and its job's completion in one transaction), with the riverdrain binary at `PATH`, or build to build internal/bench/river first (run from the repository root)")
-	drainBinaries := fs.String("drain-binaries", "", "-drain: comma-separated idemq binaries whose `worker` to compare, side by side in one run (default: this one)")
+	drainBinaries := fs.String("drain-binaries", "", "-drain: comma-separated idemq binaries whose `worker` to compare, side by side in one run (default: -idemq)")
 	fs.Float64Var(&opt.API.Seconds, "api-seconds", 10, "-workloads api: how long the load of each throughput sample runs")
 	fs.IntVar(&opt.API.Concurrency, "api-concurrency", 50, "-workloads api: calls in flight of each throughput sample")
-	apiBinaries := fs.String("api-binaries", "", "-workloads api: comma-separated idemq binaries whose api (and worker, for e2e) to compare side by side (default: this one)")
+	apiBinaries := fs.String("api-binaries", "", "-workloads api: comma-separated idemq binaries whose api (and worker, for e2e) to compare side by side (default: -idemq)")
+	idemqBin := fs.String("idemq", "build", "-drain and -workloads api: the idemq binary whose worker and api they run, at `PATH`, or build to build cmd/idemq into a temporary directory first (run inside the repository)")
 	apiPaths := fs.String("api-paths", strings.Join(APIPathNames, ","), "-workloads api: paths: api (POST /v1/charges to idemq api), asynq (asynq's client), insert (one INSERT per request), enqueue and enqueuetx (the outbox client from Go), e2e (debits through the api to a worker at -api-e2e-rate)")
 	fs.Float64Var(&opt.API.E2ERate, "api-e2e-rate", 20, "-workloads api: debits per second of the e2e path")
 	fs.Float64Var(&opt.API.E2ESeconds, "api-e2e-seconds", 10, "-workloads api: how long the e2e path sends")
@@ -433,7 +466,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.DurationVar(&opt.API.SustainEvery, "api-sustain-every", 30*time.Second, "-workloads api -api-sustain: time between samples")
 	privatePG := fs.Bool("private-postgres", false, "run against a Postgres of its own (a fresh cluster on a free loopback port, Postgres's defaults but fsync on and shared_buffers 128MB, autovacuum on) instead of DATABASE_URL's")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage: idemq bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq bench -workloads api -write-docs\nThe web side sustained (about 12 minutes): idemq bench -workloads api -api-sustain 10m -write-docs\n\nFlags:")
+		fmt.Fprintln(fs.Output(), "Usage: idemq-bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq-bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq-bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq-bench -workloads api -write-docs\nThe web side sustained (about 12 minutes): idemq-bench -workloads api -api-sustain 10m -write-docs\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -498,6 +531,14 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		}
 		opt.API.Paths = splitList(*apiPaths)
 		opt.API.Binaries = splitList(*apiBinaries)
+		if len(opt.API.Binaries) == 0 && (opt.API.Sustain > 0 || slices.Contains(opt.API.Paths, APIPathAPI) || slices.Contains(opt.API.Paths, APIPathE2E)) {
+			bin, cleanup, err := idemqBinary(ctx, *idemqBin, stderr)
+			if err != nil {
+				return err
+			}
+			defer cleanup()
+			opt.Binary = bin
+		}
 		if opt.API.Sustain > 0 {
 			if *writeDocs && *jsonPath == "" {
 				*jsonPath = filepath.Join("docs", "bench-api-sustain.json")
@@ -539,6 +580,14 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		}
 		if *writeDocs && *jsonPath == "" {
 			*jsonPath = filepath.Join("docs", "bench-drain.json")
+		}
+		if len(opt.DrainBinaries) == 0 {
+			bin, cleanup, err := idemqBinary(ctx, *idemqBin, stderr)
+			if err != nil {
+				return err
+			}
+			defer cleanup()
+			opt.Binary = bin
 		}
 		if opt.DrainRiver == "build" {
 			bin, err := buildRiverdrain(ctx)

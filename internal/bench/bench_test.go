@@ -30,13 +30,13 @@ func envOr(name, def string) string {
 	return def
 }
 
-// TestMain lets memory mode re-run this test binary as its child: with ChildEnv set, the
-// binary is the child, not the tests.
+// TestMain lets memory and API modes re-run this test binary as their child: with
+// ChildEnv set, the binary is the child, not the tests.
 func TestMain(m *testing.M) {
 	if os.Getenv(ChildEnv) == "1" {
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-		// The arguments are the child's, after "bench".
-		err := Main(ctx, os.Getenv("REDIS_URL"), os.Getenv("DATABASE_URL"), os.Args[2:], os.Stdout, os.Stderr)
+		// The arguments are the child's, its flag first.
+		err := Main(ctx, os.Getenv("REDIS_URL"), os.Getenv("DATABASE_URL"), os.Args[1:], os.Stdout, os.Stderr)
 		stop()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench child:", err)
@@ -47,7 +47,7 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// TestMainTiny runs `idemq bench` at a tiny size over every workload: it checks that the
+// TestMainTiny runs `idemq-bench` at a tiny size over every workload: it checks that the
 // command runs end to end and writes its table, JSON and chart, never how fast.
 func TestMainTiny(t *testing.T) {
 	t.Parallel()
@@ -92,7 +92,7 @@ func TestMainTiny(t *testing.T) {
 	}
 }
 
-// TestMemoryTiny runs `idemq bench -memory` at a tiny size: each configuration in a
+// TestMemoryTiny runs `idemq-bench -memory` at a tiny size: each configuration in a
 // child process (this test binary again), the table and JSON written. It checks the
 // report's shape, never how much memory anything took.
 func TestMemoryTiny(t *testing.T) {

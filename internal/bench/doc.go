@@ -21,7 +21,7 @@
 // profiles at the end of the warm-up and of the load, to compare with
 // go tool pprof -diff_base.
 //
-// `idemq bench` is the command; Main parses its flags and Run does the work:
+// idemq-bench (cmd/idemq-bench) is the command; Main parses its flags and Run does the work:
 //
 //	report, err := bench.Run(ctx, bench.Options{RedisURL: r, DatabaseURL: d, Reps: 3, Seconds: 2}, os.Stderr)
 //	report.WriteTable(os.Stdout)

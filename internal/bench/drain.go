@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -30,7 +31,7 @@ import (
 
 // Drain mode measures the binaries users run: `idemq worker` processes (1 and 3
 // replicas, their defaults but IDEMQ_CONCURRENCY) against bare asynq in a process of its
-// own (bench -bare-child: default asynq.Config but Concurrency, a default pgx pool, each
+// own (idemq-bench -bare-child: default asynq.Config but Concurrency, a default pgx pool, each
 // debit's INSERT in its own transaction, each charge the same HTTP call to the provider),
 // on the same tasks from a plain asynq client (no TaskID, no idemq header), paired per
 // repetition.
@@ -180,6 +181,9 @@ type DrainSample struct {
 // configuration (the order rotated each repetition), each draining the same tasks.
 func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSample, error) {
 	opt.defaults()
+	if len(opt.DrainBinaries) == 0 {
+		return nil, errors.New("bench: drain mode runs idemq worker: no idemq binary (Options.Binary, -idemq)")
+	}
 	e, err := setup(ctx, opt)
 	if err != nil {
 		return nil, err
@@ -260,7 +264,7 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 	cpu0 := e.probe.snap(ctx)
 	switch cfg.binary {
 	case "":
-		if err := start(opt.Binary, []string{"bench", bareChildFlag, "-concurrency", strconv.Itoa(conc), "-fakepay", e.fakepay.URL}); err != nil {
+		if err := start(opt.Self, []string{bareChildFlag, "-concurrency", strconv.Itoa(conc), "-fakepay", e.fakepay.URL}, ChildEnv+"=1"); err != nil {
 			return s, err
 		}
 	default:

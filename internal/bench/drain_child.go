@@ -22,7 +22,7 @@ import (
 // transaction of its own; for charges the same HTTP call to the provider the worker makes.
 // No lock, no ledger. It serves until ctx ends.
 func runBareChild(ctx context.Context, redisURL, databaseURL string, args []string, _, stderr io.Writer) error {
-	fs := flag.NewFlagSet("bench "+bareChildFlag, flag.ContinueOnError)
+	fs := flag.NewFlagSet("idemq-bench "+bareChildFlag, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	conc := fs.Int("concurrency", 10, "asynq concurrency")
 	fakepayURL := fs.String("fakepay", "", "the provider's base URL (charges)")

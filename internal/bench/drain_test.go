@@ -3,13 +3,19 @@ package bench
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/idemq/idemq/internal/testenv"
 )
 
 // The Zipf workload is skewed as Zipf(1.1) over 1,000 scopes is: the hottest scope takes
@@ -116,5 +122,44 @@ func TestDrainTablePairsWithRiver(t *testing.T) {
 		if got != want {
 			t.Errorf("%s: River among the configurations %v, want %v", name, got, want)
 		}
+	}
+}
+
+// TestDrainTiny runs `idemq-bench -drain` at its smallest: bare asynq in a child of its
+// own (this test binary again) and `idemq worker` at 1 and 3 replicas, from an idemq
+// binary built from this tree (-idemq build), drain the same 100 debits. It checks that
+// every configuration drained every key once, never how fast.
+func TestDrainTiny(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 3*time.Minute)
+	jsonPath := filepath.Join(t.TempDir(), "bench-drain.json")
+	var out, progress bytes.Buffer
+	err := Main(ctx, envOr("REDIS_URL", testenv.DefaultRedisURL), envOr("DATABASE_URL", testenv.DefaultDatabaseURL),
+		[]string{"-drain", "-reps", "1", "-drain-n", "100", "-drain-concurrency", "10", "-drain-workloads", "debit-distinct",
+			"-idemq", "build", "-json", jsonPath}, &out, &progress)
+	if err != nil {
+		t.Fatalf("bench -drain: %v\nprogress:\n%s", err, progress.String())
+	}
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep struct{ Samples []DrainSample }
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatalf("decode %s: %v", jsonPath, err)
+	}
+	var configs []string
+	for _, s := range rep.Samples {
+		configs = append(configs, s.Config)
+		if s.Keys != 100 || s.Effects != s.Keys || s.PerSecond <= 0 {
+			t.Errorf("%s: %d keys, %d effects, %.0f deliveries/s; want 100 keys, one effect each", s.Config, s.Keys, s.Effects, s.PerSecond)
+		}
+	}
+	slices.Sort(configs)
+	if want := []string{DrainBare, "worker×1", "worker×3"}; !slices.Equal(configs, want) {
+		t.Errorf("configurations = %v, want %v", configs, want)
+	}
+	if !strings.Contains(out.String(), "| worker×3 |") {
+		t.Errorf("table has no worker×3 row:\n%s", out.String())
 	}
 }

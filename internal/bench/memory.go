@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -19,7 +20,7 @@ import (
 )
 
 // Memory mode runs each configuration's asynq server in a process of its own (this
-// binary again, as `idemq bench -memory-child`), so that its resident set is its own:
+// binary again, as `idemq-bench -memory-child`), so that its resident set is its own:
 // this process enqueues MemoryTasks no-op tasks in chunks while it reads the child's
 // VmRSS every memorySampleEvery and its VmHWM (peak) at the end of the load.
 const (
@@ -102,9 +103,9 @@ type memoryChild struct {
 func RunMemory(ctx context.Context, opt Options, progress io.Writer) (*Report, error) {
 	opt.defaults()
 	rep := newReport(opt)
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, fmt.Errorf("bench: memory mode re-runs this binary: %w", err)
+	exe := opt.Self
+	if exe == "" {
+		return nil, errors.New("bench: memory mode re-runs this binary: its path is unknown")
 	}
 	if _, err := readStatus(os.Getpid()); err != nil {
 		return nil, fmt.Errorf("bench: memory mode reads /proc/<pid>/status: %w", err)
@@ -148,7 +149,7 @@ func (e *env) memoryRun(ctx context.Context, exe, config string, m *MemoryReport
 	if err := e.reset(ctx); err != nil {
 		return r, err
 	}
-	args := []string{"bench", childFlag, "-config", config, "-concurrency", strconv.Itoa(m.Concurrency), "-pool", strconv.Itoa(m.PoolPerServer)}
+	args := []string{childFlag, "-config", config, "-concurrency", strconv.Itoa(m.Concurrency), "-pool", strconv.Itoa(m.PoolPerServer)}
 	if profileDir != "" {
 		r.Memprofile = filepath.Join(profileDir, "memory-"+config+".pprof")
 		r.MemprofileWarm = warmProfile(r.Memprofile)

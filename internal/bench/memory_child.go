@@ -20,14 +20,15 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// childFlag, first among `idemq bench`'s arguments, makes the process a memory-mode
+// childFlag, first among idemq-bench's arguments, makes the process a memory-mode
 // child: one asynq server of one configuration, nothing else, until SIGTERM.
 const childFlag = "-memory-child"
 
-// ChildEnv is set to "1" in a memory-mode child's environment, with REDIS_URL and
+// ChildEnv is set to "1" in the environment of the bench's own children (memory mode's
+// servers, drain mode's bare asynq, API mode's load generator), with REDIS_URL and
 // DATABASE_URL naming the run's leased Redis database and private schema. A binary that
-// does not route `bench -memory-child` to Main (a test binary) checks it first and calls
-// Main with REDIS_URL, DATABASE_URL and its arguments after the first.
+// does not route its arguments to Main (a test binary) checks it first and calls Main
+// with REDIS_URL, DATABASE_URL and its arguments.
 const ChildEnv = "IDEMQ_BENCH_MEMORY_CHILD"
 
 // The lines a child writes to stdout, one per line:
@@ -57,7 +58,7 @@ type childStats struct {
 // on the leased Redis database at redisURL (and the schema at databaseURL for the full
 // stack) until ctx ends, reporting progress on stdout.
 func runChild(ctx context.Context, redisURL, databaseURL string, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("bench "+childFlag, flag.ContinueOnError)
+	fs := flag.NewFlagSet("idemq-bench "+childFlag, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	config := fs.String("config", ConfigBare, "configuration: A, E or F")
 	concurrency := fs.Int("concurrency", 50, "asynq concurrency")

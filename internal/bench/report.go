@@ -132,9 +132,9 @@ func (r *Report) workloadLabel(row Row) string {
 func (r *Report) WriteTable(w io.Writer) error {
 	var b strings.Builder
 	if len(r.Rows) == 0 && r.Memory != nil {
-		b.WriteString("idemq bench -memory: ")
+		b.WriteString("idemq-bench -memory: ")
 	} else {
-		fmt.Fprintf(&b, "idemq bench: %d rep(s), concurrency %d per server, ", r.Options.Reps, r.Options.Concurrency)
+		fmt.Fprintf(&b, "idemq-bench: %d rep(s), concurrency %d per server, ", r.Options.Reps, r.Options.Concurrency)
 	}
 	fmt.Fprintf(&b, "%d CPUs, %s, wall %.0fs, started %s (load %s)",
 		r.Host.CPUs, r.Host.GoVersion, r.WallSeconds, r.Started.Format("2006-01-02 15:04 MST"), r.Host.Load)

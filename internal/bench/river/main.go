@@ -1,7 +1,7 @@
 // Command riverdrain drains wallet debits through River (github.com/riverqueue/river,
 // the riverpgxv5 driver), each exactly once the way River's documentation has it: the
 // worker writes the debit's wallet entry and completes its job (river.JobCompleteTx) in
-// one transaction. It is `idemq bench -drain -drain-river`'s comparison, in a module of
+// one transaction. It is `idemq-bench -drain -drain-river`'s comparison, in a module of
 // its own so that idemq's module does not depend on River.
 //
 // Usage:
