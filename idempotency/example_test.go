@@ -2,65 +2,21 @@ package idempotency_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log"
-	"os"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/migrations"
+	"github.com/idemq/idemq/internal/testenv"
 )
 
-// exampleDB returns a pool on a fresh, migrated schema of the database at DATABASE_URL
-// (default: a local Postgres), and a function that drops it.
-func exampleDB(ctx context.Context) (*pgxpool.Pool, func()) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
-	}
-	b := make([]byte, 6)
-	rand.Read(b)
-	schema := "idemq_example_" + hex.EncodeToString(b)
-	admin, err := pgx.Connect(ctx, url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-		log.Fatal(err)
-	}
-	drop := func() {
-		conn, err := pgx.Connect(context.Background(), url)
-		if err == nil {
-			conn.Exec(context.Background(), "DROP SCHEMA "+schema+" CASCADE")
-			conn.Close(context.Background())
-		}
-	}
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	db := stdlib.OpenDB(*cfg.ConnConfig)
-	defer db.Close()
-	if _, err := migrations.Up(ctx, db); err != nil {
-		drop()
-		log.Fatal(err)
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		drop()
-		log.Fatal(err)
-	}
-	return pool, func() { pool.Close(); drop() }
-}
+// exampleDB returns a pool on a fresh schema of the test database, migrated, and a
+// function that closes it and drops the schema.
+func exampleDB(context.Context) (*pgxpool.Pool, func()) { return testenv.ExamplePostgres(true) }
 
 // DoTx puts the effect and the completion in one transaction: the second delivery of the
 // same key gets the stored result and writes nothing.

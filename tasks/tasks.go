@@ -1,12 +1,3 @@
-// Package tasks defines idemq's example task types: their names, payloads, the keys and
-// lock scopes derived from them, and constructors that set asynq's options.
-//
-// A key comes from intent, never from randomness: charging order 123 is always
-// "charge:123", however often it is enqueued or retried. The key is asynq's TaskID for
-// the first publish, the ledger key and the idempotency key handed to the provider.
-//
-//	t, err := tasks.NewChargeTask(tasks.Charge{OrderID: "123", CustomerID: "42", AmountCents: 1999, Currency: "EUR"})
-//	info, dup, err := tasks.Enqueue(ctx, client, t)
 package tasks
 
 import (

@@ -1,13 +1,3 @@
-// Package groupcommit shares transactions among concurrent callers, as the outbox's
-// Enqueue does with its intents: each caller queues its request and waits, and a round
-// sends whatever is queued in one transaction of the caller's own making (Config.Send).
-// A round the server refuses because of one request is sent again in halves, down to
-// that request. A COMMIT whose answer is lost (the connection broke after it was sent) is
-// resolved by transaction id (Commit), so that a round is never reported as done when it
-// did not commit, nor as failed when it did.
-//
-// The reference API's accept path (POST /v1/…) uses it to record its own rows with the
-// outbox's intents (outbox.Client.EnqueueManyTx) in one transaction per round.
 package groupcommit
 
 import (

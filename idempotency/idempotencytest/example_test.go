@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/idempotencytest"
+	"github.com/idemq/idemq/internal/testenv"
 )
 
 // Refund is an application's own job: refund an order, once.
@@ -75,4 +76,28 @@ func Example() {
 		idempotencytest.Run(t, cfg, refunds)
 	}
 	_ = testRefunds // func TestRefunds(t *testing.T) { … } in the application's tests
+}
+
+// Verify runs one schedule and returns what it saw, here four deliveries of one refund at
+// once on two worker processes: one refund row, and no problem.
+func ExampleVerify() {
+	ctx := context.Background()
+	pool, dropSchema := testenv.ExamplePostgres(true) // migrated with idemq's migrations
+	defer dropSchema()
+	rdb, releaseRedis := testenv.ExampleRedis()
+	defer releaseRedis()
+	if _, err := pool.Exec(ctx, `CREATE TABLE refunds (order_id text, cents bigint)`); err != nil { // the application's
+		fmt.Println(err)
+		return
+	}
+
+	cfg, refunds := refundHarness(pool, rdb)
+	rep, err := idempotencytest.Verify(ctx, cfg, refunds, idempotencytest.ConcurrentDuplicates)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Printf("%s: effects %d, failed %t, problems %q\n", rep.Schedule, rep.Effects, rep.Failed(), rep.Problems)
+	// Output:
+	// concurrent-duplicates: effects 1, failed false, problems []
 }

@@ -8,14 +8,16 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency/pgpooler"
+	"github.com/idemq/idemq/internal/testenv"
 )
 
 // Check at start whether DATABASE_URL reaches a transaction-mode pooler, where a LISTEN
 // or a session advisory lock would silently do nothing.
 func ExampleDetect() {
-	cfg, err := pgx.ParseConfig("postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable")
+	cfg, err := pgx.ParseConfig(testenv.ServerURL()) // DATABASE_URL: Postgres itself here
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -24,7 +26,10 @@ func ExampleDetect() {
 		fmt.Println("cannot tell:", err)
 		return
 	}
+	fmt.Println("reaches:", kind)
 	if kind == pgpooler.TransactionPooler {
 		fmt.Println("use a direct URL for LISTEN and migrations")
 	}
+	// Output:
+	// reaches: direct
 }

@@ -1,10 +1,3 @@
-// Package pgpooler tells whether a Postgres connection configuration reaches Postgres
-// itself, a pooler that gives each client a server connection for its whole session, or a
-// transaction-mode pooler (PgBouncer's pool_mode=transaction) that hands each transaction
-// whichever server connection is free. Behind the last, session state is lost between
-// transactions: a LISTEN goes deaf (and pins a server connection), a session advisory
-// lock (goose's migration lock) protects nothing, and named prepared statements meet the
-// wrong connection.
 package pgpooler
 
 import (

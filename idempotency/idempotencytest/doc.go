@@ -1,0 +1,39 @@
+// Package idempotencytest proves, from go test, that a user's own handlers take effect
+// exactly once under what exactly-once exists for: duplicate deliveries, crashes before
+// and after the effect, a stale worker that wakes after its lease, an error returned after
+// the effect, Redis losing the task and the lock, and shared commits that partly fail.
+//
+// The harness runs each case through real asynq servers and the real middleware
+// (asynqmw.Worker) against the caller's real Postgres and Redis, one named schedule at a
+// time, and then checks the case's effect counter: exactly 1, and every delivery that
+// succeeded answered the same result. A crash is a whole worker process dying as under
+// kill -9: its delivery's goroutine never returns (no deferred function, no completion,
+// no lock release), its Postgres sessions are terminated by the server without a
+// ROLLBACK (pg_terminate_backend), its Redis connections and heartbeats stop, and asynq
+// hands the task back; another worker process delivers it again. See Schedule for each
+// schedule.
+//
+// Keys are not prefixed: the ledger key is the provider's idempotency key. Each schedule
+// gives the case a fresh id to build the job (and so its key) from, and refuses a key
+// that another running schedule uses.
+//
+// In the application's tests, with its handlers registered as its worker registers them:
+//
+//	func TestRefundsTakeEffectOnce(t *testing.T) {
+//		pool, rdb := testPostgres(t), testRedis(t) // migrated with idemq's migrations and the app's
+//		cfg := idempotencytest.Config{Pool: pool, Redis: rdb,
+//			Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
+//				mux.Handle("billing:refund", asynqmw.Transactional(w, "billing:refund", decodeRefund, refund))
+//			}}
+//		idempotencytest.Run(t, cfg, idempotencytest.Case{
+//			Name: "refund",
+//			Task: func(id string) (*asynq.Task, error) { return newRefundTask("o-" + id) },
+//			Effects: func(ctx context.Context, id string) (n int, err error) {
+//				err = pool.QueryRow(ctx, `SELECT count(*) FROM refunds WHERE order_id = $1`, "o-"+id).Scan(&n)
+//				return n, err
+//			},
+//		})
+//	}
+//
+// Verify runs one schedule outside a test and returns its Report.
+package idempotencytest

@@ -1,0 +1,41 @@
+// Package migrations holds idemq's versioned SQL and applies it with goose.
+//
+// The SQL comes in two sets, both embedded, so the binary carries its schema:
+//
+//   - the core set (this directory): the ledger (processed_jobs), the outbox (job_intents,
+//     redis_epochs) and the API's memory of Idempotency-Key headers
+//     (api_idempotency_keys). Up applies it and records its versions in idemq_db_version.
+//   - the example set (the example directory): the tables of the example handlers and of
+//     the stand-in payment provider (wallet_entries, fakepay_requests, fakepay_charges).
+//     `idemq migrate` applies it after the core set; UpExample applies it and records its
+//     versions in idemq_example_db_version. Up never creates these tables: an
+//     application using the library does not need them.
+//
+// A library user applies the core set beside the application's own migrations:
+//
+//	db := stdlib.OpenDBFromPool(pool) // any *sql.DB whose connections use the schema
+//	defer db.Close()
+//	if _, err := migrations.Up(ctx, db); err != nil {
+//		return err
+//	}
+//
+// Neither set reads or writes goose's default version table (goose_db_version) or takes
+// goose's default lock, so an application that migrates its own schema with goose can run
+// idemq's migrations before its own, after them, or from inside one of its own
+// migrations.
+//
+// Two processes migrating one schema at once are serialised by a Postgres session
+// advisory lock whose id is derived from "idemq-migrations:" and the schema's name, so
+// running `idemq migrate` from every replica is safe, and migrations of different schemas
+// (parallel tests) do not wait for each other. A caller waits for another migrator for up
+// to 5 minutes.
+//
+// Before idemq had version tables of its own, both sets were recorded in goose's
+// default table, goose_db_version. Such a schema is carried over the first time a
+// provider of this package takes its lock (Up, UpExample, a provider's Up, UpTo or
+// Status): the versions an older idemq applied are recorded in idemq's version tables, so
+// nothing runs again, and goose_db_version is left as it is. Which versions those are is
+// read from the schema's objects (processed_jobs for the core set, fakepay_requests for
+// the example's, then each later migration's table, column or constraint), never from
+// goose_db_version, whose rows may be the application's under the same numbers.
+package migrations
