@@ -8,16 +8,16 @@ import (
 
 // The decoders as they were before decodePlain: decodeStrict alone, then Validate.
 func strictDebit(payload []byte) (Debit, error) {
-	var d Debit
-	if err := decodeStrict(payload, &d); err != nil {
+	d, err := decodeStrict[Debit](payload)
+	if err != nil {
 		return Debit{}, err
 	}
 	return d, d.Validate()
 }
 
 func strictCharge(payload []byte) (Charge, error) {
-	var c Charge
-	if err := decodeStrict(payload, &c); err != nil {
+	c, err := decodeStrict[Charge](payload)
+	if err != nil {
 		return Charge{}, err
 	}
 	c = c.Canonical()

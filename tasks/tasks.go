@@ -1,12 +1,10 @@
 package tasks
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"reflect"
 	"strconv"
 	"strings"
@@ -128,16 +126,15 @@ func (d *Debit) fields() []field {
 
 // DecodeCharge strictly decodes and validates a payment:charge payload and returns it in
 // canonical form (Charge.Canonical): unknown, duplicate and case-variant fields (see
-// CheckFieldNames), trailing data, a payload over idempotency.MaxPayloadBytes and invalid fields are
-// errors that name the problem.
+// idempotency.CheckFieldNames), trailing data, a payload over idempotency.MaxPayloadBytes
+// and invalid fields are errors that name the problem (idempotency.DecodeStrict).
 func DecodeCharge(payload []byte) (Charge, error) {
 	var c Charge
 	if !decodePlain(payload, c.fields()) {
-		var slow Charge
-		if err := decodeStrict(payload, &slow); err != nil {
+		var err error
+		if c, err = decodeStrict[Charge](payload); err != nil {
 			return Charge{}, err
 		}
-		c = slow
 	}
 	c = c.Canonical()
 	return c, c.Validate()
@@ -147,11 +144,10 @@ func DecodeCharge(payload []byte) (Charge, error) {
 func DecodeDebit(payload []byte) (Debit, error) {
 	var d Debit
 	if !decodePlain(payload, d.fields()) {
-		var slow Debit
-		if err := decodeStrict(payload, &slow); err != nil {
+		var err error
+		if d, err = decodeStrict[Debit](payload); err != nil {
 			return Debit{}, err
 		}
-		d = slow
 	}
 	return d, d.Validate()
 }
@@ -224,32 +220,19 @@ func Enqueue(ctx context.Context, c Enqueuer, task *asynq.Task, opts ...asynq.Op
 	return info, false, nil
 }
 
-// decodeStrict decodes payload into v with encoding/json after CheckFieldNames, and
-// explains every refusal; DecodeCharge and DecodeDebit call it for a payload decodePlain
-// does not take.
-func decodeStrict(payload []byte, v any) error {
-	if len(payload) > idempotency.MaxPayloadBytes {
-		return fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), idempotency.MaxPayloadBytes)
-	}
-	if err := CheckFieldNames(payload, v); err != nil {
-		return err
-	}
-	dec := json.NewDecoder(bytes.NewReader(payload))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		var typeErr *json.UnmarshalTypeError
-		if errors.As(err, &typeErr) && typeErr.Field != "" {
-			err = TypeError(typeErr)
-			if _, ok := err.(amountError); ok {
-				return err
-			}
+// decodeStrict decodes payload with idempotency.DecodeStrict, which explains every
+// refusal; an amount_cents too large to decode is refused as Validate refuses an amount
+// over MaxAmountCents. DecodeCharge and DecodeDebit call it for a payload decodePlain does
+// not take.
+func decodeStrict[T any](payload []byte) (T, error) {
+	v, err := idempotency.DecodeStrict[T](payload)
+	var typeErr *json.UnmarshalTypeError
+	if errors.As(err, &typeErr) && typeErr.Field != "" {
+		if amount, ok := TypeError(typeErr).(amountError); ok {
+			return v, amount
 		}
-		return fmt.Errorf("malformed payload: %w", err)
 	}
-	if _, err := dec.Token(); err != io.EOF {
-		return errors.New("malformed payload: data after the JSON object")
-	}
-	return nil
+	return v, err
 }
 
 // checkAmount reports an amount_cents outside 1..MaxAmountCents.

@@ -117,7 +117,7 @@ func (s *Server) postDebit(w http.ResponseWriter, r *http.Request) {
 // never grants. A body larger than MaxBodyBytes is 413, before anything is read when its
 // Content-Length says so (a client waiting on Expect: 100-continue gets no 100 Continue).
 // Malformed JSON, a field sent twice and a case variant of a field's name ("REFERENCE",
-// see tasks.CheckFieldNames) are 400; an unknown field or a value of the wrong type is
+// see idempotency.CheckFieldNames) are 400; an unknown field or a value of the wrong type is
 // 422. Errors name the field, and quote a value at most 24 bytes long (tasks.TypeError):
 // an amount_cents of 50,000 digits is not echoed back.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
@@ -140,7 +140,7 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) bool {
 		writeError(w, http.StatusBadRequest, "body: "+err.Error())
 		return false
 	}
-	if err := tasks.CheckFieldNames(body, v); err != nil {
+	if err := idempotency.CheckFieldNames(body, v); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return false
 	}

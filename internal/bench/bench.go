@@ -48,7 +48,7 @@ type Options struct {
 	// Concurrency is each asynq server's concurrency. Default 50.
 	Concurrency int
 	// PoolBudget is the Postgres connections a measurement's servers share; each server
-	// gets the worker's pool (workerconf.PoolSize), at most PoolBudget/servers, at least
+	// gets the worker's pool (server.PoolSize), at most PoolBudget/servers, at least
 	// 4. Default 40.
 	PoolBudget int
 	// ScaleServers are the server counts of the scale workload. Default 1, 2, 4.

@@ -22,10 +22,10 @@ import (
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/server"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/localserver"
-	"github.com/idemq/idemq/internal/workerconf"
 	"github.com/idemq/idemq/lock"
 	"github.com/idemq/idemq/migrations"
 	"github.com/idemq/idemq/tasks"
@@ -161,11 +161,11 @@ type stack struct {
 	commits, rows atomic.Int64
 }
 
-// poolSize is each server's Postgres pool: the worker's (workerconf.PoolSize), within a
+// poolSize is each server's Postgres pool: the worker's (server.PoolSize), within a
 // budget of Options.PoolBudget connections shared by the servers (the shared Postgres
 // allows 100 clients in all).
 func (e *env) poolSize(servers int) int32 {
-	return max(4, min(workerconf.PoolSize(e.opt.Concurrency, runtime.GOMAXPROCS(0)), int32(e.opt.PoolBudget/servers)))
+	return max(4, min(server.PoolSize(e.opt.Concurrency, runtime.GOMAXPROCS(0)), int32(e.opt.PoolBudget/servers)))
 }
 
 func (e *env) newStack(ctx context.Context, servers int) (*stack, error) {
@@ -478,9 +478,9 @@ wait:
 }
 
 // serverConfig is the asynq configuration of every server a measurement starts: the
-// worker binary's (workerconf.AsynqConfig).
+// worker binary's (server.AsynqConfig).
 func serverConfig(concurrency int) asynq.Config {
-	cfg := workerconf.AsynqConfig(concurrency, map[string]int{tasks.Queue: 1}, 10*time.Second)
+	cfg := server.AsynqConfig(concurrency, map[string]int{tasks.Queue: 1}, 10*time.Second)
 	cfg.LogLevel = asynq.ErrorLevel
 	return cfg
 }

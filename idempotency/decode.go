@@ -1,15 +1,83 @@
-package tasks
+package idempotency
 
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"reflect"
 	"slices"
 	"strings"
 	"sync"
 	"unicode"
 )
+
+// DecodeStrict decodes the JSON object payload into a T (a struct) and refuses, with an
+// error that names the problem, what encoding/json would let through: a payload over
+// MaxPayloadBytes, a field T does not have, a field sent twice or under a case variant
+// of its name (see CheckFieldNames), a value of the wrong type (the error names the
+// field and quotes at most 24 bytes of the value), and data after the object. It only
+// decodes: validating the fields is the caller's. A refusal is permanent: a task whose
+// payload it refuses can never run, so asynqmw archives it with the reason.
+//
+// An error for a value of the wrong type wraps the *json.UnmarshalTypeError. DecodeStrict
+// is safe for concurrent use.
+func DecodeStrict[T any](payload []byte) (T, error) {
+	var v T
+	if len(payload) > MaxPayloadBytes {
+		return v, fmt.Errorf("payload is %d bytes; the limit is %d", len(payload), MaxPayloadBytes)
+	}
+	if err := CheckFieldNames(payload, &v); err != nil {
+		return v, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(payload))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&v); err != nil {
+		var typeErr *json.UnmarshalTypeError
+		if errors.As(err, &typeErr) && typeErr.Field != "" {
+			err = fieldTypeError{typeErr}
+		}
+		var zero T
+		return zero, fmt.Errorf("malformed payload: %w", err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		var zero T
+		return zero, errors.New("malformed payload: data after the JSON object")
+	}
+	return v, nil
+}
+
+// fieldTypeError is a JSON value of the wrong type (or out of range) for a field, named
+// by the field: "amount_cents: must be a JSON whole number, got string".
+type fieldTypeError struct{ e *json.UnmarshalTypeError }
+
+func (f fieldTypeError) Unwrap() error { return f.e }
+
+func (f fieldTypeError) Error() string {
+	got := f.e.Value
+	if num, ok := strings.CutPrefix(got, "number "); ok {
+		got = "number " + cutValue(num)
+	}
+	want := f.e.Type.Kind().String()
+	switch f.e.Type.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		want = "whole number"
+	case reflect.Float32, reflect.Float64:
+		want = "number"
+	}
+	return fmt.Sprintf("%s: must be a JSON %s, got %s", f.e.Field, want, got)
+}
+
+// cutValue is v cut to 24 bytes, followed by its length when it was longer, so that an
+// error never echoes a huge value back.
+func cutValue(v string) string {
+	if len(v) <= 24 {
+		return v
+	}
+	return fmt.Sprintf("%s… (%d characters)", v[:24], len(v))
+}
 
 // CheckFieldNames reports the first top-level field of the JSON object payload that
 // appears more than once, or that encoding/json would decode into a field of v although

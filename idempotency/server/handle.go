@@ -1,0 +1,89 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+
+	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/asynqmw"
+)
+
+// HandleOption changes how HandleTx and HandleLeased read a task of type T.
+type HandleOption[T idempotency.Job] func(*handleConfig[T])
+
+type handleConfig[T idempotency.Job] struct {
+	decode func(payload []byte) (T, error)
+}
+
+// WithDecoder makes decode read the task's payload in place of the default (Decode). An
+// error from it archives the task with the reason, with no ledger row.
+func WithDecoder[T idempotency.Job](decode func(payload []byte) (T, error)) HandleOption[T] {
+	return func(c *handleConfig[T]) { c.decode = decode }
+}
+
+// Decode is the payload decoder HandleTx and HandleLeased use by default:
+// idempotency.DecodeStrict, then the job's Validate method when it has one
+// (Validate() error, on T or *T).
+func Decode[T idempotency.Job](payload []byte) (T, error) {
+	v, err := idempotency.DecodeStrict[T](payload)
+	if err != nil {
+		return v, err
+	}
+	if j, ok := any(&v).(interface{ Validate() error }); ok {
+		if err := j.Validate(); err != nil {
+			var zero T
+			return zero, err
+		}
+	}
+	return v, nil
+}
+
+func decoder[T idempotency.Job](opts []HandleOption[T]) func([]byte) (T, error) {
+	c := handleConfig[T]{decode: Decode[T]}
+	for _, o := range opts {
+		o(&c)
+	}
+	return c.decode
+}
+
+// HandleTx registers fn for tasks of taskType as a transactional job
+// (asynqmw.Transactional): fn's writes in tx and the key's completion commit in one
+// transaction, so its effect happens exactly once. fn must do no external I/O, and may
+// run more than once per delivery (its writes rolled back in between). The payload is
+// read with Decode unless an option says otherwise. It panics if taskType is empty or
+// already registered, or once Run has started.
+func HandleTx[T idempotency.Job](s *Server, taskType string, fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
+	s.Handle(taskType, asynqmw.Transactional(s.worker, taskType, decoder(opts), fn))
+}
+
+// HandleLeased registers fn for tasks of taskType as a leased job (asynqmw.Leased): the
+// claim commits first, fn runs under a heartbeated lease with the key in its context
+// (idempotency.FromContext), to hand to an external provider as its idempotency key, and
+// its result is completed, fenced. The payload is read with Decode unless an option says
+// otherwise. It panics like HandleTx.
+func HandleLeased[T idempotency.Job](s *Server, taskType string, fn func(ctx context.Context, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
+	s.Handle(taskType, asynqmw.Leased(s.worker, taskType, decoder(opts), fn))
+}
+
+// Handle registers h, as it is, for tasks of taskType: neither the lock nor the ledger
+// guard it. HandleTx and HandleLeased register through it. It panics if taskType is
+// empty or already registered, or once Run has started.
+func (s *Server) Handle(taskType string, h asynq.Handler) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case taskType == "":
+		panic("server: Handle: empty task type")
+	case slices.Contains(s.types, taskType):
+		panic(fmt.Sprintf("server: Handle: task type %q registered twice", taskType))
+	case s.started:
+		panic(fmt.Sprintf("server: Handle(%q) after Run", taskType))
+	}
+	s.mux.Handle(taskType, h)
+	s.types = append(s.types, taskType)
+}
