@@ -113,7 +113,7 @@ func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, e
 	switch {
 	case clientGone(ctx):
 		s.log.DebugContext(ctx, "api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
-	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || isQueryCanceled(err):
+	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || idempotency.IsQueryCanceled(err):
 		s.log.WarnContext(ctx, "api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": timed out; retry later")
 	case idempotency.IsUnavailable(err):
