@@ -25,8 +25,8 @@ const wakeChannel = "idemq_outbox"
 // arguments each time (an unnamed statement) instead of reusing a generic plan: a generic
 // plan made while job_intents was small (a new deployment, an emptied table) scans the
 // whole table for a few keys until the next ANALYZE, which under load comes minutes later.
-// The outbox's own statements on job_intents use it.
-const PlanEach = store.PlanEach
+// The outbox's own statements that look up intents by key are sent so.
+const PlanEach = pgx.QueryExecModeCacheDescribe
 
 // intentRow is an intent taken for publishing (or republishing).
 type intentRow struct {
