@@ -89,6 +89,16 @@ func IsUnavailable(err error) bool {
 	return errors.Is(err, ErrUnavailable) || pgcode.Unavailable(err)
 }
 
+// IsLockTimeout reports whether err says that Postgres gave up waiting for a lock that
+// another transaction holds (SQLSTATE 55P03, lock_not_available: the wait reached the
+// lock_timeout, or the statement asked not to wait).
+func IsLockTimeout(err error) bool { return pgcode.Is(err, pgcode.LockNotAvailable) }
+
+// IsQueryCanceled reports whether err says that Postgres cancelled the statement
+// (SQLSTATE 57014, query_canceled: it ran past its statement_timeout, or a cancel request
+// reached it). The connection survives it.
+func IsQueryCanceled(err error) bool { return pgcode.Is(err, pgcode.QueryCanceled) }
+
 // unreachable reports whether err, a ledger write's error, says that Postgres could not
 // be reached or did not answer in time while caller had not ended (see asUnavailable).
 func unreachable(caller context.Context, err error) bool {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/commit"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Intent states (the job_intents.state column).
@@ -210,7 +212,7 @@ func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueRe
 	return res[0], errs[0]
 }
 
-// IntentInfo is an intent's row, for the API and operators.
+// IntentInfo is an intent's row (job_intents), for the API and operators.
 type IntentInfo struct {
 	Key               string
 	TaskType          string
@@ -235,9 +237,13 @@ func (i *IntentInfo) TraceID() string {
 	return sc.TraceID().String()
 }
 
-const intentInfoSQL = `SELECT idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),
-	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch'), coalesce(trace_parent, '')
-	FROM job_intents WHERE idempotency_key = $1`
+// DB is what the package's functions run their statements on: a *pgxpool.Pool, a
+// *pgx.Conn or a pgx.Tx.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
 
 // Intent returns key's intent, or an error wrapping ErrNotFound.
 func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
@@ -249,49 +255,40 @@ func (c *Client) Intent(ctx context.Context, key string) (*IntentInfo, error) {
 func ReadIntent(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, key string) (*IntentInfo, error) {
-	var i IntentInfo
-	err := q.QueryRow(ctx, intentInfoSQL, key).Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration,
-		&i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt, &i.TraceParent)
+	i, err := store.ReadIntent(ctx, q, key)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w: no intent for %q", idempotency.ErrNotFound, key)
 	}
 	if err != nil {
 		return nil, err
 	}
-	i.zeroEpochs()
-	return &i, nil
+	info := IntentInfo(i)
+	return &info, nil
 }
-
-const unfinishedIntentsSQL = `SELECT idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),
-	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch')
-	FROM job_intents WHERE state IN ('pending', 'published') ORDER BY created_at LIMIT $1`
 
 // UnfinishedIntents returns up to limit intents still pending or published (accepted, not
 // yet completed or failed), oldest first.
 func (c *Client) UnfinishedIntents(ctx context.Context, limit int) ([]IntentInfo, error) {
-	rows, err := c.pool.Query(ctx, unfinishedIntentsSQL, limit)
+	rows, err := store.UnfinishedIntents(ctx, c.pool, limit)
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (IntentInfo, error) {
-		var i IntentInfo
-		err := row.Scan(&i.Key, &i.TaskType, &i.State, &i.PublishGeneration, &i.LastError, &i.CreatedAt, &i.PublishedAt, &i.FinishedAt)
-		i.zeroEpochs()
-		return i, err
-	})
+	out := make([]IntentInfo, len(rows))
+	for i, r := range rows {
+		out[i] = IntentInfo(r)
+	}
+	return out, nil
+}
+
+// IntentQueues returns the queue each of keys' intents was recorded for, by key, as q
+// (a pool, a connection, a transaction) sees them; a key without an intent is absent.
+func IntentQueues(ctx context.Context, q DB, keys []string) (map[string]string, error) {
+	return store.IntentQueues(ctx, q, keys)
 }
 
 // TaskID is the asynq TaskID of the intent's current publish: the key, or key#r<n> after
 // n republishes.
 func (i *IntentInfo) TaskID() string { return taskID(i.Key, i.PublishGeneration) }
-
-func (i *IntentInfo) zeroEpochs() {
-	for _, t := range []*time.Time{&i.PublishedAt, &i.FinishedAt} {
-		if t.Unix() == 0 {
-			*t = time.Time{}
-		}
-	}
-}
 
 // Wake asks every relay to look for pending intents now (this Client's at once, the others
 // by a NOTIFY outside any transaction); call it after committing EnqueueTx. A Client sends at most one per 20 ms:
@@ -332,7 +329,7 @@ func (c *Client) signal() {
 const wakeEvery = 20 * time.Millisecond
 
 func (c *Client) notify(ctx context.Context) {
-	if _, err := c.pool.Exec(ctx, `SELECT pg_notify('`+wakeChannel+`', '')`); err != nil {
+	if err := store.Notify(ctx, c.pool, wakeChannel); err != nil {
 		c.log.Debug("outbox wake-up", "err", err)
 	}
 }

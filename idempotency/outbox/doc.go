@@ -17,4 +17,9 @@
 //		return err
 //	})
 //	client.Wake(ctx) // publish now rather than at the next poll
+//
+// An HTTP API that accepts jobs can honour the Idempotency-Key request header with
+// request keys (RequestKey, recorded in api_idempotency_keys in the same transaction as
+// the job's intent): QueueRecordRequestKeys records them, ReadRequestKeysTx finds a
+// repeat's first answer, PurgeRequestKeys forgets old ones.
 package outbox

@@ -12,6 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Epoch markers make a loss of Redis data visible to every process, whenever it started.
@@ -29,12 +30,6 @@ func epochKey(queue string) string { return "idemq:{" + queue + "}:epoch" }
 
 // errEpochChanged: Redis lost a queue's marker while a publish or a round was under way.
 var errEpochChanged = errors.New("outbox: Redis lost data meanwhile (epoch marker changed)")
-
-const ensureEpochSQL = `INSERT INTO redis_epochs (queue, epoch) VALUES ($1, $2) ON CONFLICT (queue) DO NOTHING`
-
-const epochsSQL = `SELECT queue, epoch, redis_run_id FROM redis_epochs ORDER BY queue`
-
-const settleEpochSQL = `UPDATE redis_epochs SET epoch = $2, redis_run_id = $3, updated_at = now() WHERE queue = $1`
 
 // newEpoch returns a random marker (crypto/rand, 128 bits).
 func newEpoch() string { return rand.Text() }
@@ -90,7 +85,7 @@ func (c *Client) ensureEpochs(ctx context.Context, marks map[string]string) erro
 		if _, ok := c.epochQueues.Load(q); ok {
 			continue
 		}
-		if _, err := c.pool.Exec(ctx, ensureEpochSQL, q, m); err != nil {
+		if err := store.EnsureEpoch(ctx, c.pool, q, m); err != nil {
 			return fmt.Errorf("outbox: record epoch of queue %s: %w", q, err)
 		}
 		c.epochQueues.Store(q, true)
@@ -130,21 +125,8 @@ type epochLoss struct {
 // the run_id read ("" when Redis does not tell it). A run_id seen for the first time is
 // only recorded.
 func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
-	rows, err := c.pool.Query(ctx, epochsSQL)
+	recorded, err := store.Epochs(ctx, c.pool)
 	if err != nil {
-		return nil, "", fmt.Errorf("outbox: read epochs: %w", err)
-	}
-	type row struct{ queue, epoch, runID string }
-	var recorded []row
-	for rows.Next() {
-		var r row
-		if err := rows.Scan(&r.queue, &r.epoch, &r.runID); err != nil {
-			rows.Close()
-			return nil, "", err
-		}
-		recorded = append(recorded, r)
-	}
-	if err := rows.Err(); err != nil {
 		return nil, "", fmt.Errorf("outbox: read epochs: %w", err)
 	}
 	if len(recorded) == 0 {
@@ -162,7 +144,7 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 			info = p.Info(ctx, "server")
 		}
 		for i, r := range recorded {
-			gets[i] = p.Get(ctx, epochKey(r.queue))
+			gets[i] = p.Get(ctx, epochKey(r.Queue))
 		}
 		return nil
 	})
@@ -174,15 +156,15 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 	for i, r := range recorded {
 		switch cur := gets[i].Val(); {
 		case gets[i].Err() != nil && !errors.Is(gets[i].Err(), redis.Nil):
-			return nil, "", fmt.Errorf("outbox: read epoch marker of %s: %w", r.queue, gets[i].Err())
+			return nil, "", fmt.Errorf("outbox: read epoch marker of %s: %w", r.Queue, gets[i].Err())
 		case cur == "":
-			lost = append(lost, epochLoss{r.queue, "marker missing"})
-		case cur != r.epoch:
-			lost = append(lost, epochLoss{r.queue, "marker changed"})
-		case runID != "" && r.runID != "" && runID != r.runID:
-			lost = append(lost, epochLoss{r.queue, "run_id changed"})
-		case runID != "" && r.runID == "":
-			if _, err := c.pool.Exec(ctx, settleEpochSQL, r.queue, r.epoch, runID); err != nil {
+			lost = append(lost, epochLoss{r.Queue, "marker missing"})
+		case cur != r.Epoch:
+			lost = append(lost, epochLoss{r.Queue, "marker changed"})
+		case runID != "" && r.RedisRunID != "" && runID != r.RedisRunID:
+			lost = append(lost, epochLoss{r.Queue, "run_id changed"})
+		case runID != "" && r.RedisRunID == "":
+			if err := store.SettleEpoch(ctx, c.pool, store.Epoch{Queue: r.Queue, Epoch: r.Epoch, RedisRunID: runID}); err != nil {
 				return nil, "", fmt.Errorf("outbox: record run_id: %w", err)
 			}
 		}
@@ -194,7 +176,7 @@ func (c *Client) lostQueues(ctx context.Context) ([]epochLoss, string, error) {
 // runID.
 func (c *Client) settleEpochs(ctx context.Context, marks map[string]string, runID string) error {
 	for q, m := range marks {
-		if _, err := c.pool.Exec(ctx, settleEpochSQL, q, m, runID); err != nil {
+		if err := store.SettleEpoch(ctx, c.pool, store.Epoch{Queue: q, Epoch: m, RedisRunID: runID}); err != nil {
 			return fmt.Errorf("outbox: record epoch of queue %s: %w", q, err)
 		}
 	}

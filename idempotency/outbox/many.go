@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"fmt"
@@ -10,19 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
-
-// insertIntentsSQL records many intents in one statement, in the order given (key order,
-// so that concurrent batches lock their rows in one order), held from the relays for $10
-// ms when $10 > 0.
-const insertIntentsSQL = `
-INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, trace_parent, relay_until)
-SELECT u.k, u.t, u.p, u.f, u.q, u.m, u.o, u.r, nullif(u.tp, ''), CASE WHEN $10::bigint > 0 THEN now() + $10::bigint * interval '1 millisecond' END
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::text[], $6::int[], $7::bigint[], $8::bigint[], $9::text[]) AS u(k, t, p, f, q, m, o, r, tp)
-ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING idempotency_key, state`
-
-const readIntentsSQL = `SELECT idempotency_key, task_type, payload_sha256, state FROM job_intents WHERE idempotency_key = ANY($1::text[])`
 
 // checkSpec refuses what EnqueueTx and EnqueueManyTx refuse before they reach Postgres.
 func checkSpec(spec Spec) error {
@@ -70,56 +60,29 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 		return res, errs, nil
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(specs[a].Key, specs[b].Key) })
-	n := len(order)
-	keys, types, queues := make([]string, n), make([]string, n), make([]string, n)
-	payloads, fps, traces := make([][]byte, n), make([][]byte, n), make([]string, n)
-	maxRetry, timeouts, retentions := make([]int32, n), make([]int64, n), make([]int64, n)
+	ps := make([]store.IntentParams, len(order))
 	for j, i := range order {
 		s := specs[i]
-		keys[j], types[j], queues[j], payloads[j], traces[j] = s.Key, s.Type, s.Queue, s.Payload, s.TraceParent
-		fps[j] = idempotency.Fingerprint(s.Type, s.Payload)
-		maxRetry[j], timeouts[j], retentions[j] = int32(s.MaxRetry), s.Timeout.Milliseconds(), s.Retention.Milliseconds()
+		ps[j] = store.IntentParams{Key: s.Key, TaskType: s.Type, Payload: s.Payload, Fingerprint: idempotency.Fingerprint(s.Type, s.Payload),
+			Queue: s.Queue, MaxRetry: s.MaxRetry, Timeout: s.Timeout, Retention: s.Retention, TraceParent: s.TraceParent}
 	}
-	rows, err := tx.Query(ctx, insertIntentsSQL, keys, types, payloads, fps, queues, maxRetry, timeouts, retentions, traces, hold.Milliseconds())
-	if err != nil {
-		return nil, nil, fmt.Errorf("outbox: record intents: %w", err)
-	}
-	inserted := make(map[string]string, n) // key → state
-	var key, state string
-	_, err = pgx.ForEachRow(rows, []any{&key, &state}, func() error {
-		inserted[key] = state
-		return nil
-	})
+	inserted, err := store.InsertIntents(ctx, tx, ps, hold) // key → state
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: record intents: %w", err)
 	}
 	var recorded []string // keys recorded before, or twice in specs
 	for j, i := range order {
-		if st, ok := inserted[keys[j]]; ok {
-			res[i] = EnqueueResult{Key: keys[j], State: st}
-			delete(inserted, keys[j]) // a second spec of the key is its duplicate
+		if st, ok := inserted[ps[j].Key]; ok {
+			res[i] = EnqueueResult{Key: ps[j].Key, State: st}
+			delete(inserted, ps[j].Key) // a second spec of the key is its duplicate
 			continue
 		}
-		recorded = append(recorded, keys[j])
+		recorded = append(recorded, ps[j].Key)
 	}
 	if len(recorded) == 0 {
 		return res, errs, nil
 	}
-	type stored struct {
-		typ   string
-		fp    []byte
-		state string
-	}
-	known := make(map[string]stored, len(recorded))
-	rows, err = tx.Query(ctx, readIntentsSQL, PlanEach, recorded)
-	if err != nil {
-		return nil, nil, fmt.Errorf("outbox: read intents: %w", err)
-	}
-	var st stored
-	_, err = pgx.ForEachRow(rows, []any{&key, &st.typ, &st.fp, &st.state}, func() error {
-		known[key] = stored{st.typ, slices.Clone(st.fp), st.state}
-		return nil
-	})
+	known, err := store.ReadIntents(ctx, tx, recorded)
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: read intents: %w", err)
 	}
@@ -127,14 +90,15 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 		if res[i].Key != "" {
 			continue
 		}
-		k, ok := known[keys[j]]
+		p := ps[j]
+		k, ok := known[p.Key]
 		switch {
 		case !ok: // cannot happen: the insert saw it
-			errs[i] = fmt.Errorf("outbox: intent %s: neither recorded nor found", keys[j])
-		case k.typ != types[j] || string(k.fp) != string(fps[j]):
-			errs[i] = &idempotency.MismatchError{Key: keys[j]}
+			errs[i] = fmt.Errorf("outbox: intent %s: neither recorded nor found", p.Key)
+		case k.TaskType != p.TaskType || !bytes.Equal(k.Fingerprint, p.Fingerprint):
+			errs[i] = &idempotency.MismatchError{Key: p.Key}
 		default:
-			res[i] = EnqueueResult{Key: keys[j], Duplicate: true, State: k.state}
+			res[i] = EnqueueResult{Key: p.Key, Duplicate: true, State: k.State}
 		}
 	}
 	return res, errs, nil

@@ -8,40 +8,12 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/time/rate"
 
 	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
-
-// cutoffSQL is the publish time before which a round with grace $1 ms checks intents, on
-// the database clock.
-const cutoffSQL = `SELECT now() - $1::bigint * interval '1 millisecond'`
-
-// staleIntentsSQL lists up to $4 intents published before $1, after the cursor
-// (published_at, key) = ($2, $3), in that order; only in the queues $5 unless it is NULL.
-const staleIntentsSQL = `
-SELECT idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, published_at,
-       coalesce(trace_parent, '')
-FROM job_intents
-WHERE state = 'published' AND published_at < $1 AND (published_at, idempotency_key) > ($2, $3)
-  AND ($5::text[] IS NULL OR queue = ANY($5::text[]))
-ORDER BY published_at, idempotency_key
-LIMIT $4`
-
-// bumpGenerationSQL records a republish under generation $3, unless another reconciler
-// did it first.
-const bumpGenerationSQL = `
-UPDATE job_intents SET publish_generation = $3, published_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
-
-// settleArchivedSQL settles dead, with the reason $3, a published intent whose own task
-// asynq archived (its retries ran out, or the worker refused it without settling the
-// intent itself), unless another reconciler or a delivery settled or republished it first.
-const settleArchivedSQL = `
-UPDATE job_intents SET state = 'dead', last_error = $3, finished_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
 
 // reconcilePage is how many intents one look-up in Redis covers; a round with a grace
 // period checks one page, a round right after Redis lost data checks them all.
@@ -106,29 +78,22 @@ func (c *Client) reconcile(ctx context.Context, grace time.Duration, queues []st
 // and republishes those Redis lacks. It adds the markers of the queues it meets to marks.
 func (c *Client) reconcileRound(ctx context.Context, grace time.Duration, queues []string, marks map[string]string,
 	limiter *rate.Limiter, st *ReconcileStats) error {
-	var cutoff time.Time
-	if err := c.pool.QueryRow(ctx, cutoffSQL, grace.Milliseconds()).Scan(&cutoff); err != nil {
+	cutoff, err := store.Cutoff(ctx, c.pool, grace)
+	if err != nil {
 		return fmt.Errorf("outbox: read the clock: %w", err)
 	}
-	var only any
-	if queues != nil {
-		only = queues
-	}
-	afterAt, afterKey := time.Time{}, ""
+	page := store.StaleParams{Before: cutoff, Limit: reconcilePage, Queues: queues}
 	for {
-		rows, err := c.pool.Query(ctx, staleIntentsSQL, cutoff, afterAt, afterKey, reconcilePage, only)
+		rows, err := store.StaleIntents(ctx, c.pool, page)
 		if err != nil {
 			return fmt.Errorf("outbox: list stale intents: %w", err)
 		}
-		stale, err := pgx.CollectRows(rows, scanIntentRow)
-		if err != nil {
-			return fmt.Errorf("outbox: list stale intents: %w", err)
-		}
+		stale := intentRows(rows)
 		if len(stale) == 0 {
 			return nil
 		}
 		last := stale[len(stale)-1]
-		afterAt, afterKey = last.publishedAt, last.spec.Key
+		page.AfterAt, page.AfterKey = last.publishedAt, last.spec.Key
 		if err := c.addEpochs(ctx, stale, marks); err != nil {
 			return err
 		}
@@ -187,11 +152,11 @@ func (c *Client) republishMissing(ctx context.Context, stale []intentRow, limite
 		if err != nil {
 			return fmt.Errorf("outbox: republish %s: %w", r.spec.Key, err)
 		}
-		tag, err := c.pool.Exec(ctx, bumpGenerationSQL, r.spec.Key, r.gen, gen)
+		recorded, err := store.RecordRepublish(ctx, c.pool, r.spec.Key, r.gen, gen)
 		if err != nil {
 			return fmt.Errorf("outbox: record republish of %s: %w", r.spec.Key, err)
 		}
-		if tag.RowsAffected() == 0 {
+		if !recorded {
 			continue // another reconciler republished it, or it finished meanwhile
 		}
 		st.Republished++
@@ -215,11 +180,11 @@ func (c *Client) settleArchived(ctx context.Context, r intentRow, info *asynq.Ta
 	if len(reason) > 1000 {
 		reason = reason[:1000]
 	}
-	tag, err := c.pool.Exec(ctx, settleArchivedSQL, r.spec.Key, r.gen, strings.ToValidUTF8(reason, "?"))
+	settled, err := store.SettleArchived(ctx, c.pool, r.spec.Key, r.gen, strings.ToValidUTF8(reason, "?"))
 	if err != nil {
 		return fmt.Errorf("outbox: settle archived %s: %w", r.spec.Key, err)
 	}
-	if tag.RowsAffected() == 0 {
+	if !settled {
 		return nil
 	}
 	st.Archived++
@@ -343,20 +308,9 @@ type Stats struct {
 	PublishedOlderThan int // published longer ago than the threshold asked for
 }
 
-const outboxStatsSQL = `
-SELECT count(*) FILTER (WHERE state = 'pending'),
-       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'pending')), 0)::float8,
-       count(*) FILTER (WHERE state = 'published'),
-       coalesce(extract(epoch FROM now() - min(published_at) FILTER (WHERE state = 'published')), 0)::float8,
-       count(*) FILTER (WHERE state = 'published' AND published_at < now() - $1::bigint * interval '1 millisecond')
-FROM job_intents WHERE state IN ('pending', 'published')`
-
 // Stats returns the outbox's backlog; threshold sets PublishedOlderThan.
 func (c *Client) Stats(ctx context.Context, threshold time.Duration) (Stats, error) {
-	var s Stats
-	var oldestPending, oldestPublished float64
-	err := c.pool.QueryRow(ctx, outboxStatsSQL, threshold.Milliseconds()).Scan(&s.Pending, &oldestPending, &s.Published, &oldestPublished, &s.PublishedOlderThan)
-	s.OldestPending = time.Duration(oldestPending * float64(time.Second))
-	s.OldestPublished = time.Duration(oldestPublished * float64(time.Second))
-	return s, err
+	s, err := store.ReadOutboxStats(ctx, c.pool, threshold)
+	return Stats{Pending: s.Pending, OldestPending: s.OldestPending, Published: s.Published,
+		OldestPublished: s.OldestPublished, PublishedOlderThan: s.PublishedOlderThan}, err
 }

@@ -14,47 +14,18 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
+	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/pgpooler"
 )
 
 // wakeChannel is the LISTEN/NOTIFY channel relays wait on.
 const wakeChannel = "idemq_outbox"
 
-// takePendingSQL takes up to $1 pending intents (only keys in $3 when it is not NULL) for
-// $2 ms in one short statement: SKIP LOCKED lets every replica's relay run at once.
-const takePendingSQL = `
-UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', updated_at = now()
-WHERE idempotency_key IN (
-	SELECT idempotency_key FROM job_intents
-	WHERE state = 'pending' AND (relay_until IS NULL OR relay_until < now())
-	  AND ($3::text[] IS NULL OR idempotency_key = ANY($3::text[]))
-	ORDER BY created_at
-	LIMIT $1
-	FOR UPDATE SKIP LOCKED)
-RETURNING idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, coalesce(published_at, created_at),
-	coalesce(trace_parent, '')`
-
-// markPublishedSQL records the publishes of keys $1, each under the generation at the same
-// index of $2 (a publish moves past TaskIDs that other tasks hold).
-//
-// It and markPublishFailedSQL find their rows by key only: "state IS NOT DISTINCT FROM
-// 'pending'" keeps the planner off job_intents_pending_idx, which statistics make look
-// small while, under load, it holds the entries of every intent published since the last
-// vacuum, and which it would otherwise scan whole on every call.
-const markPublishedSQL = `
-UPDATE job_intents i
-SET state = 'published', published_at = now(), publish_generation = p.gen, relay_until = NULL, last_error = NULL, updated_at = now()
-FROM unnest($1::text[], $2::int[]) AS p(key, gen)
-WHERE i.idempotency_key = p.key AND i.state IS NOT DISTINCT FROM 'pending'`
-
-const markPublishFailedSQL = `
-UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', last_error = $3, updated_at = now()
-WHERE idempotency_key = ANY($1::text[]) AND state IS NOT DISTINCT FROM 'pending'`
-
 // PlanEach, as a statement's first argument, has Postgres plan the statement for its
 // arguments each time (an unnamed statement) instead of reusing a generic plan: a generic
 // plan made while job_intents was small (a new deployment, an emptied table) scans the
 // whole table for a few keys until the next ANALYZE, which under load comes minutes later.
+// The outbox's own statements that look up intents by key are sent so.
 const PlanEach = pgx.QueryExecModeCacheDescribe
 
 // intentRow is an intent taken for publishing (or republishing).
@@ -66,25 +37,21 @@ type intentRow struct {
 }
 
 func (c *Client) takePending(ctx context.Context, keys []string) ([]intentRow, error) {
-	var only any
-	if keys != nil {
-		only = keys
-	}
-	rows, err := c.pool.Query(ctx, takePendingSQL, PlanEach, c.cfg.RelayBatch, c.cfg.RelayHold.Milliseconds(), only)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, scanIntentRow)
+	rows, err := store.TakePending(ctx, c.pool, store.TakeParams{Limit: c.cfg.RelayBatch, Hold: c.cfg.RelayHold, Keys: keys})
+	return intentRows(rows), err
 }
 
-// scanIntentRow reads the columns takePendingSQL and staleIntentsSQL return.
-func scanIntentRow(row pgx.CollectableRow) (intentRow, error) {
-	var r intentRow
-	var timeout, retention int64
-	err := row.Scan(&r.spec.Key, &r.spec.Type, &r.spec.Payload, &r.spec.Queue, &r.spec.MaxRetry,
-		&timeout, &retention, &r.gen, &r.createdAt, &r.publishedAt, &r.spec.TraceParent)
-	r.spec.Timeout, r.spec.Retention = time.Duration(timeout)*time.Millisecond, time.Duration(retention)*time.Millisecond
-	return r, err
+// intentRows returns the intents of rows, as the relays and the reconciler take them.
+func intentRows(rows []store.IntentRow) []intentRow {
+	out := make([]intentRow, len(rows))
+	for i, r := range rows {
+		out[i] = intentRow{
+			spec: Spec{Key: r.Key, Type: r.TaskType, Payload: r.Payload, Queue: r.Queue, MaxRetry: r.MaxRetry,
+				Timeout: r.Timeout, Retention: r.Retention, TraceParent: r.TraceParent},
+			gen: r.Generation, createdAt: r.CreatedAt, publishedAt: r.PublishedAt,
+		}
+	}
+	return out
 }
 
 // maxTaskIDSkips bounds how many TaskIDs held by other tasks one publish moves past.
@@ -222,11 +189,11 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 		}
 		pubErr = firstError(errs)
 	}
-	var done, failed []string
-	var doneGens []int
+	var done []store.Publish
+	var failed []string
 	for i, r := range batch {
 		if published[i] {
-			done, doneGens = append(done, r.spec.Key), append(doneGens, gens[i])
+			done = append(done, store.Publish{Key: r.spec.Key, Generation: gens[i]})
 		} else {
 			failed = append(failed, r.spec.Key)
 		}
@@ -240,7 +207,7 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 		}
 		if err != nil {
 			pubErr = err
-			failed, done, doneGens = append(done, failed...), nil, nil
+			failed, done = append(keysOf(done), failed...), nil
 			clear(published)
 		}
 	}
@@ -258,7 +225,7 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if len(done) > 0 {
-		if _, err := c.pool.Exec(wctx, markPublishedSQL, PlanEach, done, doneGens); err != nil {
+		if err := store.MarkPublished(wctx, c.pool, done); err != nil {
 			// The intents come back after RelayHold and are published again: a TaskID
 			// conflict then, which counts as published.
 			clear(published)
@@ -266,12 +233,21 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 		}
 	}
 	if pubErr != nil {
-		if _, err := c.pool.Exec(wctx, markPublishFailedSQL, PlanEach, failed, time.Second.Milliseconds(), pgtext.Clean(pubErr.Error())); err != nil {
+		if err := store.MarkPublishFailed(wctx, c.pool, failed, time.Second, pgtext.Clean(pubErr.Error())); err != nil {
 			c.log.Warn("record publish failure", "err", err)
 		}
-		return done, fmt.Errorf("outbox: publish: %w", pubErr)
+		return keysOf(done), fmt.Errorf("outbox: publish: %w", pubErr)
 	}
-	return done, nil
+	return keysOf(done), nil
+}
+
+// keysOf returns the keys of ps.
+func keysOf(ps []store.Publish) []string {
+	keys := make([]string, len(ps))
+	for i, p := range ps {
+		keys[i] = p.Key
+	}
+	return keys
 }
 
 // firstError is the first non-nil error of errs.

@@ -5,6 +5,8 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 )
 
 // Kind is what stands between a client and Postgres.
@@ -28,6 +30,15 @@ func (k Kind) String() string {
 		return "session pooler"
 	}
 	return "transaction pooler"
+}
+
+// IsPreparedStatementError reports whether err is what named prepared statements meet
+// behind a transaction-mode pooler, whose server connections change from one transaction
+// to the next: SQLSTATE 42P05 (duplicate_prepared_statement) or 26000
+// (invalid_sql_statement_name). pgx's default exec mode prepares named statements; use
+// QueryExecModeCacheDescribe (default_query_exec_mode=cache_describe) there.
+func IsPreparedStatementError(err error) bool {
+	return pgcode.Is(err, pgcode.DuplicatePreparedStatement, pgcode.InvalidSQLStatementName)
 }
 
 // rounds is how many times Detect asks a pooler which server connections two clients get.

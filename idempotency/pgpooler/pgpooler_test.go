@@ -60,3 +60,33 @@ func bouncer(server, mode string, size int) func(t *testing.T) string {
 		return b.URL
 	}
 }
+
+// TestIsPreparedStatementError has the server refuse a statement prepared twice and one
+// that does not exist, as behind a transaction-mode pooler, and checks that both are told
+// apart from another error.
+func TestIsPreparedStatementError(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 10*time.Second)
+	conn, err := pgx.Connect(ctx, testenv.ServerURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	_, twice := conn.Exec(ctx, `PREPARE idemq_twice AS SELECT 1; PREPARE idemq_twice AS SELECT 1`)
+	_, missing := conn.Exec(ctx, `DEALLOCATE idemq_missing`)
+	_, other := conn.Exec(ctx, `SELECT 1/0`)
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"prepared twice", twice, true},
+		{"not prepared", missing, true},
+		{"division by zero", other, false},
+		{"nil", nil, false},
+	} {
+		if got := pgpooler.IsPreparedStatementError(tc.err); got != tc.want {
+			t.Errorf("%s: IsPreparedStatementError(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}

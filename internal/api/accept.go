@@ -51,6 +51,11 @@ type acceptReq struct {
 	isNew      bool // its intent was recorded by this round
 }
 
+// headerID names the request's header row.
+func (r *acceptReq) headerID() outbox.RequestKeyID {
+	return outbox.RequestKeyID{Route: r.route, Key: r.hk}
+}
+
 func (r *acceptReq) reset() {
 	r.code, r.body, r.replayed, r.isNew, r.mismatch = 0, nil, false, false, false
 	r.refuseCode, r.refusal, r.failure = 0, "", nil
@@ -105,30 +110,12 @@ func (s *Server) newAcceptCommitter() *groupcommit.Committer[*acceptReq] {
 	})
 }
 
-// A header row is written with the answer a new job gets; the few requests whose job
-// turns out to be a duplicate get theirs in a second statement.
-const (
-	insertHeadersSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type, status_code, response)
-SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::int[], $7::bytea[])
-ON CONFLICT DO NOTHING RETURNING route, header_key`
-	getHeadersSQL = `SELECT k.route, k.header_key, k.fingerprint, k.status_code, k.response
-FROM api_idempotency_keys k JOIN unnest($1::text[], $2::text[]) AS r(route, header_key) USING (route, header_key)`
-	answerHeadersSQL = `UPDATE api_idempotency_keys k SET status_code = a.code, response = a.body
-FROM unnest($1::text[], $2::text[], $3::int[], $4::bytea[]) AS a(route, header_key, code, body)
-WHERE k.route = a.route AND k.header_key = a.header_key`
-	forgetHeadersSQL = `DELETE FROM api_idempotency_keys k
-USING unnest($1::text[], $2::text[]) AS r(route, header_key)
-WHERE k.route = r.route AND k.header_key = r.header_key`
-)
-
-// headerID names a header row.
-type headerID struct{ route, hk string }
-
 // sendAccepts records one round's requests in a transaction of its own: the ledger's rows
 // of their jobs are read first (a duplicate's answer carries its state; a job the ledger
-// knows with another body is refused), then the header rows (a repeat gets its replay),
-// the intents (a duplicate or a mismatch is that request's answer), the answers that
-// differ from a new job's, and the commit, whose lost answer is resolved by transaction
+// knows with another body is refused), then the header rows (outbox.RequestKey, each
+// written with the answer a new job gets; a repeat gets its replay), the intents (a
+// duplicate or a mismatch is that request's answer), the answers that differ from a new
+// job's (the few duplicates'), and the commit, whose lost answer is resolved by transaction
 // id. A round that two or more traced requests share is a span of its own, idemq.accept
 // (see groupcommit.Config.Tracer).
 func (s *Server) sendAccepts(ctx context.Context, reqs []*acceptReq) error {
@@ -186,26 +173,16 @@ func (s *Server) sendAccepts(ctx context.Context, reqs []*acceptReq) error {
 	b.Queue(setTimeoutsSQL, statement, lockTimeout)
 	var id groupcommit.TxID
 	b.Queue(groupcommit.TxIDSQL).QueryRow(func(row pgx.Row) error { return row.Scan(&id.Xid, &id.ServerStart) })
-	inserted := map[headerID]bool{}
+	inserted := map[outbox.RequestKeyID]bool{}
 	if keyed {
-		var routes, hks, jobKeys, types []string
-		var fps, bodies [][]byte
-		var codes []int32
+		var keys []outbox.RequestKey
 		for _, r := range reqs {
 			if r.hk != "" && r.refuseCode == 0 {
-				routes, hks, fps = append(routes, r.route), append(hks, r.hk), append(fps, r.fp)
-				jobKeys, types = append(jobKeys, r.spec.Key), append(types, r.spec.Type)
-				codes, bodies = append(codes, int32(r.code)), append(bodies, r.body)
+				keys = append(keys, outbox.RequestKey{Route: r.route, Key: r.hk, Fingerprint: r.fp,
+					JobKey: r.spec.Key, TaskType: r.spec.Type, Code: r.code, Body: r.body})
 			}
 		}
-		b.Queue(insertHeadersSQL, routes, hks, fps, jobKeys, types, codes, bodies).Query(func(rows pgx.Rows) error {
-			var h headerID
-			_, err := pgx.ForEachRow(rows, []any{&h.route, &h.hk}, func() error {
-				inserted[h] = true
-				return nil
-			})
-			return err
-		})
+		outbox.QueueRecordRequestKeys(b, keys, func(id outbox.RequestKeyID) { inserted[id] = true })
 		b.Queue("SET LOCAL lock_timeout TO DEFAULT")
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
@@ -215,7 +192,7 @@ func (s *Server) sendAccepts(ctx context.Context, reqs []*acceptReq) error {
 	// A repeated Idempotency-Key gets the first answer, or 422 for another body.
 	var repeats []*acceptReq
 	for _, r := range reqs {
-		if r.hk != "" && r.refuseCode == 0 && !inserted[headerID{r.route, r.hk}] {
+		if r.hk != "" && r.refuseCode == 0 && !inserted[r.headerID()] {
 			repeats = append(repeats, r)
 		}
 	}
@@ -228,19 +205,16 @@ func (s *Server) sendAccepts(ctx context.Context, reqs []*acceptReq) error {
 	// The intents of the others; a job the ledger holds with another payload is refused.
 	var todo []*acceptReq
 	var specs []outbox.Spec
-	var forget, answer struct {
-		routes, hks []string
-		codes       []int32
-		bodies      [][]byte
-	}
+	var forget []outbox.RequestKeyID
+	var answer []outbox.RequestKey
 	for _, r := range reqs {
 		if r.replayed || r.refuseCode != 0 || r.failure != nil {
 			continue
 		}
 		if r.mismatch {
 			r.refuse(http.StatusUnprocessableEntity, "%s: job %q was already accepted with a different body", r.keyField, r.spec.Key)
-			if inserted[headerID{r.route, r.hk}] { // its header row goes, as if never written
-				forget.routes, forget.hks = append(forget.routes, r.route), append(forget.hks, r.hk)
+			if inserted[r.headerID()] { // its header row goes, as if never written
+				forget = append(forget, r.headerID())
 			}
 			continue
 		}
@@ -270,23 +244,22 @@ func (s *Server) sendAccepts(ctx context.Context, reqs []*acceptReq) error {
 				continue
 			}
 			if r.refuseCode != 0 || r.failure != nil { // its header row goes, as if never written
-				forget.routes, forget.hks = append(forget.routes, r.route), append(forget.hks, r.hk)
+				forget = append(forget, r.headerID())
 				continue
 			}
 			if bytes.Equal(r.body, provisional) {
 				continue
 			}
-			answer.routes, answer.hks = append(answer.routes, r.route), append(answer.hks, r.hk)
-			answer.codes, answer.bodies = append(answer.codes, int32(r.code)), append(answer.bodies, r.body)
+			answer = append(answer, outbox.RequestKey{Route: r.route, Key: r.hk, Code: r.code, Body: r.body})
 		}
 	}
-	if len(forget.routes) > 0 {
-		if _, err := tx.Exec(ctx, forgetHeadersSQL, outbox.PlanEach, forget.routes, forget.hks); err != nil {
+	if len(forget) > 0 {
+		if err := outbox.ForgetRequestKeysTx(ctx, tx, forget); err != nil {
 			return fmt.Errorf("forget the refused Idempotency-Keys: %w", err)
 		}
 	}
-	if len(answer.routes) > 0 {
-		if _, err := tx.Exec(ctx, answerHeadersSQL, outbox.PlanEach, answer.routes, answer.hks, answer.codes, answer.bodies); err != nil {
+	if len(answer) > 0 {
+		if err := outbox.AnswerRequestKeysTx(ctx, tx, answer); err != nil {
 			return fmt.Errorf("record the answers: %w", err)
 		}
 	}
@@ -309,42 +282,26 @@ const commitResolveFor = 5 * time.Second
 // replayAll answers the repeats of header keys recorded before: the first answer when the
 // body is the same, 422 when it is not.
 func (s *Server) replayAll(ctx context.Context, tx pgx.Tx, repeats []*acceptReq) error {
-	routes, hks := make([]string, len(repeats)), make([]string, len(repeats))
+	ids := make([]outbox.RequestKeyID, len(repeats))
 	for i, r := range repeats {
-		routes[i], hks[i] = r.route, r.hk
+		ids[i] = r.headerID()
 	}
-	type stored struct {
-		fp   []byte
-		code *int32
-		body []byte
-	}
-	got := map[headerID]stored{}
-	rows, err := tx.Query(ctx, getHeadersSQL, outbox.PlanEach, routes, hks)
-	if err != nil {
-		return fmt.Errorf("read the Idempotency-Keys: %w", err)
-	}
-	var h headerID
-	var st stored
-	_, err = pgx.ForEachRow(rows, []any{&h.route, &h.hk, &st.fp, &st.code, &st.body}, func() error {
-		got[h] = st
-		st = stored{}
-		return nil
-	})
+	got, err := outbox.ReadRequestKeysTx(ctx, tx, ids)
 	if err != nil {
 		return fmt.Errorf("read the Idempotency-Keys: %w", err)
 	}
 	for _, r := range repeats {
-		st, ok := got[headerID{r.route, r.hk}]
+		st, ok := got[r.headerID()]
 		switch {
 		case !ok: // cannot happen: the insert met it
 			r.failure = fmt.Errorf("%s %q: neither recorded nor found", HeaderIdempotencyKey, r.hk)
-		case string(st.fp) != string(r.fp):
+		case string(st.Fingerprint) != string(r.fp):
 			// Not naming the job the key made: it may be another caller's.
 			r.refuse(http.StatusUnprocessableEntity, "%s %q was used with a different body", HeaderIdempotencyKey, r.hk)
-		case st.code == nil: // cannot happen: the row is answered in its own transaction
+		case st.Code == 0: // cannot happen: the row is answered in its own transaction
 			r.refuse(http.StatusConflict, "%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, r.hk)
 		default:
-			r.code, r.body, r.replayed = int(*st.code), st.body, true
+			r.code, r.body, r.replayed = st.Code, st.Body, true
 		}
 	}
 	return nil

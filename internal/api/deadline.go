@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // DefaultRequestTimeout bounds each request: past it, a stalled Postgres or Redis gets the
@@ -39,15 +37,6 @@ func timedOut(ctx context.Context) bool {
 // deadline: the client hung up.
 func clientGone(ctx context.Context) bool {
 	return ctx.Err() != nil && !timedOut(ctx)
-}
-
-// sqlstateQueryCanceled is SQLSTATE 57014, query_canceled.
-const sqlstateQueryCanceled = "57014"
-
-// isQueryCanceled reports whether Postgres cancelled the statement (statement_timeout).
-func isQueryCanceled(err error) bool {
-	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == sqlstateQueryCanceled
 }
 
 // setTimeoutsSQL sets statement_timeout ($1) and lock_timeout ($2) for the rest of the

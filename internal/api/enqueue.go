@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/groupcommit"
@@ -252,9 +251,9 @@ func (s *Server) accept(w http.ResponseWriter, r *http.Request, keyField string,
 	switch {
 	case err == nil && clientGone(ctx):
 		return // nobody to answer: counted as 499; a retry gets the replay
-	case errors.As(err, &stage) && isLockTimeout(err) && stage.stage == stageHeaders:
+	case errors.As(err, &stage) && idempotency.IsLockTimeout(err) && stage.stage == stageHeaders: // another request's open transaction holds the row past acceptLockTimeout
 		writeError(w, http.StatusConflict, fmt.Sprintf("%s %q: a request with this key is still being accepted; retry shortly", HeaderIdempotencyKey, hk))
-	case errors.As(err, &stage) && isLockTimeout(err):
+	case errors.As(err, &stage) && idempotency.IsLockTimeout(err):
 		writeError(w, http.StatusConflict, fmt.Sprintf("%s: job %q is still being accepted by another request; retry shortly", keyField, spec.Key))
 	case errors.Is(err, groupcommit.ErrCommitUnknown):
 		s.log.WarnContext(ctx, "api: accept: commit outcome unknown", "method", r.Method, "path", r.URL.Path, "key", spec.Key, "err", err)
@@ -299,16 +298,6 @@ func (s *Server) publish(spec outbox.Spec) {
 // publishTimeout bounds the publish after a request's commit; a relay publishes what it
 // did not.
 const publishTimeout = 10 * time.Second
-
-// sqlstateLockNotAvailable is SQLSTATE 55P03, lock_not_available.
-const sqlstateLockNotAvailable = "55P03"
-
-// isLockTimeout reports SQLSTATE 55P03 (lock_not_available): another transaction holds
-// the row past acceptLockTimeout.
-func isLockTimeout(err error) bool {
-	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == sqlstateLockNotAvailable
-}
 
 // EnqueueResult is what Enqueuer.EnqueueTx reports.
 type EnqueueResult = outbox.EnqueueResult

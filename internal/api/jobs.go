@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"net/http"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
 )
@@ -90,9 +88,8 @@ func (s *Server) intent(ctx context.Context, key string) (jobAccepted, bool, err
 		}
 		return acc, true, nil
 	}
-	var typ string
-	err := s.deps.Pool.QueryRow(ctx, intentByHeaderSQL, key).Scan(&typ)
-	if errors.Is(err, pgx.ErrNoRows) {
+	typ, err := outbox.RequestKeyJob(ctx, s.deps.Pool, key)
+	if errors.Is(err, idempotency.ErrNotFound) {
 		return jobAccepted{}, false, nil
 	}
 	if err != nil {
@@ -100,8 +97,6 @@ func (s *Server) intent(ctx context.Context, key string) (jobAccepted, bool, err
 	}
 	return jobAccepted{Key: key, Type: typ, Status: StatusAccepted}, true, nil
 }
-
-const intentByHeaderSQL = `SELECT task_type FROM api_idempotency_keys WHERE job_key = $1 AND status_code IS NOT NULL LIMIT 1`
 
 // internal answers an error of the API's own (Postgres, Redis), which it logs but never
 // sends: 503 with Retry-After when the request ran out of time (its deadline passed, or
@@ -113,7 +108,7 @@ func (s *Server) internal(w http.ResponseWriter, r *http.Request, what string, e
 	switch {
 	case clientGone(ctx):
 		s.log.DebugContext(ctx, "api: "+what, "method", r.Method, "path", r.URL.Path, "err", err)
-	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || isQueryCanceled(err):
+	case timedOut(ctx) || errors.Is(err, context.DeadlineExceeded) || idempotency.IsQueryCanceled(err):
 		s.log.WarnContext(ctx, "api: "+what+": timed out", "method", r.Method, "path", r.URL.Path, "err", err)
 		unavailable(w, what+": timed out; retry later")
 	case idempotency.IsUnavailable(err):

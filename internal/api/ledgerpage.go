@@ -16,7 +16,6 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/hibiken/asynqmon"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
@@ -198,26 +197,10 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	s.render(w, http.StatusOK, "row.html", p)
 }
 
-// intentQueuesSQL reads the queues the outbox recorded for keys.
-const intentQueuesSQL = `SELECT idempotency_key, queue FROM job_intents WHERE idempotency_key = ANY($1)`
-
 // intentQueues returns the queue each of keys was accepted into, for the keys recorded
 // through the outbox (job_intents); the others are absent from the map.
 func (s *Server) intentQueues(ctx context.Context, keys []string) (map[string]string, error) {
-	queues := make(map[string]string, len(keys))
-	if len(keys) == 0 {
-		return queues, nil
-	}
-	rows, err := s.deps.Pool.Query(ctx, intentQueuesSQL, keys)
-	if err != nil {
-		return queues, err
-	}
-	var key, queue string
-	_, err = pgx.ForEachRow(rows, []any{&key, &queue}, func() error {
-		queues[key] = queue
-		return nil
-	})
-	return queues, err
+	return outbox.IntentQueues(ctx, s.deps.Pool, keys)
 }
 
 // findTask looks for the asynq task with TaskID id: in queue first when it is not empty

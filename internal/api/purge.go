@@ -4,28 +4,19 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/idemq/idemq/idempotency/outbox"
 )
 
-// purgeKeysSQL deletes at most $2 Idempotency-Key rows older than $1 milliseconds.
-const purgeKeysSQL = `DELETE FROM api_idempotency_keys WHERE ctid = ANY(ARRAY(
-	SELECT ctid FROM api_idempotency_keys WHERE created_at < now() - $1 * interval '1 millisecond' LIMIT $2))`
-
 // PurgeKeys deletes the remembered Idempotency-Key rows created longer ago than olderThan,
-// in batches, and returns how many it deleted. A key repeated after that is a new request:
+// in batches (outbox.PurgeRequestKeys), and returns how many it deleted. A key repeated after that is a new request:
 // its job key still dedups it (200, not a replay). Safe to run on every replica.
 func (s *Server) PurgeKeys(ctx context.Context, olderThan time.Duration) (int64, error) {
-	const batch = 1000
-	var total int64
-	for {
-		tag, err := s.deps.Pool.Exec(ctx, purgeKeysSQL, olderThan.Milliseconds(), batch)
-		if err != nil {
-			return total, fmt.Errorf("api: purge Idempotency-Key rows: %w", err)
-		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < batch {
-			return total, nil
-		}
+	n, err := outbox.PurgeRequestKeys(ctx, s.deps.Pool, olderThan)
+	if err != nil {
+		return n, fmt.Errorf("api: purge Idempotency-Key rows: %w", err)
 	}
+	return n, nil
 }
 
 // PurgeKeysEvery runs PurgeKeys(olderThan) every interval until ctx ends, logging errors.

@@ -12,7 +12,6 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
@@ -156,20 +155,12 @@ func postgres(ctx context.Context, name, dsn string, maxConns int32) (*pgxpool.P
 	return pool, kind, nil
 }
 
-// SQLSTATEs 42P05 (duplicate_prepared_statement) and 26000 (invalid_sql_statement_name):
-// what named prepared statements meet behind a transaction-mode pooler.
-const (
-	sqlstateDuplicatePreparedStatement = "42P05"
-	sqlstateInvalidSQLStatementName    = "26000"
-)
-
 // PoolerHint adds to err, when it is what named prepared statements meet behind a
 // transaction-mode pooler (PgBouncer's pool_mode=transaction), how to run there: pgx's
 // default caches named prepared statements per connection, and the pooler hands each
 // transaction another server connection.
 func PoolerHint(err error) error {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) && (pe.Code == sqlstateDuplicatePreparedStatement || pe.Code == sqlstateInvalidSQLStatementName) {
+	if pgpooler.IsPreparedStatementError(err) {
 		return fmt.Errorf("%w (DATABASE_URL looks like a transaction-mode pooler such as PgBouncer: add default_query_exec_mode=cache_describe to it, or point it at Postgres)", err)
 	}
 	return err

@@ -43,6 +43,20 @@ const (
 	ConnectionExceptionClass = "08"
 )
 
+// Is reports whether err, from pgx, is the server's error with one of codes.
+func Is(err error, codes ...string) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) {
+		return false
+	}
+	for _, c := range codes {
+		if pe.Code == c {
+			return true
+		}
+	}
+	return false
+}
+
 // Unavailable reports whether err, from pgx, says that the database cannot be reached or
 // is not taking writes right now: a connection refused or lost, a server shutting down,
 // crashing or starting, a standby not promoted yet, no connection slot free. A later retry

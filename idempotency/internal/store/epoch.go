@@ -1,0 +1,47 @@
+package store
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The outbox's epoch rows (redis_epochs): for each queue it publishes into, the marker
+// and the Redis run_id a reconcile round last checked the queue under.
+
+const ensureEpochSQL = `INSERT INTO redis_epochs (queue, epoch) VALUES ($1, $2) ON CONFLICT (queue) DO NOTHING`
+
+// EnsureEpoch records queue's row with marker epoch, unless it has one.
+func EnsureEpoch(ctx context.Context, q DB, queue, epoch string) error {
+	_, err := q.Exec(ctx, ensureEpochSQL, queue, epoch)
+	return err
+}
+
+// Epoch is a queue's epoch row.
+type Epoch struct {
+	Queue, Epoch string
+	RedisRunID   string // "" until a round recorded one
+}
+
+const epochsSQL = `SELECT queue, epoch, redis_run_id FROM redis_epochs ORDER BY queue`
+
+// Epochs returns every queue's epoch row, by queue.
+func Epochs(ctx context.Context, q DB) ([]Epoch, error) {
+	rows, err := q.Query(ctx, epochsSQL)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Epoch, error) {
+		var e Epoch
+		err := row.Scan(&e.Queue, &e.Epoch, &e.RedisRunID)
+		return e, err
+	})
+}
+
+const settleEpochSQL = `UPDATE redis_epochs SET epoch = $2, redis_run_id = $3, updated_at = now() WHERE queue = $1`
+
+// SettleEpoch records e (its marker and run_id) as its queue's row.
+func SettleEpoch(ctx context.Context, q DB, e Epoch) error {
+	_, err := q.Exec(ctx, settleEpochSQL, e.Queue, e.Epoch, e.RedisRunID)
+	return err
+}
