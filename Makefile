@@ -53,6 +53,13 @@ up:
 down:
 	docker compose down
 
+## compose-check: compose.yaml as Docker Compose v2 loads it (docker compose config, or, where it
+## is not installed, compose-go, its loader and schema, from .ci/composecheck)
+.PHONY: compose-check
+compose-check:
+	@if docker compose version >/dev/null 2>&1; then IDEMQ_API_TOKEN=$$(printf '%064d' 0) docker compose config -q && echo "compose.yaml: valid (docker compose config)"; \
+	else cd .ci/composecheck && $(GO) run . ../../compose.yaml; fi
+
 ## screenshots: docs/dashboard.png and docs/ledger.png, from the API's browser test (needs chromium)
 screenshots:
 	IDEMQ_SCREENSHOT_DIR=$(CURDIR)/docs $(GO) test -count=1 -run TestBrowserRendersDashboardAndLedger ./internal/api/
