@@ -25,7 +25,7 @@ cover:
 
 ## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
 ## 2 minutes), with idemq-bench (cmd/idemq-bench, a tool of its own, not in the idemq
-## binary); writes docs/bench.json and docs/bench.svg. A full run (about 10 minutes):
+## binary); writes docs/bench/bench.json and docs/bench/bench.svg. A full run (about 10 minutes):
 ## make bench BENCH_FLAGS="-seconds 6 -workloads noop,debit,charge,scale,io,latency,dup -write-docs"
 ## Worker RSS, one process per configuration over 100,000 tasks (a few minutes):
 ## make bench BENCH_FLAGS="-memory"
@@ -72,7 +72,7 @@ demo:
 faults-short:
 	$(GO) test -tags faults -count=1 -run TestProof -timeout 15m ./internal/faults/ -v
 
-## faults: the fault-injection proof, long profile (about 30 minutes, with a Sentinel run and a Postgres-standby run); report in docs/proof-report.{json,txt}
+## faults: the fault-injection proof, long profile (about 30 minutes, with a Sentinel run and a Postgres-standby run); report in docs/proof/report.{json,txt}
 faults:
-	IDEMQ_FAULTS_PROFILE=long IDEMQ_FAULTS_REPORT=$(CURDIR)/docs/proof-report.json \
+	IDEMQ_FAULTS_PROFILE=long IDEMQ_FAULTS_REPORT=$(CURDIR)/docs/proof/report.json \
 		$(GO) test -tags faults -count=1 -run TestProof -timeout 55m ./internal/faults/ -v
