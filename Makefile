@@ -25,7 +25,7 @@ cover:
 
 ## bench: bare asynq against + lock, + ledger and the full stack, interleaved (defaults: about
 ## 2 minutes), with idemq-bench (cmd/idemq-bench, a tool of its own, not in the idemq
-## binary); writes docs/bench.json and docs/bench.svg. A full run (about 10 minutes):
+## binary); writes docs/bench/bench.json and docs/bench/bench.svg. A full run (about 10 minutes):
 ## make bench BENCH_FLAGS="-seconds 6 -workloads noop,debit,charge,scale,io,latency,dup -write-docs"
 ## Worker RSS, one process per configuration over 100,000 tasks (a few minutes):
 ## make bench BENCH_FLAGS="-memory"
@@ -53,6 +53,13 @@ up:
 down:
 	docker compose down
 
+## compose-check: compose.yaml as Docker Compose v2 loads it (docker compose config, or, where it
+## is not installed, compose-go, its loader and schema, from .ci/composecheck)
+.PHONY: compose-check
+compose-check:
+	@if docker compose version >/dev/null 2>&1; then IDEMQ_API_TOKEN=$$(printf '%064d' 0) docker compose config -q && echo "compose.yaml: valid (docker compose config)"; \
+	else cd .ci/composecheck && $(GO) run . ../../compose.yaml; fi
+
 ## screenshots: docs/dashboard.png and docs/ledger.png, from the API's browser test (needs chromium)
 screenshots:
 	IDEMQ_SCREENSHOT_DIR=$(CURDIR)/docs $(GO) test -count=1 -run TestBrowserRendersDashboardAndLedger ./internal/api/
@@ -65,7 +72,7 @@ demo:
 faults-short:
 	$(GO) test -tags faults -count=1 -run TestProof -timeout 15m ./internal/faults/ -v
 
-## faults: the fault-injection proof, long profile (about 30 minutes, with a Sentinel run and a Postgres-standby run); report in docs/proof-report.{json,txt}
+## faults: the fault-injection proof, long profile (about 30 minutes, with a Sentinel run and a Postgres-standby run); report in docs/proof/report.{json,txt}
 faults:
-	IDEMQ_FAULTS_PROFILE=long IDEMQ_FAULTS_REPORT=$(CURDIR)/docs/proof-report.json \
+	IDEMQ_FAULTS_PROFILE=long IDEMQ_FAULTS_REPORT=$(CURDIR)/docs/proof/report.json \
 		$(GO) test -tags faults -count=1 -run TestProof -timeout 55m ./internal/faults/ -v

@@ -96,7 +96,7 @@ func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
 	}
 	defer cleanup()
 
-	fmt.Fprintf(out, "idemq demo: %d charges and %d debits, %.0f%% sent twice, %d workers; one worker is SIGKILLed mid-flight\n",
+	fmt.Fprintf(out, "idemq demo: %d charges and %d debits, %.0f%% sent twice, %d workers; worker 1 is SIGKILLed once a quarter of the jobs are done\n",
 		o.charges, o.debits, o.dups*100, o.workers)
 	guarded, err := demoPhase(ctx, o, exe, redisURL, dbURL, true, out)
 	if err != nil {
@@ -117,8 +117,28 @@ func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
 		guarded.chargeOrders != o.charges || guarded.entryRefs != o.debits {
 		return fmt.Errorf("demo: with guards, some effect did not happen exactly once (see the table)")
 	}
-	fmt.Fprintln(out, "\nWith guards every order was charged once and every debit written once, through duplicates and a killed worker.")
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, demoVerdict(runs))
 	return nil
+}
+
+// demoVerdict is the demo's last line: what the guarded run kept single and, when the
+// unguarded run ran, how many duplicate effects the guards prevented.
+func demoVerdict(runs []*demoRun) string {
+	g := runs[0]
+	through := "through duplicate requests and deliveries"
+	if g.killed {
+		through += " and a SIGKILLed worker"
+	}
+	line := fmt.Sprintf("With guards: %d orders charged once each and %d debits written once each, %s.", g.chargeOrders, g.entryRefs, through)
+	if len(runs) < 2 {
+		return line
+	}
+	u := runs[1]
+	extraEntries := u.entries - u.entryRefs
+	prevented := extraEntries + max(u.providerReplays-g.providerReplays, 0)
+	return fmt.Sprintf("%s\nWithout guards: %d debits written twice and %d charges sent to the provider again, which only its key kept single. The guards prevented %d duplicates.",
+		line, extraEntries, u.providerReplays, prevented)
 }
 
 // demoServers returns a Redis and a Postgres to use: REDIS_URL/DATABASE_URL (or their
@@ -184,12 +204,12 @@ type demoStack struct {
 	redisDB         *localserver.RedisDB
 }
 
-func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, guarded bool, out io.Writer) (*demoRun, error) {
+func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, guarded bool, out io.Writer) (_ *demoRun, err error) {
 	st, err := startDemoStack(ctx, exe, redisURL, dbURL, o.workers, guarded, out)
+	defer func() { st.close(ctx, o.keep, err != nil, out) }()
 	if err != nil {
 		return nil, err
 	}
-	defer st.close(ctx, o.keep, out)
 	run := &demoRun{guarded: guarded}
 	start := time.Now()
 
@@ -372,29 +392,29 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 	st := &demoStack{exe: exe}
 	var err error
 	if st.logDir, err = os.MkdirTemp("", "idemq-demo-"); err != nil {
-		return nil, err
+		return st, err
 	}
 
 	// A Postgres schema of its own, migrated.
 	if st.schema, err = localserver.CreateSchema(ctx, dbURL, "idemq_demo_"+randomHex(4), nil); err != nil {
-		return nil, fmt.Errorf("demo: %w", err)
+		return st, fmt.Errorf("demo: %w", err)
 	}
 	dsn := st.schema.URL
 	if st.pool, err = dial.Postgres(ctx, dsn, 8); err != nil {
-		return nil, err
+		return st, err
 	}
 	if err := migrateDSN(ctx, st.pool); err != nil {
-		return nil, err
+		return st, err
 	}
 
 	// An empty Redis database of its own, leased so tests and other demos keep out:
 	// asynq's keys cannot be prefixed.
 	if st.redisDB, err = localserver.LeaseRedisDB(ctx, redisURL, true); err != nil {
-		return nil, fmt.Errorf("demo: %w", err)
+		return st, fmt.Errorf("demo: %w", err)
 	}
 	st.redisURL = st.redisDB.URL
 	if st.rdb, err = dial.RedisNode(ctx, st.redisURL); err != nil {
-		return nil, err
+		return st, err
 	}
 
 	base := []string{}
@@ -462,9 +482,15 @@ func (st *demoStack) start(name string, env []string, ready string) error {
 	return fmt.Errorf("demo: %s did not become ready; see %s", name, logf.Name())
 }
 
-func (st *demoStack) close(ctx context.Context, keep bool, out io.Writer) {
+// close stops the stack's processes and removes what startDemoStack made: the schema,
+// the Redis database's keys and the log folder. With keep, it first waits for Ctrl-C. A
+// phase that failed (failed) keeps its logs, and says where.
+func (st *demoStack) close(ctx context.Context, keep, failed bool, out io.Writer) {
+	if st == nil {
+		return
+	}
 	if keep && ctx.Err() == nil {
-		fmt.Fprintf(out, "--keep: the stack stays up (dashboard %s/monitoring/); Ctrl-C to stop\n", st.apiURL)
+		fmt.Fprintf(out, "--keep: the stack stays up (dashboard %s/monitoring/); Ctrl-C stops it and removes its schema, Redis keys and logs\n", st.apiURL)
 		<-ctx.Done()
 	}
 	for _, p := range st.procs {
@@ -485,14 +511,24 @@ func (st *demoStack) close(ctx context.Context, keep bool, out io.Writer) {
 		st.rdb.Close()
 	}
 	if st.redisDB != nil {
-		st.redisDB.Release(keep)
+		st.redisDB.Release(false)
 	}
 	if st.pool != nil {
 		st.pool.Close()
 	}
-	if st.schema != nil && !keep {
-		st.schema.Drop(cctx)
+	if st.schema != nil {
+		if err := st.schema.Drop(cctx); err != nil {
+			fmt.Fprintf(out, "demo: schema %s left in place: %v\n", st.schema.Name, err)
+		}
 	}
+	if st.logDir == "" {
+		return
+	}
+	if failed {
+		fmt.Fprintf(out, "demo: the processes' logs are kept in %s\n", st.logDir)
+		return
+	}
+	os.RemoveAll(st.logDir)
 }
 
 // scrape keeps the latest counters of every worker still answering (a killed worker's last

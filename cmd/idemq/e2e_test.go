@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"syscall"
@@ -471,9 +472,23 @@ func TestDemo(t *testing.T) {
 		t.Fatalf("idemq demo: %v\n%s\n%s", err, out, stderr)
 	}
 	for _, want := range []string{"most charges for one order            1", "most entries for one reference            1",
-		"jobs never finished            0", "every order was charged once"} {
+		"jobs never finished            0", "orders charged once each", "The guards prevented"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("demo output lacks %q:\n%s", want, out)
+		}
+	}
+	// What the log says happened, the table and the last line say too.
+	killed := strings.Contains(out, "SIGKILLed worker 1 (pid")
+	if row := regexp.MustCompile(`worker SIGKILLed mid-flight\s+(\w+)`).FindStringSubmatch(out); row == nil || row[1] != fmt.Sprint(killed) {
+		t.Errorf("the table's kill row %q disagrees with the log (killed: %t):\n%s", row, killed, out)
+	}
+	if killed != strings.Contains(out, "and a SIGKILLed worker.") {
+		t.Errorf("the last line disagrees with the log on the kill (killed: %t):\n%s", killed, out)
+	}
+	// Nothing is left behind: the log folders of both runs are gone.
+	for _, m := range regexp.MustCompile(`logs in (\S+)\)`).FindAllStringSubmatch(out, -1) {
+		if _, err := os.Stat(m[1]); !os.IsNotExist(err) {
+			t.Errorf("the demo left its log folder %s (stat: %v)", m[1], err)
 		}
 	}
 	t.Logf("idemq demo:\n%s", out)

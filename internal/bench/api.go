@@ -161,7 +161,7 @@ type APISample struct {
 	E2EMaxms float64 `json:"e2e_max_ms,omitempty"`
 }
 
-// APIReport is API mode's result, as docs/bench-api.json holds it.
+// APIReport is API mode's result, as docs/bench/bench-api.json holds it.
 type APIReport struct {
 	Revision string           `json:"revision"`
 	Options  apiReportOptions `json:"options"`

@@ -33,7 +33,7 @@ const (
 	sustainDrainTimeout = 2 * time.Minute
 )
 
-// APISustainReport is the sustained run's result, as docs/bench-api-sustain.json holds
+// APISustainReport is the sustained run's result, as docs/bench/bench-api-sustain.json holds
 // it.
 type APISustainReport struct {
 	Revision string            `json:"revision"`

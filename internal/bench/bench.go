@@ -435,9 +435,9 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	servers := fs.String("servers", "1,2,4", "server counts of the scale workload")
 	fs.DurationVar(&opt.IOWait, "io-wait", 10*time.Millisecond, "simulated I/O of the io workload's handler")
 	fs.Float64Var(&opt.LatencyRate, "latency-rate", 200, "arrival rate (tasks/s) of the latency workload (concurrency 10, no queue: the unloaded overhead)")
-	jsonPath := fs.String("json", "", "write the report as JSON here (default docs/bench.json with -write-docs)")
-	svgPath := fs.String("svg", "", "write the chart here (default docs/bench.svg with -write-docs)")
-	writeDocs := fs.Bool("write-docs", false, "write docs/bench.json and docs/bench.svg (run from the repository root)")
+	jsonPath := fs.String("json", "", "write the report as JSON here (default docs/bench/bench.json with -write-docs)")
+	svgPath := fs.String("svg", "", "write the chart here (default docs/bench/bench.svg with -write-docs)")
+	writeDocs := fs.Bool("write-docs", false, "write docs/bench/bench.json and docs/bench/bench.svg (run from the repository root)")
 	memory := fs.Bool("memory", false, "measure memory instead of throughput: each configuration of -memory-configs in a process of its own serves -memory-tasks no-op tasks while its RSS is sampled")
 	fs.IntVar(&opt.MemoryTasks, "memory-tasks", 100000, "no-op tasks each configuration serves in -memory mode")
 	memoryConfigs := fs.String("memory-configs", "A,E,F", "configurations of -memory mode: A (bare asynq), E (full stack leased), F (full stack tx)")
@@ -461,7 +461,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	apiPaths := fs.String("api-paths", strings.Join(APIPathNames, ","), "-workloads api: paths: api (POST /v1/charges to idemq api), asynq (asynq's client), insert (one INSERT per request), enqueue and enqueuetx (the outbox client from Go), e2e (debits through the api to a worker at -api-e2e-rate)")
 	fs.Float64Var(&opt.API.E2ERate, "api-e2e-rate", 20, "-workloads api: debits per second of the e2e path")
 	fs.Float64Var(&opt.API.E2ESeconds, "api-e2e-seconds", 10, "-workloads api: how long the e2e path sends")
-	fs.DurationVar(&opt.API.Sustain, "api-sustain", 0, "-workloads api: instead of the paths, one sustained run this long per binary of -api-binaries: debits at -api-sustain-rate through idemq api (Idempotency-Key rows kept 2m, purged every 1m) to 3 idemq workers, sampled every -api-sustain-every, then every job's completion and effect checked (10m for a soak; writes docs/bench-api-sustain.json with -write-docs)")
+	fs.DurationVar(&opt.API.Sustain, "api-sustain", 0, "-workloads api: instead of the paths, one sustained run this long per binary of -api-binaries: debits at -api-sustain-rate through idemq api (Idempotency-Key rows kept 2m, purged every 1m) to 3 idemq workers, sampled every -api-sustain-every, then every job's completion and effect checked (10m for a soak; writes docs/bench/bench-api-sustain.json with -write-docs)")
 	fs.Float64Var(&opt.API.SustainRate, "api-sustain-rate", 1500, "-workloads api -api-sustain: debits per second, sent open loop")
 	fs.DurationVar(&opt.API.SustainEvery, "api-sustain-every", 30*time.Second, "-workloads api -api-sustain: time between samples")
 	privatePG := fs.Bool("private-postgres", false, "run against a Postgres of its own (a fresh cluster on a free loopback port, Postgres's defaults but fsync on and shared_buffers 128MB, autovacuum on) instead of DATABASE_URL's")
@@ -541,12 +541,12 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 		}
 		if opt.API.Sustain > 0 {
 			if *writeDocs && *jsonPath == "" {
-				*jsonPath = filepath.Join("docs", "bench-api-sustain.json")
+				*jsonPath = filepath.Join("docs", "bench", "bench-api-sustain.json")
 			}
 			return mainAPISustain(ctx, opt, *jsonPath, stdout, stderr)
 		}
 		if *writeDocs && *jsonPath == "" {
-			*jsonPath = filepath.Join("docs", "bench-api.json")
+			*jsonPath = filepath.Join("docs", "bench", "bench-api.json")
 		}
 		rep, err := RunAPI(ctx, opt, stderr)
 		if err != nil {
@@ -579,7 +579,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			opt.DrainConcurrency = append(opt.DrainConcurrency, k)
 		}
 		if *writeDocs && *jsonPath == "" {
-			*jsonPath = filepath.Join("docs", "bench-drain.json")
+			*jsonPath = filepath.Join("docs", "bench", "bench-drain.json")
 		}
 		if len(opt.DrainBinaries) == 0 {
 			bin, cleanup, err := idemqBinary(ctx, *idemqBin, stderr)
@@ -619,10 +619,10 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			base = "bench-memory"
 		}
 		if *jsonPath == "" {
-			*jsonPath = filepath.Join("docs", base+".json")
+			*jsonPath = filepath.Join("docs", "bench", base+".json")
 		}
 		if *svgPath == "" {
-			*svgPath = filepath.Join("docs", base+".svg")
+			*svgPath = filepath.Join("docs", "bench", base+".svg")
 		}
 	}
 	var rep *Report
