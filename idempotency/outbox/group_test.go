@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
@@ -58,6 +59,35 @@ func TestEnqueueManyTxOutcomesPerSpec(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM job_intents`); n != 3 {
 		t.Fatalf("%d intents, want 3 (old, other, new)", n)
+	}
+}
+
+// A spec without a queue goes to asynq's default queue, as an asynq task without one does;
+// one without a task type is refused.
+func TestEnqueueDefaultsTheQueue(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := outbox.NewClient(pool, rdb, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	spec := debitSpec(t, "no-queue", 1)
+	spec.Queue = ""
+	if _, err := c.Enqueue(ctx, spec); err != nil {
+		t.Fatalf("a spec without a queue: %v", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM job_intents WHERE idempotency_key = 'debit:no-queue' AND queue = 'default'`); n != 1 {
+		t.Fatalf("%d intents of debit:no-queue in queue default, want 1", n)
+	}
+	info, err := asynq.NewInspectorFromRedisClient(rdb).GetTaskInfo(outbox.DefaultQueue, spec.Key)
+	if err != nil {
+		t.Fatalf("the task is not in asynq's default queue: %v", err)
+	}
+	if info.MaxRetry != spec.MaxRetry || spec.MaxRetry == 0 {
+		t.Fatalf("MaxRetry %d, want the spec's %d", info.MaxRetry, spec.MaxRetry)
+	}
+	spec = debitSpec(t, "no-type", 1)
+	spec.Type = ""
+	if _, err := c.Enqueue(ctx, spec); !errors.Is(err, idempotency.ErrInvalidRequest) {
+		t.Fatalf("a spec without a task type: %v, want ErrInvalidRequest", err)
 	}
 }
 

@@ -22,8 +22,8 @@ func checkSpec(spec Spec) error {
 	if len(spec.Payload) > idempotency.MaxPayloadBytes {
 		return fmt.Errorf("%w: payload of %s is %d bytes; the limit is %d", idempotency.ErrInvalidRequest, spec.Key, len(spec.Payload), idempotency.MaxPayloadBytes)
 	}
-	if spec.Type == "" || spec.Queue == "" {
-		return fmt.Errorf("%w: %s: task type and queue are required", idempotency.ErrInvalidRequest, spec.Key)
+	if spec.Type == "" {
+		return fmt.Errorf("%w: %s: a task type is required", idempotency.ErrInvalidRequest, spec.Key)
 	}
 	return nil
 }
@@ -64,7 +64,7 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 	for j, i := range order {
 		s := specs[i]
 		ps[j] = store.IntentParams{Key: s.Key, TaskType: s.Type, Payload: s.Payload, Fingerprint: idempotency.Fingerprint(s.Type, s.Payload),
-			Queue: s.Queue, MaxRetry: s.MaxRetry, Timeout: s.Timeout, Retention: s.Retention, TraceParent: s.TraceParent}
+			Queue: cmp.Or(s.Queue, DefaultQueue), MaxRetry: s.MaxRetry, Timeout: s.Timeout, Retention: s.Retention, TraceParent: s.TraceParent}
 	}
 	inserted, err := store.InsertIntents(ctx, tx, ps, hold) // key → state
 	if err != nil {

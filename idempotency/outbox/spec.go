@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"time"
 
@@ -12,13 +13,19 @@ import (
 	"github.com/idemq/idemq/idempotency"
 )
 
+// DefaultQueue is the queue of a Spec that names none: asynq's default queue.
+const DefaultQueue = "default"
+
 // Spec is everything needed to publish a job: its key, its asynq task type and payload,
 // and asynq's options. The outbox stores it and publishes it later (Spec.Task).
 type Spec struct {
-	Key       string
-	Type      string
-	Payload   []byte
-	Queue     string
+	Key     string
+	Type    string
+	Payload []byte
+	// Queue is the asynq queue the job is published to; empty is DefaultQueue.
+	Queue string
+	// MaxRetry is how often asynq retries a failed delivery (asynq.MaxRetry): 0 is none,
+	// unlike an asynq task without the option (25); a busy key's retries count too.
 	MaxRetry  int
 	Timeout   time.Duration
 	Retention time.Duration
@@ -34,7 +41,7 @@ type Spec struct {
 func (s Spec) Task(taskID string, firstEnqueued time.Time, opts ...asynq.Option) *asynq.Task {
 	all := append([]asynq.Option{
 		asynq.TaskID(taskID),
-		asynq.Queue(s.Queue),
+		asynq.Queue(cmp.Or(s.Queue, DefaultQueue)),
 		asynq.MaxRetry(s.MaxRetry),
 		asynq.Timeout(s.Timeout),
 		asynq.Retention(s.Retention),

@@ -52,7 +52,7 @@ func Example() {
 		log.Fatal(err)
 	}
 	server.HandleTx(srv, "wallet:debit", func(ctx context.Context, tx pgx.Tx, d Debit) (json.RawMessage, error) {
-		_, err := tx.Exec(ctx, `INSERT INTO wallet_entries (account_id, amount_cents, reference) VALUES ($1, $2, $3)`, d.Account, -d.Cents, d.Ref)
+		_, err := tx.Exec(ctx, `INSERT INTO debits (account, cents, ref) VALUES ($1, $2, $3)`, d.Account, d.Cents, d.Ref)
 		return nil, err // the row and the key's completion commit together
 	})
 	server.HandleLeased(srv, "email:receipt", func(ctx context.Context, r Receipt) (json.RawMessage, error) {
