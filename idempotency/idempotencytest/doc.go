@@ -17,14 +17,14 @@
 // gives the case a fresh id to build the job (and so its key) from, and refuses a key
 // that another running schedule uses.
 //
-// In the application's tests, with its handlers registered as its worker registers them:
+// In the application's tests, with its handlers registered by the function its server
+// registers them with (a func(server.Registrar)):
+//
+//	func register(r server.Registrar) { server.HandleTx(r, "billing:refund", refund) } // main calls register(srv)
 //
 //	func TestRefundsTakeEffectOnce(t *testing.T) {
 //		pool, rdb := testPostgres(t), testRedis(t) // migrated with idemq's migrations and the app's
-//		cfg := idempotencytest.Config{Pool: pool, Redis: rdb,
-//			Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
-//				mux.Handle("billing:refund", asynqmw.Transactional(w, "billing:refund", decodeRefund, refund))
-//			}}
+//		cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: register}
 //		idempotencytest.Run(t, cfg, idempotencytest.Case{
 //			Name: "refund",
 //			Task: func(id string) (*asynq.Task, error) { return newRefundTask("o-" + id) },

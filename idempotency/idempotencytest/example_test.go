@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/idempotencytest"
+	"github.com/idemq/idemq/idempotency/server"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -40,14 +40,18 @@ func refund(ctx context.Context, tx pgx.Tx, r Refund) (json.RawMessage, error) {
 	return json.RawMessage(`{"refunded":true}`), err
 }
 
-// refundHarness is how the application's test sets the harness up: its handler
-// registered as its worker registers it, and the refund case with its effect counter.
+// registerRefunds registers the application's jobs: on its server.Server in main, on the
+// harness's workers in its tests.
+func registerRefunds(r server.Registrar) {
+	server.HandleTx(r, "billing:refund", refund, server.WithDecoder(decodeRefund))
+}
+
+// refundHarness is how the application's test sets the harness up: its handlers
+// registered as its server registers them, and the refund case with its effect counter.
 func refundHarness(pool *pgxpool.Pool, rdb *redis.Client) (idempotencytest.Config, idempotencytest.Case) {
 	cfg := idempotencytest.Config{
 		Pool: pool, Redis: rdb,
-		Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
-			mux.Handle("billing:refund", asynqmw.Transactional(w, "billing:refund", decodeRefund, refund))
-		},
+		Handlers: registerRefunds,
 	}
 	c := idempotencytest.Case{
 		Name: "refund",

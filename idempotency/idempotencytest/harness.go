@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency/asynqmw"
+	"github.com/idemq/idemq/idempotency/server"
 )
 
 // Config is what the harness needs from the test.
@@ -28,8 +29,13 @@ type Config struct {
 	// its own with its options; it writes only to its own queue and lock keys, and never
 	// flushes a database.
 	Redis *redis.Client
+	// Handlers registers the application's handlers as its server does: the function an
+	// application passes its *server.Server, here given the worker the harness made for
+	// one simulated process (server.Mux). Handlers or Register is required.
+	Handlers func(r server.Registrar)
 	// Register registers the application's handlers on mux, built with w (the worker the
-	// harness made for one simulated process), as the application's worker does.
+	// harness made for one simulated process), for an application that wires
+	// asynqmw.Transactional and asynqmw.Leased itself.
 	Register func(w *asynqmw.Worker, mux *asynq.ServeMux)
 	// Lease is the ledger lease, the lock TTL and the idle timeout of a DoTx transaction
 	// in the simulated processes. Default 1s.

@@ -16,6 +16,7 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
+	"github.com/idemq/idemq/idempotency/server"
 	"github.com/idemq/idemq/lock"
 )
 
@@ -182,7 +183,12 @@ func (r *run) startProcess(concurrency int) (*process, error) {
 	})
 	p.worker = w
 	mux := asynq.NewServeMux()
-	r.cfg.Register(w, mux)
+	if r.cfg.Handlers != nil {
+		r.cfg.Handlers(server.Mux(w, mux))
+	}
+	if r.cfg.Register != nil {
+		r.cfg.Register(w, mux)
+	}
 	registerFillers(w, mux)
 	acfg := asynq.Config{
 		Concurrency: concurrency, Queues: map[string]int{r.queue: 1},

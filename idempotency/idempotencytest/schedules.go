@@ -11,8 +11,8 @@ import (
 // the report's Problems.
 func Verify(ctx context.Context, cfg Config, c Case, s Schedule) (*Report, error) {
 	cfg = cfg.withDefaults()
-	if cfg.Pool == nil || cfg.Redis == nil || cfg.Register == nil || c.Task == nil || c.Effects == nil {
-		return nil, fmt.Errorf("Config.Pool, Config.Redis, Config.Register, Case.Task and Case.Effects are required")
+	if cfg.Pool == nil || cfg.Redis == nil || cfg.Handlers == nil && cfg.Register == nil || c.Task == nil || c.Effects == nil {
+		return nil, fmt.Errorf("Config.Pool, Config.Redis, Config.Handlers (or Register), Case.Task and Case.Effects are required")
 	}
 	r := &run{cfg: cfg, c: c, s: s, id: newID(), plan: map[point]action{}, events: make(chan event, 4)}
 	r.queue = "idemqtest-" + r.id

@@ -51,14 +51,43 @@ func decoder[T idempotency.Job](opts []HandleOption[T]) func([]byte) (T, error) 
 	return c.decode
 }
 
+// Registrar is where HandleTx and HandleLeased register a job type: a *Server, or the
+// worker and mux of a test harness (Mux), so that an application writes its registrations
+// once, as a func(Registrar), for its server and for idempotencytest.Config.Handlers.
+type Registrar interface {
+	register(taskType string, handler func(w *asynqmw.Worker) asynq.Handler)
+}
+
+func (s *Server) register(taskType string, handler func(*asynqmw.Worker) asynq.Handler) {
+	s.Handle(taskType, handler(s.worker))
+}
+
+// Mux returns the Registrar that registers on mux the handlers w serves: what a harness
+// that makes its own workers (idempotency/idempotencytest) hands an application's
+// registrations.
+func Mux(w *asynqmw.Worker, mux *asynq.ServeMux) Registrar { return muxRegistrar{w, mux} }
+
+type muxRegistrar struct {
+	w   *asynqmw.Worker
+	mux *asynq.ServeMux
+}
+
+func (m muxRegistrar) register(taskType string, handler func(*asynqmw.Worker) asynq.Handler) {
+	if taskType == "" {
+		panic("server: register: empty task type")
+	}
+	m.mux.Handle(taskType, handler(m.w))
+}
+
 // HandleTx registers fn for tasks of taskType as a transactional job
 // (asynqmw.Transactional): fn's writes in tx and the key's completion commit in one
 // transaction, so its effect happens exactly once. fn must do no external I/O, and may
 // run more than once per delivery (its writes rolled back in between). The payload is
 // read with Decode unless an option says otherwise. It panics if taskType is empty or
 // already registered, or once Run has started.
-func HandleTx[T idempotency.Job](s *Server, taskType string, fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
-	s.Handle(taskType, asynqmw.Transactional(s.worker, taskType, decoder(opts), fn))
+func HandleTx[T idempotency.Job](r Registrar, taskType string, fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
+	decode := decoder(opts)
+	r.register(taskType, func(w *asynqmw.Worker) asynq.Handler { return asynqmw.Transactional(w, taskType, decode, fn) })
 }
 
 // HandleLeased registers fn for tasks of taskType as a leased job (asynqmw.Leased): the
@@ -66,8 +95,9 @@ func HandleTx[T idempotency.Job](s *Server, taskType string, fn func(ctx context
 // (idempotency.FromContext), to hand to an external provider as its idempotency key, and
 // its result is completed, fenced. The payload is read with Decode unless an option says
 // otherwise. It panics like HandleTx.
-func HandleLeased[T idempotency.Job](s *Server, taskType string, fn func(ctx context.Context, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
-	s.Handle(taskType, asynqmw.Leased(s.worker, taskType, decoder(opts), fn))
+func HandleLeased[T idempotency.Job](r Registrar, taskType string, fn func(ctx context.Context, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
+	decode := decoder(opts)
+	r.register(taskType, func(w *asynqmw.Worker) asynq.Handler { return asynqmw.Leased(w, taskType, decode, fn) })
 }
 
 // Handle registers h, as it is, for tasks of taskType: neither the lock nor the ledger

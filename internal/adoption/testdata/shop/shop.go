@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/idempotency/server"
 )
 
 // The task types.
@@ -84,4 +85,11 @@ func Spec(taskType string, job idempotency.Job) (outbox.Spec, error) {
 	payload, err := json.Marshal(job)
 	return outbox.Spec{Key: job.Key(), Type: taskType, Payload: payload, Queue: "default",
 		MaxRetry: 25, Timeout: time.Minute, Retention: 24 * time.Hour}, err
+}
+
+// Register registers the shop's jobs: on its server in main, on the harness's workers in
+// its tests.
+func Register(r server.Registrar, mailer Mailer) {
+	server.HandleTx(r, TypeRefund, RefundOrder)
+	server.HandleLeased(r, TypeReceipt, mailer.SendReceipt)
 }

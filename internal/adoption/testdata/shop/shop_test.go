@@ -12,7 +12,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"example.com/shop"
-	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/idempotencytest"
 	"github.com/idemq/idemq/idempotency/server"
 )
@@ -44,10 +43,7 @@ func TestExactlyOnce(t *testing.T) {
 	mailer := shop.Mailer{DB: pool}
 	cfg := idempotencytest.Config{
 		Pool: pool, Redis: rdb,
-		Register: func(w *asynqmw.Worker, mux *asynq.ServeMux) {
-			mux.Handle(shop.TypeRefund, asynqmw.Transactional(w, shop.TypeRefund, server.Decode[shop.Refund], shop.RefundOrder))
-			mux.Handle(shop.TypeReceipt, asynqmw.Leased(w, shop.TypeReceipt, server.Decode[shop.Receipt], mailer.SendReceipt))
-		},
+		Handlers: func(r server.Registrar) { shop.Register(r, mailer) },
 	}
 	count := func(query string) func(ctx context.Context, id string) (int, error) {
 		return func(ctx context.Context, id string) (n int, err error) {

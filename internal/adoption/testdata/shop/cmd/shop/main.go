@@ -64,8 +64,7 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	server.HandleTx(srv, shop.TypeRefund, shop.RefundOrder)
-	server.HandleLeased(srv, shop.TypeReceipt, shop.Mailer{DB: pool}.SendReceipt)
+	shop.Register(srv, shop.Mailer{DB: pool})
 	return srv.Run(ctx) // until SIGTERM, then it drains
 }
 
