@@ -205,16 +205,16 @@ func TestEnqueueAndLedgerCommands(t *testing.T) {
 	}
 }
 
-func TestReadmeListsEveryVariable(t *testing.T) {
+func TestConfigurationPageListsEveryVariable(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../../README.md")
+	page, err := os.ReadFile(configDocPath)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, spec := range []any{config.Migrate{}, config.Worker{}, config.API{}, config.Enqueue{}, config.Ledger{}, config.Fakepay{}} {
 		for _, name := range envNames(reflect.TypeOf(spec)) {
-			if !strings.Contains(string(readme), "`"+name+"`") {
-				t.Errorf("README.md does not document %s", name)
+			if !strings.Contains(string(page), "`"+name+"`") {
+				t.Errorf("docs/configuration.md does not document %s", name)
 			}
 		}
 	}
