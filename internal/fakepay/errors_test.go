@@ -53,6 +53,8 @@ func TestInvalidIdempotencyKeyIsRefused(t *testing.T) {
 			{[]string{strings.Repeat("k", 256)}, "255"},
 			{[]string{"charge:o 1"}, "printable ASCII"},
 			{[]string{"charge:o-1#r1"}, "'#'"},
+			{[]string{"checkout:o-1#s/Charge"}, "step name"},
+			{[]string{"checkout:o 1#s/charge"}, "invalid key"},
 			{[]string{""}, "empty"},
 			{[]string{"charge:o-1", "charge:o-2"}, "once"},
 		} {

@@ -7,8 +7,12 @@
 // refused with 400, and a request whose key is still being processed gets 409. With
 // HonorKeys off it creates a charge per request, to show what the ledger alone prevents.
 //
-// A key follows the ledger's rules (idempotency.ValidateKey); a request with a bad key gets
-// 400. Errors are JSON {"error": "..."}; an internal failure answers "internal error" with
+// POST /v1/emails stands for a provider without idempotency: it stores every request in
+// fakepay_emails (with its Idempotency-Key and Idemq-Fence headers, never honoured) and
+// answers 202, so an email sent twice is two rows.
+//
+// A key follows the ledger's rules (idempotency.ValidateKey), or is a step's key
+// (<job key>#s/<name>); a request with a bad key gets 400. Errors are JSON {"error": "..."}; an internal failure answers "internal error" with
 // 500 and logs its cause, so a caller never sees a database error.
 package fakepay
 
@@ -22,7 +26,9 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"regexp"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -77,6 +83,7 @@ func New(pool *pgxpool.Pool, cfg Config) *Server {
 	}
 	s := &Server{pool: pool, cfg: cfg, mux: http.NewServeMux()}
 	s.mux.HandleFunc("POST /v1/charges", s.createCharge)
+	s.mux.HandleFunc("POST /v1/emails", s.sendEmail)
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
 	return s
 }
@@ -123,10 +130,32 @@ func idempotencyKey(h http.Header) (string, error) {
 	case len(keys) > 1:
 		return "", fmt.Errorf("Idempotency-Key header: given %d times, must be given once", len(keys))
 	}
-	if err := idempotency.ValidateKey(keys[0]); err != nil {
+	if err := checkKey(keys[0]); err != nil {
 		return "", fmt.Errorf("Idempotency-Key header: %w", err)
 	}
 	return keys[0], nil
+}
+
+// stepName is a step's name in a step key (<job key>#s/<name>).
+var stepName = regexp.MustCompile(`^[a-z0-9_-]{1,64}$`)
+
+// checkKey accepts a job key (idempotency.ValidateKey) or a step's key, the job's key with
+// "#s/<name>" after it, within the same 255 bytes: what idemq hands a provider.
+func checkKey(key string) error {
+	job, name, isStep := strings.Cut(key, "#s/")
+	if !isStep {
+		return idempotency.ValidateKey(key)
+	}
+	if err := idempotency.ValidateKey(job); err != nil {
+		return err
+	}
+	if !stepName.MatchString(name) {
+		return fmt.Errorf("step name %.70q after #s/ must match [a-z0-9_-]{1,64}", name)
+	}
+	if len(key) > idempotency.MaxKeyBytes {
+		return fmt.Errorf("step key is %d bytes; the limit is %d", len(key), idempotency.MaxKeyBytes)
+	}
+	return nil
 }
 
 func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
