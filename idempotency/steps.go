@@ -192,7 +192,8 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 //
 // The transaction holds the job's row lock from its first statement to its commit, which
 // also delays the handler's heartbeats: keep it short, well inside the lease. No external
-// I/O in fn. Unlike Step, StepTx has no gap between effect and record.
+// I/O in fn, and no step calls (they are refused: their records would wait for that row
+// lock). Unlike Step, StepTx has no gap between effect and record.
 func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (T, error) {
 	var zero T
 	run, call, done, err := beginStep(ctx, name, opts)
@@ -209,7 +210,7 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 		if !held {
 			return run.leaseLost(name)
 		}
-		v, err := fn(ctx, tx)
+		v, err := fn(context.WithValue(ctx, inStepTxKey{}, name), tx)
 		if err != nil {
 			return err
 		}
@@ -230,6 +231,9 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 
 // stepsKey keys a leased delivery's stepRun in its handler's context.
 type stepsKey struct{}
+
+// inStepTxKey keys, in the context of a StepTx's fn, the step's name.
+type inStepTxKey struct{}
 
 // stepRun is what one leased delivery knows of its job's steps.
 type stepRun struct {
@@ -259,6 +263,10 @@ type stepCall struct {
 func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRun, call stepCall, done *store.StepRow, err error) {
 	if claimctx.InTx(ctx) {
 		return nil, call, nil, Permanent(fmt.Errorf("%w (step %q)", ErrStepInTx, name))
+	}
+	if outer, ok := ctx.Value(inStepTxKey{}).(string); ok {
+		// Its record would wait for the row lock the outer StepTx holds until fn returns.
+		return nil, call, nil, Permanent(fmt.Errorf("idempotency: step %q called inside StepTx %q: steps do not nest in a StepTx", name, outer))
 	}
 	run, ok := ctx.Value(stepsKey{}).(*stepRun)
 	if !ok {

@@ -294,6 +294,19 @@ func TestStepRefusals(t *testing.T) {
 	if k, err := idempotency.StepKey("order:1", "charge"); k != "order:1#s/charge" || err != nil {
 		t.Errorf("StepKey: %q, %v", k, err)
 	}
+	// A step inside a StepTx.
+	_, err = l.Do(ctx, req("nested"), func(ctx context.Context) (json.RawMessage, error) {
+		_, err := idempotency.StepTx(ctx, "outer", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			return idempotency.Step(ctx, "inner", ran)
+		})
+		return nil, err
+	})
+	if err == nil || !strings.Contains(err.Error(), `step "inner" called inside StepTx "outer"`) || !idempotency.IsPermanent(err) {
+		t.Errorf("a step inside a StepTx: %v, want a permanent error naming both", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM processed_job_steps WHERE idempotency_key = 'nested'`); n != 0 {
+		t.Errorf("%d steps recorded for a nested step, want 0", n)
+	}
 	if idempotency.MaxStepJobKeyBytes != 188 {
 		t.Errorf("MaxStepJobKeyBytes = %d, want 188", idempotency.MaxStepJobKeyBytes)
 	}
@@ -442,4 +455,56 @@ func TestStepTxRacesATakeover(t *testing.T) {
 		t.Errorf("%d StepTx committed after a release, want 0", got)
 	}
 	t.Logf("at random moments, %d of %d StepTx committed before the release", committed[random].Load(), keys/3)
+}
+
+// TestStepUnfenced is the negative control: without fencing (Config.UnsafeNoFencing) a
+// stale owner records its steps, over the new owner's.
+func TestStepUnfenced(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, &idempotency.Config{Lease: time.Hour, UnsafeNoFencing: true})
+	step := func(result string) func(context.Context, string) (string, error) {
+		return func(context.Context, string) (string, error) { return result, nil }
+	}
+	tookOver, staleDone := make(chan struct{}), make(chan struct{})
+	var second sync.WaitGroup
+	var secondErr error
+	_, err := l.Do(ctx, req("k"), func(hctx context.Context) (json.RawMessage, error) {
+		if _, err := idempotency.Step(hctx, "a", step("stale-a")); err != nil {
+			return nil, err
+		}
+		mustExec(t, pool, `UPDATE processed_jobs SET locked_until = now() - interval '1 second' WHERE idempotency_key = 'k'`)
+		second.Go(func() {
+			_, secondErr = l.Do(ctx, req("k"), func(hctx context.Context) (json.RawMessage, error) {
+				for _, name := range []string{"a", "b"} {
+					if _, err := idempotency.Step(hctx, name, step("new-"+name)); err != nil {
+						return nil, err
+					}
+				}
+				close(tookOver)
+				<-staleDone
+				return nil, nil
+			})
+		})
+		<-tookOver
+		defer close(staleDone)
+		if _, err := idempotency.Step(hctx, "b", step("stale-b")); err != nil {
+			t.Errorf("unfenced stale Step: %v, want it recorded", err)
+		}
+		if _, err := idempotency.StepTx(hctx, "c", func(context.Context, pgx.Tx) (string, error) { return "stale-c", nil }); err != nil {
+			t.Errorf("unfenced stale StepTx: %v, want it recorded", err)
+		}
+		return nil, nil
+	})
+	second.Wait()
+	// Nothing fenced the stale owner out: whichever completion comes second finds the key
+	// no longer in progress.
+	for _, err := range []error{err, secondErr} {
+		if err != nil && !errors.Is(err, idempotency.ErrLeaseLost) {
+			t.Fatalf("unfenced delivery: %v", err)
+		}
+	}
+	if n := count(t, pool, `SELECT count(*) FROM processed_job_steps WHERE result IN ('"stale-b"', '"stale-c"')`); n != 2 {
+		t.Errorf("%d of the stale owner's steps recorded, want 2 (nothing fenced)", n)
+	}
 }
