@@ -54,7 +54,7 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	hctx, span := l.startSpan(ctx, "idemq.handler", req.Key)
 	fence := &fenceClock{}
 	fence.set(l.selfFenceAt(c.sentAt, c.lease))
-	fctx, cancel := context.WithCancelCause(context.WithValue(withClaim(hctx, c.Key, c.Fence), fenceClockKey{}, fence))
+	fctx, cancel := context.WithCancelCause(l.withSteps(context.WithValue(withClaim(hctx, c.Key, c.Fence), fenceClockKey{}, fence), c))
 	defer cancel(nil)
 	stop := make(chan struct{})
 	done := make(chan struct{})

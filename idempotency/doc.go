@@ -21,6 +21,12 @@
 //     writes and the completion commit in one transaction; the row lock is the lease. No
 //     external I/O inside the transaction.
 //
+// A leased handler with several effects records them as steps: Step (an external effect,
+// handed the step key <job key>#s/<name> for its provider) and StepTx (a database effect in
+// a transaction of its own). Each step's result is recorded together with a fenced update
+// of the job's row, in processed_job_steps, so a later delivery of the job gets it back
+// without running the step again, and a stale owner can record nothing.
+//
 // Concurrent requests of one Ledger share commits (Config.DisableGroupCommit turns this
 // off): leased claims, and leased completions and failures, are each sent by one
 // committer as one multi-row statement per batch, every row checked on its own fence and

@@ -133,3 +133,35 @@ func ExampleValidateKey() {
 	// idempotency: invalid key: byte 0x20 at offset 3, must be printable ASCII 0x21..0x7E (no space, control or non-ASCII)
 	// idempotency: invalid key: empty, must be 1..255 bytes
 }
+
+// Step records an external effect's result inside a leased handler: the delivery after a
+// failure gets it back without calling the provider again, and goes on to the next step.
+func ExampleStep() {
+	ctx := context.Background()
+	pool, cleanup := exampleDB(ctx)
+	defer cleanup()
+	ledger := idempotency.New(pool, nil)
+	defer ledger.Close()
+
+	req := idempotency.Request{Key: "checkout:order-9", TaskType: "order:checkout"}
+	for delivery := 1; delivery <= 2; delivery++ {
+		res, err := ledger.Do(ctx, req, func(ctx context.Context) (json.RawMessage, error) {
+			chargeID, err := idempotency.Step(ctx, "charge", func(ctx context.Context, stepKey string) (string, error) {
+				fmt.Println("calling the provider with Idempotency-Key", stepKey)
+				return "ch_9", nil
+			}, idempotency.StepInput(map[string]int{"amount_cents": 900}))
+			if err != nil {
+				return nil, err
+			}
+			if delivery == 1 {
+				return nil, errors.New("receipt service unavailable") // retried
+			}
+			return json.Marshal(map[string]string{"charge": chargeID})
+		})
+		fmt.Printf("delivery %d: %s %v\n", delivery, res.Result, err)
+	}
+	// Output:
+	// calling the provider with Idempotency-Key checkout:order-9#s/charge
+	// delivery 1:  receipt service unavailable
+	// delivery 2: {"charge":"ch_9"} <nil>
+}

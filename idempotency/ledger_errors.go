@@ -14,9 +14,10 @@ import (
 // Sentinel errors. Compare with errors.Is: the errors returned by the Ledger wrap them,
 // usually with the key.
 var (
-	// ErrLeaseLost means a fenced write (Heartbeat, Complete, Fail) matched no row: another
-	// claim took the key over, an operator released it, or the lease was given up because
-	// no heartbeat reached the database in time. The caller's result was not recorded.
+	// ErrLeaseLost means a fenced write (Heartbeat, Complete, Fail, a step's record)
+	// matched no row: another claim took the key over, an operator released it, or the
+	// lease was given up because no heartbeat reached the database in time. The caller's
+	// result was not recorded.
 	ErrLeaseLost = errors.New("idempotency: lease lost")
 	// ErrBusy means another claim holds a live lease on the key (or an uncommitted
 	// transaction holds its row). It is not a failure: retry when the lease ends. The

@@ -1215,6 +1215,6 @@ func (m *member) runFn(tx *txshim.Tx) (r ran) {
 			r.panicked, m.panicked, m.pval = true, true, p
 		}
 	}()
-	r.out, r.err = m.d.Fn(claimctx.With(m.ctx, m.d.Key, m.out.Row.Fence.Int64), tx)
+	r.out, r.err = m.d.Fn(claimctx.WithTx(m.ctx, m.d.Key, m.out.Row.Fence.Int64), tx)
 	return r
 }

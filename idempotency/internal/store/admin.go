@@ -29,7 +29,8 @@ WHERE idempotency_key = $1 AND status = 'in_progress'`
 // key's outbox intent (if it has one) back to the relays for a publish under the next
 // TaskID: its publish_generation goes one past the highest the relays and the reconciler
 // have used (they record every TaskID they publish under there), so the new task is
-// key#r<n> and never collides with a TaskID asynq still holds. The relays are woken
+// key#r<n> and never collides with a TaskID asynq still holds. The older generations'
+// recorded steps are deleted: the new generation runs every step again. The relays are woken
 // (channel $2) when the statement commits. It returns the new generation and the new
 // publish generation (NULL without an intent).
 const RerunSQL = `
@@ -48,11 +49,14 @@ WITH p AS (
 	    last_error = NULL, finished_at = NULL, updated_at = now()
 	WHERE idempotency_key = $1 AND EXISTS (SELECT FROM p)
 	RETURNING publish_generation
+), s AS (
+	DELETE FROM processed_job_steps WHERE idempotency_key = $1 AND generation < (SELECT generation FROM p)
 )
 SELECT p.generation, i.publish_generation, (SELECT count(pg_notify($2, '')) FROM i)
 FROM p LEFT JOIN i ON true`
 
-// PurgeSQL deletes one batch of terminal rows older than the window. A row completed
+// PurgeSQL deletes one batch of terminal rows older than the window, with their outbox
+// intents and recorded steps. A row completed
 // before the cutoff also started before it, which lets the started_at index find them.
 // The outer conditions are checked again on the row version it deletes, so a row re-run
 // meanwhile stays.
@@ -68,6 +72,8 @@ WITH d AS (
 	RETURNING idempotency_key
 ), i AS (
 	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+), s AS (
+	DELETE FROM processed_job_steps WHERE idempotency_key IN (SELECT idempotency_key FROM d)
 )
 SELECT count(*) FROM d`
 

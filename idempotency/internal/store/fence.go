@@ -6,8 +6,9 @@ package store
 // advisory lock (k.key) if it is free and holdWait waits for it, conflict is the
 // insert's answer to a row there since the read, takeover re-checks, on the newest version of a row that is there, what the read found
 // (p, the row; r, the member's), and guard fails the finish unless it wrote every
-// member's row (w.n rows written of r's).
-type fenceChecks struct{ args, rows, hold, holdWait, conflict, takeover, guard string }
+// member's row (w.n rows written of r's); stepConflict ends a step row's insert (none: a
+// second record of a step is a unique_violation).
+type fenceChecks struct{ args, rows, hold, holdWait, conflict, takeover, guard, stepConflict string }
 
 var (
 	// checkFence checks the fence and the owner: every write after a claim.
@@ -29,6 +30,8 @@ var (
 		conflict: `ON CONFLICT (idempotency_key) DO UPDATE SET status = excluded.status, fence = excluded.fence,
 	  owner = excluded.owner, result = excluded.result, attempts = excluded.attempts, completed_at = excluded.completed_at`,
 		takeover: `p.idempotency_key IS NOT NULL`, guard: `w.n AS unguarded`,
+		stepConflict: `ON CONFLICT (idempotency_key, generation, step) DO UPDATE SET seq = excluded.seq,
+	  fence = excluded.fence, input_fingerprint = excluded.input_fingerprint, result = excluded.result`,
 	}
 )
 
@@ -39,6 +42,10 @@ type Writes struct {
 	HoldKeys    string     // a DoTx transaction's keys, held when free
 	HoldKeyWait string     // a lone DoTx transaction's key, waited for
 	FinishTx    string     // the rows of a DoTx transaction, written
+
+	RecordStepSQL string // a step's row with its fenced update, one statement
+	HoldStepSQL   string // the fenced update that opens a StepTx transaction
+	InsertStepSQL string // a StepTx's step row
 }
 
 func newWrites(f fenceChecks, name string) *Writes {
@@ -48,6 +55,10 @@ func newWrites(f fenceChecks, name string) *Writes {
 		HoldKeys:    holdKeysSQL(f, false),
 		HoldKeyWait: holdKeysSQL(f, true),
 		FinishTx:    finishTxSQL(f),
+
+		RecordStepSQL: recordStepSQL(f),
+		HoldStepSQL:   holdStepSQL(f),
+		InsertStepSQL: insertStepSQL(f),
 	}
 }
 

@@ -1,0 +1,117 @@
+package store
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// The recorded steps of leased jobs (processed_job_steps): one row per key, generation
+// and step, written only together with a fenced update of the key's processed_jobs row.
+
+// StepParams is one step to record under a claim (key, fence, owner, generation).
+type StepParams struct {
+	Key        string
+	Fence      int64
+	Owner      pgtype.UUID
+	Generation int32
+	Step       string
+	Seq        int32
+	// InputFingerprint is the step's input fingerprint, nil for none (NULL).
+	InputFingerprint []byte
+	// Result is the step's result as JSON text (NULL when not valid).
+	Result pgtype.Text
+}
+
+// StepRow is a recorded step.
+type StepRow struct {
+	Step             string
+	Seq              int32
+	Fence            int64
+	InputFingerprint []byte
+	Result           []byte // jsonb's text, nil for NULL
+}
+
+// holdStepSQL is the fenced update that makes a step's transaction its claim's: only a
+// claim that still holds the key (and its generation) touches the row, and the row lock
+// it takes keeps a takeover's claim waiting until the transaction ends. The step's
+// commit is durable (synchronous_commit on) before it is reported.
+func holdStepSQL(f fenceChecks) string {
+	return `
+UPDATE processed_jobs SET updated_at = now()
+WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress' AND generation = $4
+RETURNING set_config('synchronous_commit', 'on', true)`
+}
+
+// recordStepSQL records a step in one statement (its own transaction): the fenced update
+// of holdStepSQL and, only if it matched, the step's row. It writes one row or none.
+func recordStepSQL(f fenceChecks) string {
+	return `
+WITH u AS (
+	UPDATE processed_jobs SET updated_at = now()
+	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress' AND generation = $4
+	RETURNING idempotency_key, generation, fence
+)
+INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, input_fingerprint, result)
+SELECT u.idempotency_key, u.generation, $5, $6, u.fence, $7, $8::text::jsonb
+FROM u WHERE set_config('synchronous_commit', 'on', true) IS NOT NULL ` + f.stepConflict
+}
+
+// insertStepSQL writes a step's row inside a transaction whose holdStepSQL matched.
+func insertStepSQL(f fenceChecks) string {
+	return `
+INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, input_fingerprint, result)
+VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb) ` + f.stepConflict
+}
+
+// ReadStepsSQL reads the steps recorded for a key's generation.
+const ReadStepsSQL = `SELECT step, seq, fence, input_fingerprint, result FROM processed_job_steps
+WHERE idempotency_key = $1 AND generation = $2`
+
+// ReadSteps returns the steps recorded for key's generation, in no particular order.
+func ReadSteps(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, key string, generation int32) ([]StepRow, error) {
+	rows, err := q.Query(ctx, ReadStepsSQL, key, generation)
+	if err != nil {
+		return nil, err
+	}
+	var out []StepRow
+	var r StepRow
+	_, err = pgx.ForEachRow(rows, []any{&r.Step, &r.Seq, &r.Fence, &r.InputFingerprint, &r.Result}, func() error {
+		out = append(out, r)
+		r = StepRow{}
+		return nil
+	})
+	return out, err
+}
+
+// RecordStep records p's step in one statement, fenced: recorded is false (and nothing
+// written) when p's claim no longer holds the key.
+func (w *Writes) RecordStep(ctx context.Context, q interface {
+	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+}, p StepParams) (recorded bool, err error) {
+	tag, err := q.Exec(ctx, w.RecordStepSQL, p.Key, p.Fence, p.Owner, p.Generation, p.Step, p.Seq, p.InputFingerprint, p.Result)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// HoldStep runs the fenced update that opens a step's transaction tx: held is false when
+// p's claim no longer holds the key (then roll tx back).
+func (w *Writes) HoldStep(ctx context.Context, tx pgx.Tx, p StepParams) (held bool, err error) {
+	tag, err := tx.Exec(ctx, w.HoldStepSQL, p.Key, p.Fence, p.Owner, p.Generation)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// InsertStep writes p's step row in tx, after HoldStep held the key.
+func (w *Writes) InsertStep(ctx context.Context, tx pgx.Tx, p StepParams) error {
+	_, err := tx.Exec(ctx, w.InsertStepSQL, p.Key, p.Generation, p.Step, p.Seq, p.Fence, p.InputFingerprint, p.Result)
+	return err
+}
