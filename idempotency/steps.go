@@ -201,29 +201,30 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 		return decodeStep[T](run, name, done, err)
 	}
 	var b []byte
+	var fnErr error // fn's error, or its result's: returned as is
 	err = pgx.BeginFunc(ctx, run.l.pool, func(tx pgx.Tx) error {
 		p := run.holdParams(call)
 		held, err := run.l.writes.HoldStep(ctx, tx, p)
 		if err != nil {
-			return asUnavailable(ctx, fmt.Errorf("idempotency: step %q of %s: %w", name, run.c.Key, err))
+			return err
 		}
 		if !held {
 			return run.leaseLost(name)
 		}
 		v, err := fn(context.WithValue(ctx, inStepTxKey{}, name), tx)
+		if err == nil {
+			b, p, err = run.params(call, v)
+		}
 		if err != nil {
+			fnErr = err
 			return err
 		}
-		b, p, err = run.params(call, v)
-		if err != nil {
-			return err
-		}
-		if err := run.l.writes.InsertStep(ctx, tx, p); err != nil {
-			return fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err)
-		}
-		return nil
+		return run.l.writes.InsertStep(ctx, tx, p)
 	})
 	if err != nil {
+		if fnErr == nil && !errors.Is(err, ErrLeaseLost) {
+			err = asUnavailable(ctx, fmt.Errorf("idempotency: step %q of %s: %w", name, run.c.Key, err))
+		}
 		return zero, withLeaseLoss(err, ctx)
 	}
 	return recordedStep[T](run, call, b)
