@@ -56,7 +56,8 @@ const (
 
 // Charger charges through the payment provider's HTTP API. It is safe for concurrent use.
 type Charger struct {
-	url    string
+	url    string // POST /v1/charges
+	emails string // POST /v1/emails
 	http   *http.Client
 	margin time.Duration
 }
@@ -69,7 +70,8 @@ func NewCharger(baseURL string, client *http.Client) *Charger {
 	if client == nil {
 		client = DefaultClient()
 	}
-	return &Charger{url: strings.TrimRight(baseURL, "/") + "/v1/charges", http: client, margin: DefaultFenceMargin}
+	base := strings.TrimRight(baseURL, "/")
+	return &Charger{url: base + "/v1/charges", emails: base + "/v1/emails", http: client, margin: DefaultFenceMargin}
 }
 
 // WithFenceMargin returns a copy of ch whose calls under a lease end margin before the
@@ -106,47 +108,9 @@ func DefaultClient() *http.Client {
 // min(MinCallTime, the fence margin) of it left, Charge returns ErrLeaseEnding
 // (retryable) without calling.
 func (ch *Charger) Charge(ctx context.Context, key string, c tasks.Charge) (json.RawMessage, error) {
-	body, err := json.Marshal(c)
+	raw, err := ch.post(ctx, ch.url, "charge", key, c)
 	if err != nil {
 		return nil, err
-	}
-	timeout := callTimeout
-	if fenceAt, ok := idempotency.LeaseDeadline(ctx); ok {
-		if left := time.Until(fenceAt) - ch.margin; left < timeout {
-			timeout = left
-		}
-		if least := min(MinCallTime, ch.margin); timeout < least {
-			return nil, fmt.Errorf("charge %s: %s left before the lease's self-fence deadline, less than %s and the margin %s: %w",
-				key, time.Until(fenceAt).Round(time.Millisecond), least, ch.margin, ErrLeaseEnding)
-		}
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, ch.url, bytes.NewReader(body))
-	if err != nil {
-		return nil, fmt.Errorf("charge %s: %w", key, err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Idempotency-Key", key)
-	if _, fence, ok := idempotency.FromContext(ctx); ok && fence > 0 {
-		req.Header.Set(HeaderFence, strconv.FormatInt(fence, 10))
-	}
-	resp, err := ch.http.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("charge %s: %w", key, err)
-	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
-		return nil, fmt.Errorf("charge %s: read answer: %w", key, err)
-	}
-	switch {
-	case resp.StatusCode == http.StatusConflict:
-		return nil, fmt.Errorf("charge %s: %w", key, ErrProviderBusy)
-	case resp.StatusCode >= 400 && resp.StatusCode < 500:
-		return nil, fmt.Errorf("charge %s: provider refused (%d): %s: %w", key, resp.StatusCode, bytes.TrimSpace(raw), asynq.SkipRetry)
-	case resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusCreated:
-		return nil, fmt.Errorf("charge %s: provider answered %d: %s", key, resp.StatusCode, bytes.TrimSpace(raw))
 	}
 	var got struct {
 		ID          string `json:"id"`
@@ -158,4 +122,53 @@ func (ch *Charger) Charge(ctx context.Context, key string, c tasks.Charge) (json
 		return nil, fmt.Errorf("charge %s: unreadable provider answer %.200q", key, raw)
 	}
 	return json.Marshal(ChargeResult{ChargeID: got.ID, AmountCents: got.AmountCents, Currency: got.Currency, Replayed: got.Replayed})
+}
+
+// post sends body as JSON to url under key (and the claim's fence), within the lease's
+// self-fence deadline as Charge describes, and returns a 200 or 201 answer's body. what
+// names the call in errors.
+func (ch *Charger) post(ctx context.Context, url, what, key string, body any) ([]byte, error) {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return nil, err
+	}
+	timeout := callTimeout
+	if fenceAt, ok := idempotency.LeaseDeadline(ctx); ok {
+		if left := time.Until(fenceAt) - ch.margin; left < timeout {
+			timeout = left
+		}
+		if least := min(MinCallTime, ch.margin); timeout < least {
+			return nil, fmt.Errorf("%s %s: %s left before the lease's self-fence deadline, less than %s and the margin %s: %w",
+				what, key, time.Until(fenceAt).Round(time.Millisecond), least, ch.margin, ErrLeaseEnding)
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", what, key, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Idempotency-Key", key)
+	if _, fence, ok := idempotency.FromContext(ctx); ok && fence > 0 {
+		req.Header.Set(HeaderFence, strconv.FormatInt(fence, 10))
+	}
+	resp, err := ch.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", what, key, err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: read answer: %w", what, key, err)
+	}
+	switch {
+	case resp.StatusCode == http.StatusConflict:
+		return nil, fmt.Errorf("%s %s: %w", what, key, ErrProviderBusy)
+	case resp.StatusCode >= 400 && resp.StatusCode < 500:
+		return nil, fmt.Errorf("%s %s: provider refused (%d): %s: %w", what, key, resp.StatusCode, bytes.TrimSpace(raw), asynq.SkipRetry)
+	case resp.StatusCode < 200 || resp.StatusCode > 299:
+		return nil, fmt.Errorf("%s %s: provider answered %d: %s", what, key, resp.StatusCode, bytes.TrimSpace(raw))
+	}
+	return raw, nil
 }

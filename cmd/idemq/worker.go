@@ -152,6 +152,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	} else {
 		server.HandleLeased(s, tasks.TypeCharge, charge, server.WithDecoder(tasks.DecodeCharge))
 		server.HandleTx(s, tasks.TypeDebit, debit, server.WithDecoder(tasks.DecodeDebit))
+		// Its steps are recorded in the ledger: there is no unguarded checkout.
+		server.HandleLeased(s, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
 	}
 
 	runCtx, cancel := context.WithCancel(ctx)

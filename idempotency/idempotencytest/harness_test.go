@@ -20,6 +20,7 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/idempotencytest"
+	"github.com/idemq/idemq/idempotency/server"
 	"github.com/idemq/idemq/internal/fakepay"
 	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
@@ -180,4 +181,32 @@ func TestExampleRefund(t *testing.T) {
 	testenv.Exec(t, pool, `CREATE TABLE refunds (order_id text NOT NULL, cents bigint NOT NULL)`)
 	cfg, refunds := refundHarness(pool, rdb)
 	idempotencytest.Run(t, cfg, refunds)
+}
+
+// A checkout's charge (a Step, at a provider that honours its key) and its order row (a
+// StepTx) take effect once under every schedule. Its receipt goes to a provider that
+// honours no key, so a crash between that effect and its record sends it again: it is not
+// counted here (TestCheckoutResumesAfterItsLastRecordedStep in cmd/idemq shows it).
+func TestCheckoutStepsTakeEffectOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: func(r server.Registrar) {
+		server.HandleLeased(r, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
+	}}
+	checkout := func(name, count string) idempotencytest.Case {
+		return idempotencytest.Case{
+			Name: name,
+			Task: func(id string) (*asynq.Task, error) {
+				return tasks.NewCheckoutTask(tasks.Checkout{OrderID: "order-" + id, CustomerID: "cust-" + id, AmountCents: 1999, Currency: "EUR", Email: "a@example.com"})
+			},
+			Effects: func(ctx context.Context, id string) (int, error) {
+				var n int
+				err := pool.QueryRow(ctx, count, "order-"+id).Scan(&n)
+				return n, err
+			},
+		}
+	}
+	idempotencytest.Run(t, cfg, checkout("checkout-charge", `SELECT count(*) FROM fakepay_charges WHERE order_id = $1`),
+		checkout("checkout-order", `SELECT count(*) FROM orders WHERE order_id = $1`))
 }

@@ -28,7 +28,7 @@ type Email struct {
 const (
 	MaxEmailAddress = 254 // RFC 5321's path limit
 	MaxEmailSubject = 200
-	MaxEmailOrderID = 200
+	MaxEmailOrderID = 255 // an order id within the key limit
 )
 
 // validate refuses what no mail provider would send. An address is never quoted back:
