@@ -27,7 +27,7 @@ type CheckoutResult struct {
 // email and before the step was recorded sends it again on the next delivery.
 func (ch *Charger) Checkout(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
 	charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (ChargeResult, error) {
-		raw, err := ch.Charge(ctx, key, tasks.Charge{OrderID: c.OrderID, CustomerID: c.CustomerID, AmountCents: c.AmountCents, Currency: c.Currency})
+		raw, err := ch.Charge(ctx, key, c.Charge())
 		var r ChargeResult
 		if err == nil {
 			err = json.Unmarshal(raw, &r)

@@ -52,27 +52,24 @@ func stepRoom() int {
 	return len("#s/") + n
 }
 
-// Validate reports the first invalid field, by its JSON name. The order id leaves room in
-// the 255-byte key limit for the step keys (checkout:<order_id>#s/receipt). An invalid
-// email is named, never quoted: it is personal data.
+// Validate reports the first invalid field, by its JSON name: a charge's fields as
+// Charge.Validate checks them, an order id that leaves room in the 255-byte key limit for
+// the step keys (checkout:<order_id>#s/receipt), and the email, which is named, never
+// quoted: it is personal data.
 func (c Checkout) Validate() error {
-	if err := checkID("order_id", c.OrderID, "checkout:"); err != nil {
+	if err := c.Charge().Validate(); err != nil {
 		return err
 	}
 	if max := idempotency.MaxKeyBytes - len("checkout:") - stepRoom(); len(c.OrderID) > max {
 		return fmt.Errorf("order_id: %d bytes; the limit is %d (a checkout's step keys, checkout:<order_id>#s/<step>, are at most %d bytes)",
 			len(c.OrderID), max, idempotency.MaxKeyBytes)
 	}
-	if err := checkID("customer_id", c.CustomerID, "customer:"); err != nil {
-		return err
-	}
-	if err := checkAmount(c.AmountCents); err != nil {
-		return err
-	}
-	if len(c.Currency) != 3 || !isLetters(c.Currency) {
-		return fmt.Errorf("currency: must be a three-letter ISO 4217 code (in any case: usd is USD), got %q", c.Currency)
-	}
 	return checkEmail(c.Email)
+}
+
+// Charge is the checkout's charge step: its order, customer and amount.
+func (c Checkout) Charge() Charge {
+	return Charge{OrderID: c.OrderID, CustomerID: c.CustomerID, AmountCents: c.AmountCents, Currency: c.Currency}
 }
 
 // checkEmail refuses what is not a mail address: 1 to MaxEmailBytes bytes of printable
@@ -101,7 +98,7 @@ func (c *Checkout) fields() []field {
 
 // Canonical returns c with Currency in upper case, as Charge.Canonical does.
 func (c Checkout) Canonical() Checkout {
-	c.Currency = upperASCII(c.Currency)
+	c.Currency = c.Charge().Canonical().Currency
 	return c
 }
 
