@@ -21,14 +21,14 @@ import (
 func enqueueCommand() command {
 	return command{
 		name:    "enqueue",
-		usage:   "enqueue charge --order-id ID --customer-id ID --amount-cents N [--currency EUR] | enqueue debit --account-id ID --amount-cents N --reference REF",
+		usage:   "enqueue charge --order-id ID --customer-id ID --amount-cents N [--currency EUR] | enqueue debit --account-id ID --amount-cents N --reference REF | enqueue checkout --order-id ID --customer-id ID --amount-cents N [--currency EUR] --email ADDR",
 		summary: "record one example job in the outbox and publish it; prints its key and whether it was new or a duplicate",
 		spec:    func() any { return &config.Enqueue{} },
 		traced:  "idemq-enqueue",
 		run: func(ctx context.Context, spec any, args []string, stdout, stderr io.Writer) error {
 			cfg := spec.(*config.Enqueue)
 			if len(args) == 0 {
-				return fmt.Errorf("enqueue: say what: charge or debit")
+				return fmt.Errorf("enqueue: say what: charge, debit or checkout")
 			}
 			fs := flag.NewFlagSet("enqueue "+args[0], flag.ContinueOnError)
 			fs.SetOutput(stderr)
@@ -62,8 +62,22 @@ func enqueueCommand() command {
 					return flagError(err)
 				}
 				job, err = tasks.DebitSpec(d)
+			case "checkout":
+				var c tasks.Checkout
+				fs.StringVar(&c.OrderID, "order-id", "", "order checked out (the key is checkout:<order-id>)")
+				fs.StringVar(&c.CustomerID, "customer-id", "", "customer charged (lock scope customer:<customer-id>)")
+				fs.Int64Var(&c.AmountCents, "amount-cents", 0, fmt.Sprintf("amount in cents, 1 to %d", tasks.MaxAmountCents))
+				fs.StringVar(&c.Currency, "currency", "EUR", "ISO 4217 currency code")
+				fs.StringVar(&c.Email, "email", "", fmt.Sprintf("address the receipt goes to, at most %d bytes", tasks.MaxEmailBytes))
+				if err := fs.Parse(args[1:]); err != nil {
+					return err
+				}
+				if err := c.Canonical().Validate(); err != nil { // names the email, never quotes it
+					return flagError(err)
+				}
+				job, err = tasks.CheckoutSpec(c)
 			default:
-				return fmt.Errorf("enqueue: unknown task %q (charge or debit)", args[0])
+				return fmt.Errorf("enqueue: unknown task %q (charge, debit or checkout)", args[0])
 			}
 			if err != nil {
 				return err

@@ -205,6 +205,35 @@ func TestEnqueueAndLedgerCommands(t *testing.T) {
 	}
 }
 
+// TestEnqueueCheckout: `idemq enqueue checkout` records a checkout as `enqueue charge`
+// records a charge: accepted, then a duplicate, another payload for the order refused; a
+// bad --email is named, never quoted, and an order id too long for the step keys is named.
+func TestEnqueueCheckout(t *testing.T) {
+	t.Parallel()
+	env := []string{"DATABASE_URL=" + testenv.PostgresURL(t), "REDIS_URL=" + testenv.RedisURL(t)}
+	args := []string{"enqueue", "checkout", "--order-id", "cli-1", "--customer-id", "c-1", "--amount-cents", "1999", "--email", "ann@example.com"}
+	out, stderr, err := idemq(t, env, args...)
+	if err != nil || !strings.Contains(out, "checkout:cli-1\taccepted (published)") {
+		t.Fatalf("first enqueue: %v\n%s%s", err, out, stderr)
+	}
+	out, _, err = idemq(t, env, append(args, "--currency", "eur")...)
+	if err != nil || !strings.Contains(out, "checkout:cli-1\tduplicate") {
+		t.Fatalf("second enqueue: %v\n%s", err, out)
+	}
+	_, stderr, err = idemq(t, env, "enqueue", "checkout", "--order-id", "cli-1", "--customer-id", "c-1", "--amount-cents", "1999", "--email", "bob@example.com")
+	if err == nil || !strings.Contains(stderr, "another payload") {
+		t.Fatalf("same order, other email: %v\n%s", err, stderr)
+	}
+	_, stderr, err = idemq(t, env, "enqueue", "checkout", "--order-id", "cli-2", "--customer-id", "c-1", "--amount-cents", "1", "--email", "secret.person.example.com")
+	if err == nil || !strings.Contains(stderr, "--email: must be local@domain") || strings.Contains(stderr, "secret.person") {
+		t.Fatalf("bad email: %v\n%s", err, stderr)
+	}
+	_, stderr, err = idemq(t, env, "enqueue", "checkout", "--order-id", strings.Repeat("o", 237), "--customer-id", "c", "--amount-cents", "1", "--email", "ann@example.com")
+	if err == nil || !strings.Contains(stderr, "--order-id: 237 bytes; the limit is 236") {
+		t.Fatalf("order id too long for the step keys: %v\n%s", err, stderr)
+	}
+}
+
 func TestConfigurationPageListsEveryVariable(t *testing.T) {
 	t.Parallel()
 	page, err := os.ReadFile(configDocPath)
@@ -232,6 +261,9 @@ func TestCommandsRefuseBadInputNamingTheRule(t *testing.T) {
 		{[]string{"enqueue", "charge", "--order-id", "o", "--amount-cents", "1"}, "--customer-id: required"},
 		{[]string{"enqueue", "charge", "--order-id", "o", "--customer-id", "c", "--amount-cents", "100000000000"}, "--amount-cents: must be a positive whole number of cents, at most 99999999999"},
 		{[]string{"enqueue", "debit", "--account-id", "a", "--reference", "r", "--amount-cents", "9223372036854775807"}, "at most 99999999999"},
+		{[]string{"enqueue", "checkout", "--order-id", "o", "--customer-id", "c", "--amount-cents", "1"}, "--email: must be 1 to 254 bytes, got 0"},
+		{[]string{"enqueue", "checkout", "--customer-id", "c", "--amount-cents", "1", "--email", "a@b"}, "--order-id: required"},
+		{[]string{"enqueue", "refund"}, `unknown task "refund" (charge, debit or checkout)`},
 		{[]string{"ledger", "show", "\xff"}, `invalid key: byte 0xff at offset 0, must be printable ASCII`},
 		{[]string{"ledger", "rerun", "has space"}, `invalid key: byte 0x20 at offset 3`},
 		{[]string{"ledger", "release", ""}, `invalid key: empty`},

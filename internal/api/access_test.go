@@ -25,10 +25,13 @@ const (
 func TestAPIRefusesBrowserForms(t *testing.T) {
 	t.Parallel()
 	a := newTestAPI(t, nil)
-	for _, path := range []string{"/v1/charges", "/v1/wallet/debits"} {
+	for _, path := range []string{"/v1/charges", "/v1/wallet/debits", "/v1/checkouts"} {
 		body := chargeBody("o-1", 5)
-		if path == "/v1/wallet/debits" {
+		switch path {
+		case "/v1/wallet/debits":
 			body = `{"account_id":"a-1","amount_cents":5,"reference":"r-1"}`
+		case "/v1/checkouts":
+			body = checkoutBody("o-1", 5, "ann@example.com")
 		}
 		for _, ct := range []string{"", "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
 			"multipart/form-data; boundary=x", "application/jsonx", "text/json", "application/json, text/plain"} {
@@ -47,7 +50,7 @@ func TestAPIRefusesBrowserForms(t *testing.T) {
 			a.do(t, "POST", path, body, h...).wantError(t, 403, "cross-origin request refused")
 		}
 	}
-	if n := a.intents(t, "charge:o-1") + a.intents(t, "debit:r-1"); n != 0 {
+	if n := a.intents(t, "charge:o-1") + a.intents(t, "debit:r-1") + a.intents(t, "checkout:o-1"); n != 0 {
 		t.Fatalf("%d intents recorded by refused requests, want 0", n)
 	}
 	a.do(t, "POST", "/v1/charges", chargeBody("o-1", 5), "Content-Type", "Application/JSON; charset=utf-8").want(t, 202)
@@ -68,7 +71,8 @@ func TestAPITokens(t *testing.T) {
 	}
 	for _, auth := range []string{"", "Bearer", "Bearer ", "Bearer " + testToken[1:], "Bearer " + testToken + "x", "Basic " + testToken,
 		basic("", testToken), "Bearer " + testToken + "," + otherToken, "Bearer " + PlaceholderPassword} {
-		for _, req := range [][3]string{{"POST", "/v1/charges", chargeBody("o-1", 5)}, {"GET", "/v1/jobs/charge:o-1", ""}, {"GET", "/v1/nope", ""}} {
+		for _, req := range [][3]string{{"POST", "/v1/charges", chargeBody("o-1", 5)}, {"POST", "/v1/checkouts", checkoutBody("o-1", 5, "ann@example.com")},
+			{"GET", "/v1/jobs/charge:o-1", ""}, {"GET", "/v1/nope", ""}} {
 			ans := a.do(t, req[0], req[1], req[2], "Authorization", auth)
 			ans.wantError(t, 401, "IDEMQ_API_TOKEN")
 			if got := ans.header.Get("WWW-Authenticate"); !strings.HasPrefix(got, "Bearer ") {
@@ -164,6 +168,8 @@ func TestAPIWrongMethodIs405(t *testing.T) {
 		{"PUT", "/v1/charges", "POST"},
 		{"DELETE", "/v1/wallet/debits", "POST"},
 		{"GET", "/v1/wallet/debits", "POST"},
+		{"GET", "/v1/checkouts", "POST"},
+		{"PUT", "/v1/checkouts", "POST"},
 		{"POST", "/v1/jobs/charge:o-1", "GET, HEAD"},
 		{"DELETE", "/v1/jobs/charge:o-1", "GET, HEAD"},
 	} {

@@ -148,9 +148,11 @@ func New(deps Deps, opts *Options) *Server {
 	v1 := s.apiGuard()
 	s.mux.Handle("POST /v1/charges", v1(http.HandlerFunc(s.postCharge)))
 	s.mux.Handle("POST /v1/wallet/debits", v1(http.HandlerFunc(s.postDebit)))
+	s.mux.Handle("POST /v1/checkouts", v1(http.HandlerFunc(s.postCheckout)))
 	s.mux.Handle("GET /v1/jobs/{key...}", v1(http.HandlerFunc(s.getJob)))
 	s.mux.Handle("/v1/charges", v1(allow("POST")))
 	s.mux.Handle("/v1/wallet/debits", v1(allow("POST")))
+	s.mux.Handle("/v1/checkouts", v1(allow("POST")))
 	s.mux.Handle("/v1/jobs/{key...}", v1(allow("GET, HEAD")))
 	s.mux.Handle("/v1/", v1(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no route "+r.Method+" "+r.URL.Path)

@@ -1,5 +1,5 @@
 // Package api is idemq's web side: the enqueue API (POST /v1/charges, POST
-// /v1/wallet/debits, GET /v1/jobs/{key}), the asynqmon dashboard at /monitoring/, a
+// /v1/wallet/debits, POST /v1/checkouts, GET /v1/jobs/{key}), the asynqmon dashboard at /monitoring/, a
 // server-rendered ledger page at /ledger/, and /metrics, /healthz and /readyz. The
 // dashboard and the ledger page show every payload: they ask for Options.DashboardPassword,
 // or, without one, answer 403 unless Options.ListenAddr is loopback; they refuse
@@ -24,6 +24,6 @@
 // A POST records the job's intent (through Enqueuer.EnqueueTx, an outbox) and, when the
 // client sent an Idempotency-Key header, the header's row in api_idempotency_keys, in one
 // Postgres transaction: either both are stored or neither. The job key always comes from
-// intent (charge:<order_id>, debit:<reference>), so two requests for one order never make
+// intent (charge:<order_id>, debit:<reference>, checkout:<order_id>), so two requests for one order never make
 // two jobs, whatever their headers say.
 package api

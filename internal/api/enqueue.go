@@ -108,6 +108,23 @@ func (s *Server) postDebit(w http.ResponseWriter, r *http.Request) {
 	s.accept(w, r, "reference", spec)
 }
 
+func (s *Server) postCheckout(w http.ResponseWriter, r *http.Request) {
+	var c tasks.Checkout
+	if !s.decode(w, r, &c) {
+		return
+	}
+	if err := c.Validate(); err != nil { // names the email, never quotes it
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	spec, err := tasks.CheckoutSpec(c)
+	if err != nil {
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	s.accept(w, r, "order_id", spec)
+}
+
 // decode checks that the body is declared JSON, reads at most MaxBodyBytes and decodes
 // one JSON object strictly. A Content-Type other than application/json (parameters
 // allowed) is 415: the types an HTML form can send (`curl -d` sends one of them too, so
