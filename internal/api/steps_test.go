@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"encoding/json"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -58,5 +59,20 @@ func TestJobShowsItsSteps(t *testing.T) {
 	a.complete(t, "o-nosteps", `{"charge_id":"ch_1"}`)
 	if job := a.do(t, "GET", "/v1/jobs/charge:o-nosteps", "").want(t, 200, `"status":"completed"`); strings.Contains(job.body, `"steps"`) {
 		t.Errorf("a job without steps names steps: %s", job.body)
+	}
+}
+
+func TestRowPageListsItsSteps(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	res := a.checkoutWithSteps(t, "checkout:o-page")
+	page := a.do(t, "GET", "/ledger/checkout:o-page", "").want(t, 200, `<table id="steps">`,
+		`<td class="mono">charge</td><td class="mono">`+strconv.FormatInt(res.Fence, 10)+`</td>`, `<td class="mono">record</td>`, "ch_steps")
+	if strings.Index(page.body, ">charge<") > strings.Index(page.body, ">record<") {
+		t.Errorf("steps out of order:\n%s", page.body)
+	}
+	a.complete(t, "o-page-nosteps", `{"charge_id":"ch_1"}`)
+	if page := a.do(t, "GET", "/ledger/charge:o-page-nosteps", "").want(t, 200, "ch_1"); strings.Contains(page.body, `id="steps"`) {
+		t.Errorf("a row without steps lists steps:\n%s", page.body)
 	}
 }
