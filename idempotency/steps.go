@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -363,4 +364,40 @@ func recordedStep[T any](run *stepRun, call stepCall, b []byte) (T, error) {
 func (run *stepRun) leaseLost(name string) error {
 	run.l.observe(EventLeaseLost, run.c.TaskType)
 	return fmt.Errorf("%w: key %q fence %d: step %q not recorded", ErrLeaseLost, run.c.Key, run.c.Fence, name)
+}
+
+// StepRecord is a recorded step, for operators (Ledger.Steps). Times are the database
+// clock's.
+type StepRecord struct {
+	Name string
+	// Seq is the step's position in its run (from 0): the order the steps were called.
+	Seq int
+	// Fence is the fence of the claim that recorded the step.
+	Fence int64
+	// Result is the step's result as JSON, nil when none was stored.
+	Result json.RawMessage
+	// InputFingerprint is the sha256 of the step's input (StepInput), nil when the step
+	// was recorded without one.
+	InputFingerprint []byte
+	CreatedAt        time.Time
+}
+
+// Steps returns the steps recorded in key's current generation, in the order the run
+// called them: none (and no error) when the ledger does not hold key or the generation
+// recorded no step. It reads the steps and the generation in one statement. Safe for
+// concurrent use.
+func (l *Ledger) Steps(ctx context.Context, key string) ([]StepRecord, error) {
+	rows, err := store.ShowSteps(ctx, l.pool, key)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: steps of %s: %w", key, err)
+	}
+	out := make([]StepRecord, 0, len(rows))
+	for _, r := range rows {
+		s := StepRecord{Name: r.Step, Seq: int(r.Seq), Fence: r.Fence, InputFingerprint: r.InputFingerprint, CreatedAt: r.CreatedAt}
+		if r.Result != nil {
+			s.Result = json.RawMessage(r.Result)
+		}
+		out = append(out, s)
+	}
+	return out, nil
 }

@@ -508,3 +508,56 @@ func TestStepUnfenced(t *testing.T) {
 		t.Errorf("%d of the stale owner's steps recorded, want 2 (nothing fenced)", n)
 	}
 }
+
+// TestStepsShowsTheCurrentGeneration: Ledger.Steps lists the steps of the key's current
+// generation in the order the run called them, and nothing for a key the ledger lacks.
+func TestStepsShowsTheCurrentGeneration(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, nil)
+	res, err := l.Do(ctx, req("show:1"), func(ctx context.Context) (json.RawMessage, error) {
+		if _, err := idempotency.Step(ctx, "charge", func(context.Context, string) (charge, error) {
+			return charge{ID: "ch_1", Amount: 100}, nil
+		}, idempotency.StepInput(100)); err != nil {
+			return nil, err
+		}
+		if _, err := idempotency.StepTx(ctx, "record", func(context.Context, pgx.Tx) (int, error) { return 7, nil }); err != nil {
+			return nil, err
+		}
+		return json.RawMessage(`"done"`), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A row of another generation (as a rerun leaves none, written by hand) is not shown.
+	mustExec(t, pool, `INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence) VALUES ('show:1', 9, 'stray', 0, 1)`)
+
+	steps, err := l.Steps(ctx, "show:1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(steps) != 2 {
+		t.Fatalf("Steps: %+v, want charge and record", steps)
+	}
+	for i, want := range []struct {
+		name, result string
+		input        bool
+	}{{"charge", `{"id": "ch_1", "amount": 100}`, true}, {"record", "7", false}} {
+		s := steps[i]
+		if s.Name != want.name || s.Seq != i || s.Fence != res.Fence || string(s.Result) != want.result ||
+			(s.InputFingerprint != nil) != want.input || s.CreatedAt.IsZero() {
+			t.Errorf("step %d: %+v, want %s seq %d fence %d result %s input %v and a time", i, s, want.name, i, res.Fence, want.result, want.input)
+		}
+	}
+
+	for _, key := range []string{"show:none", "show:2"} {
+		if key == "show:2" {
+			if _, err := l.Do(ctx, req(key), func(context.Context) (json.RawMessage, error) { return json.RawMessage(`1`), nil }); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if steps, err := l.Steps(ctx, key); err != nil || len(steps) != 0 {
+			t.Errorf("Steps(%s): %+v, %v; want none", key, steps, err)
+		}
+	}
+}

@@ -80,7 +80,11 @@ func ledgerCommand() command {
 					}
 					return explain(err, rest[0])
 				}
-				return printRecord(stdout, *r, in, *asJSON)
+				steps, err := ledger.Steps(ctx, rest[0])
+				if err != nil {
+					return err
+				}
+				return printRecord(stdout, *r, in, steps, *asJSON)
 			case "list":
 				rs, err := ledger.List(ctx, *status, *limit)
 				if err != nil {
@@ -162,10 +166,11 @@ func printDone(w io.Writer, asJSON bool, v any, format string, args ...any) erro
 	return err
 }
 
-// printRecord prints one row and its outbox intent (nil: none).
-func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, asJSON bool) error {
+// printRecord prints one row, its outbox intent (nil: none) and its recorded steps.
+func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, steps []idempotency.StepRecord, asJSON bool) error {
 	if asJSON {
 		out := api.NewRecord(r)
+		out.Steps = api.NewSteps(steps)
 		if in != nil {
 			out.Intent = in.State
 			if in.State == outbox.IntentDead {
@@ -178,10 +183,19 @@ func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, asJSO
 		return err
 	}
 	if in != nil {
-		_, err := fmt.Fprintf(w, "intent  %s%s\n", in.State, intentNote(in))
-		return err
+		if _, err := fmt.Fprintf(w, "intent  %s%s\n", in.State, intentNote(in)); err != nil {
+			return err
+		}
 	}
-	return nil
+	if len(steps) == 0 {
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "\nSTEP\tFENCE\tRECORDED\tRESULT")
+	for _, s := range steps {
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", s.Name, s.Fence, stamp(s.CreatedAt), s.Result)
+	}
+	return tw.Flush()
 }
 
 // intentNote says why a dead intent died: its task was refused, so the row's result (when

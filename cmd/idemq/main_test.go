@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -291,5 +292,59 @@ func TestCommandsRefuseBadInputNamingTheRule(t *testing.T) {
 	out, stderr, err = idemq(t, env, "ledger", "list", "--limit", "10000", "--json")
 	if err != nil || !strings.Contains(out, `"key":"debit:flags-after"`) {
 		t.Fatalf("ledger list --limit 10000 --json: %v\n%s%s", err, out, stderr)
+	}
+}
+
+func TestLedgerShowListsSteps(t *testing.T) {
+	t.Parallel()
+	env := []string{"DATABASE_URL=" + testenv.PostgresURL(t), "REDIS_URL=" + testenv.RedisURL(t)}
+	pool := testenv.Pool(t, env[0][len("DATABASE_URL="):])
+	testenv.Exec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, payload_sha256, result, completed_at, generation)
+		VALUES ('checkout:steps', 'order:checkout', 'completed', 41, gen_random_uuid(), sha256('x'), '{"order":1}', now(), 1),
+		       ('checkout:none', 'order:checkout', 'completed', 42, gen_random_uuid(), sha256('x'), '{"order":2}', now(), 0)`)
+	testenv.Exec(t, pool, `INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, result) VALUES
+		('checkout:steps', 1, 'receipt', 1, 41, '"sent"'),
+		('checkout:steps', 1, 'charge', 0, 40, '{"id":"ch_1"}'),
+		('checkout:steps', 0, 'stale', 0, 39, '1')`)
+
+	out, stderr, err := idemq(t, env, "ledger", "show", "checkout:steps")
+	if err != nil {
+		t.Fatalf("ledger show: %v\n%s", err, stderr)
+	}
+	var steps []string
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && (f[0] == "charge" || f[0] == "receipt" || f[0] == "stale") {
+			steps = append(steps, f[0]+" "+f[1])
+		}
+	}
+	if !strings.Contains(out, "STEP") || strings.Join(steps, ", ") != "charge 40, receipt 41" || !strings.Contains(out, `{"id": "ch_1"}`) {
+		t.Errorf("ledger show: want the generation's steps charge (fence 40) then receipt (41), not the stale one:\n%s", out)
+	}
+
+	out, stderr, err = idemq(t, env, "ledger", "show", "checkout:steps", "--json")
+	if err != nil {
+		t.Fatalf("ledger show --json: %v\n%s", err, stderr)
+	}
+	var rec struct {
+		Steps []struct {
+			Name      string          `json:"name"`
+			Fence     int64           `json:"fence"`
+			Result    json.RawMessage `json:"result"`
+			CreatedAt time.Time       `json:"created_at"`
+		} `json:"steps"`
+	}
+	if err := json.Unmarshal([]byte(out), &rec); err != nil {
+		t.Fatalf("ledger show --json: %v\n%s", err, out)
+	}
+	if len(rec.Steps) != 2 || rec.Steps[0].Name != "charge" || rec.Steps[0].Fence != 40 || string(rec.Steps[0].Result) != `{"id":"ch_1"}` ||
+		rec.Steps[1].Name != "receipt" || rec.Steps[1].CreatedAt.IsZero() {
+		t.Errorf("ledger show --json: steps %+v, want charge (fence 40) then receipt\n%s", rec.Steps, out)
+	}
+
+	for _, args := range [][]string{{"ledger", "show", "checkout:none"}, {"ledger", "show", "checkout:none", "--json"}} {
+		out, stderr, err = idemq(t, env, args...)
+		if err != nil || strings.Contains(out, "STEP") || strings.Contains(out, `"steps"`) {
+			t.Errorf("idemq %q of a key without steps: %v\n%s%s", args, err, out, stderr)
+		}
 	}
 }

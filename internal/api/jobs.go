@@ -28,7 +28,8 @@ const StatusDead = "dead"
 // getJob answers GET /v1/jobs/{key}: the ledger row with its intent's state, or the
 // intent's state while no worker has claimed the job yet, or 404. A job whose intent is
 // dead is StatusDead whatever the row says: when another payload completed its key, the
-// row's result is that payload's, not this job's, and is left out.
+// row's result (and its steps) are that payload's, not this job's, and are left out. The
+// steps recorded in the row's current generation come as "steps" when there are any.
 func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
 	if err := idempotency.ValidateKey(key); err != nil {
@@ -39,6 +40,12 @@ func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case err == nil:
 		out := NewRecord(*rec)
+		steps, err := s.deps.Ledger.Steps(r.Context(), key)
+		if err != nil {
+			s.internal(w, r, "read the job's steps", err)
+			return
+		}
+		out.Steps = NewSteps(steps)
 		acc, ok, err := s.intent(r.Context(), key)
 		if err != nil {
 			s.internal(w, r, "read the job's intent", err)
@@ -49,7 +56,7 @@ func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 			if acc.Intent == outbox.IntentDead {
 				out.IntentError = acc.LastError
 				if out.Status != idempotency.StatusFailed {
-					out.Status, out.LastError, out.Result = StatusDead, acc.LastError, nil
+					out.Status, out.LastError, out.Result, out.Steps = StatusDead, acc.LastError, nil, nil
 				}
 			}
 		}

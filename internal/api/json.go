@@ -29,6 +29,29 @@ type Record struct {
 	// it was accepted through the outbox; IntentError is why a dead one died.
 	Intent      string `json:"intent,omitempty"`
 	IntentError string `json:"intent_error,omitempty"`
+	// Steps are the steps recorded in the row's current generation, in the order the run
+	// called them; left out when there are none.
+	Steps []Step `json:"steps,omitempty"`
+}
+
+// Step is a recorded step's JSON shape.
+type Step struct {
+	Name      string          `json:"name"`
+	Fence     int64           `json:"fence"` // the fence of the claim that recorded it
+	Result    json.RawMessage `json:"result,omitempty"`
+	CreatedAt time.Time       `json:"created_at"`
+}
+
+// NewSteps converts recorded steps to their JSON shape; none gives nil.
+func NewSteps(ss []idempotency.StepRecord) []Step {
+	if len(ss) == 0 {
+		return nil
+	}
+	out := make([]Step, len(ss))
+	for i, s := range ss {
+		out[i] = Step{Name: s.Name, Fence: s.Fence, Result: s.Result, CreatedAt: s.CreatedAt}
+	}
+	return out
 }
 
 // NewRecord converts a ledger row to its JSON shape; zero times are left out.

@@ -113,12 +113,13 @@ type intentLister interface {
 
 type rowPage struct {
 	Key       string
-	Row       *idempotency.Record // nil: no worker has claimed the key yet
-	Intent    *outbox.IntentInfo  // nil: not recorded through the outbox (or purged)
-	TaskState string              // asynq's state of the job's task, "" when Redis has none
-	TaskLink  string              // asynqmon's page of it, "" when Redis has none
-	Queue     string              // where the task is, else the queue its intent recorded, else ""
-	Traces    []traceLink         // the job's traces, when IDEMQ_TRACE_URL_TEMPLATE is set
+	Row       *idempotency.Record      // nil: no worker has claimed the key yet
+	Intent    *outbox.IntentInfo       // nil: not recorded through the outbox (or purged)
+	TaskState string                   // asynq's state of the job's task, "" when Redis has none
+	TaskLink  string                   // asynqmon's page of it, "" when Redis has none
+	Queue     string                   // where the task is, else the queue its intent recorded, else ""
+	Traces    []traceLink              // the job's traces, when IDEMQ_TRACE_URL_TEMPLATE is set
+	Steps     []idempotency.StepRecord // the steps of the row's current generation, in seq order
 }
 
 // traceLink is one trace a ledger row links to: ID's page in the tracing UI, and whose
@@ -155,7 +156,7 @@ func (s *Server) traces(p *rowPage) []traceLink {
 	return nil
 }
 
-// ledgerRow serves /ledger/{key}: one row with its result, and the asynq task of the same
+// ledgerRow serves /ledger/{key}: one row with its result and recorded steps, and the asynq task of the same
 // id when Redis still has it.
 func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
@@ -170,6 +171,12 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	p.Row = rec
+	if rec != nil {
+		if p.Steps, err = s.deps.Ledger.Steps(r.Context(), key); err != nil {
+			s.internal(w, r, "read the job's steps", err)
+			return
+		}
+	}
 	if il, ok := s.deps.Enqueuer.(IntentLookup); ok {
 		if in, err := il.Intent(r.Context(), key); err == nil {
 			p.Intent = in

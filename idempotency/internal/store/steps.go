@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -114,4 +115,37 @@ func (w *Writes) HoldStep(ctx context.Context, tx pgx.Tx, p StepParams) (held bo
 func (w *Writes) InsertStep(ctx context.Context, tx pgx.Tx, p StepParams) error {
 	_, err := tx.Exec(ctx, w.InsertStepSQL, p.Key, p.Generation, p.Step, p.Seq, p.Fence, p.InputFingerprint, p.Result)
 	return err
+}
+
+// ShownStepRow is a recorded step of a key's current generation, for operators.
+type ShownStepRow struct {
+	StepRow
+	CreatedAt time.Time
+}
+
+// ShowStepsSQL reads the steps of a key's current generation (its processed_jobs row's),
+// in the order the run called them.
+const ShowStepsSQL = `SELECT s.step, s.seq, s.fence, s.input_fingerprint, s.result, s.created_at
+FROM processed_job_steps s
+JOIN processed_jobs j ON j.idempotency_key = s.idempotency_key AND j.generation = s.generation
+WHERE s.idempotency_key = $1
+ORDER BY s.seq`
+
+// ShowSteps returns the steps of key's current generation in seq order: none when the
+// ledger does not hold key or its generation recorded none.
+func ShowSteps(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, key string) ([]ShownStepRow, error) {
+	rows, err := q.Query(ctx, ShowStepsSQL, key)
+	if err != nil {
+		return nil, err
+	}
+	var out []ShownStepRow
+	var r ShownStepRow
+	_, err = pgx.ForEachRow(rows, []any{&r.Step, &r.Seq, &r.Fence, &r.InputFingerprint, &r.Result, &r.CreatedAt}, func() error {
+		out = append(out, r)
+		r = ShownStepRow{}
+		return nil
+	})
+	return out, err
 }
