@@ -26,7 +26,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -136,26 +135,15 @@ func idempotencyKey(h http.Header) (string, error) {
 	return keys[0], nil
 }
 
-// stepName is a step's name in a step key (<job key>#s/<name>).
-var stepName = regexp.MustCompile(`^[a-z0-9_-]{1,64}$`)
-
 // checkKey accepts a job key (idempotency.ValidateKey) or a step's key, the job's key with
-// "#s/<name>" after it, within the same 255 bytes: what idemq hands a provider.
+// "#s/<name>" after it (idempotency.StepKey): what idemq hands a provider.
 func checkKey(key string) error {
-	job, name, isStep := strings.Cut(key, "#s/")
-	if !isStep {
-		return idempotency.ValidateKey(key)
-	}
-	if err := idempotency.ValidateKey(job); err != nil {
+	job, name, isStep := strings.Cut(key, idempotency.StepKeySeparator)
+	if err := idempotency.ValidateKey(job); err != nil || !isStep {
 		return err
 	}
-	if !stepName.MatchString(name) {
-		return fmt.Errorf("step name %.70q after #s/ must match [a-z0-9_-]{1,64}", name)
-	}
-	if len(key) > idempotency.MaxKeyBytes {
-		return fmt.Errorf("step key is %d bytes; the limit is %d", len(key), idempotency.MaxKeyBytes)
-	}
-	return nil
+	_, err := idempotency.StepKey(job, name)
+	return err
 }
 
 func (s *Server) createCharge(w http.ResponseWriter, r *http.Request) {
