@@ -32,7 +32,8 @@ type StepRow struct {
 	Seq              int32
 	Fence            int64
 	InputFingerprint []byte
-	Result           []byte // jsonb's text, nil for NULL
+	Result           []byte    // jsonb's text, nil for NULL
+	CreatedAt        time.Time // when it was recorded, on the database clock
 }
 
 // holdStepSQL is the fenced update that makes a step's transaction its claim's: only a
@@ -67,21 +68,44 @@ INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, 
 VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb) ` + f.stepConflict
 }
 
+// stepColumns are a step row's columns, in StepRow's order (scanSteps).
+const stepColumns = `s.step, s.seq, s.fence, s.input_fingerprint, s.result, s.created_at`
+
 // ReadStepsSQL reads the steps recorded for a key's generation.
-const ReadStepsSQL = `SELECT step, seq, fence, input_fingerprint, result FROM processed_job_steps
-WHERE idempotency_key = $1 AND generation = $2`
+const ReadStepsSQL = `SELECT ` + stepColumns + ` FROM processed_job_steps s
+WHERE s.idempotency_key = $1 AND s.generation = $2`
+
+// ShowStepsSQL reads the steps of a key's current generation (its processed_jobs row's),
+// in the order the run called them.
+const ShowStepsSQL = `SELECT ` + stepColumns + `
+FROM processed_job_steps s
+JOIN processed_jobs j ON j.idempotency_key = s.idempotency_key AND j.generation = s.generation
+WHERE s.idempotency_key = $1
+ORDER BY s.seq`
+
+type querier interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}
 
 // ReadSteps returns the steps recorded for key's generation, in no particular order.
-func ReadSteps(ctx context.Context, q interface {
-	Query(context.Context, string, ...any) (pgx.Rows, error)
-}, key string, generation int32) ([]StepRow, error) {
-	rows, err := q.Query(ctx, ReadStepsSQL, key, generation)
+func ReadSteps(ctx context.Context, q querier, key string, generation int32) ([]StepRow, error) {
+	return scanSteps(q.Query(ctx, ReadStepsSQL, key, generation))
+}
+
+// ShowSteps returns the steps of key's current generation in seq order: none when the
+// ledger does not hold key or its generation recorded none.
+func ShowSteps(ctx context.Context, q querier, key string) ([]StepRow, error) {
+	return scanSteps(q.Query(ctx, ShowStepsSQL, key))
+}
+
+// scanSteps reads the rows of a query of stepColumns.
+func scanSteps(rows pgx.Rows, err error) ([]StepRow, error) {
 	if err != nil {
 		return nil, err
 	}
 	var out []StepRow
 	var r StepRow
-	_, err = pgx.ForEachRow(rows, []any{&r.Step, &r.Seq, &r.Fence, &r.InputFingerprint, &r.Result}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&r.Step, &r.Seq, &r.Fence, &r.InputFingerprint, &r.Result, &r.CreatedAt}, func() error {
 		out = append(out, r)
 		r = StepRow{}
 		return nil
@@ -115,37 +139,4 @@ func (w *Writes) HoldStep(ctx context.Context, tx pgx.Tx, p StepParams) (held bo
 func (w *Writes) InsertStep(ctx context.Context, tx pgx.Tx, p StepParams) error {
 	_, err := tx.Exec(ctx, w.InsertStepSQL, p.Key, p.Generation, p.Step, p.Seq, p.Fence, p.InputFingerprint, p.Result)
 	return err
-}
-
-// ShownStepRow is a recorded step of a key's current generation, for operators.
-type ShownStepRow struct {
-	StepRow
-	CreatedAt time.Time
-}
-
-// ShowStepsSQL reads the steps of a key's current generation (its processed_jobs row's),
-// in the order the run called them.
-const ShowStepsSQL = `SELECT s.step, s.seq, s.fence, s.input_fingerprint, s.result, s.created_at
-FROM processed_job_steps s
-JOIN processed_jobs j ON j.idempotency_key = s.idempotency_key AND j.generation = s.generation
-WHERE s.idempotency_key = $1
-ORDER BY s.seq`
-
-// ShowSteps returns the steps of key's current generation in seq order: none when the
-// ledger does not hold key or its generation recorded none.
-func ShowSteps(ctx context.Context, q interface {
-	Query(context.Context, string, ...any) (pgx.Rows, error)
-}, key string) ([]ShownStepRow, error) {
-	rows, err := q.Query(ctx, ShowStepsSQL, key)
-	if err != nil {
-		return nil, err
-	}
-	var out []ShownStepRow
-	var r ShownStepRow
-	_, err = pgx.ForEachRow(rows, []any{&r.Step, &r.Seq, &r.Fence, &r.InputFingerprint, &r.Result, &r.CreatedAt}, func() error {
-		out = append(out, r)
-		r = ShownStepRow{}
-		return nil
-	})
-	return out, err
 }
