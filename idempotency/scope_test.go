@@ -155,10 +155,15 @@ func TestDoTxScopeLineLeaderKeyIsFreed(t *testing.T) {
 		return err
 	}
 	// m-first holds the scope until z-head and the a-keys wait in its line, z-head first.
-	release := make(chan struct{})
+	// Its batch forms before its fn runs (and would take deliveries already in the line),
+	// so the line forms only once its fn has started.
+	started, release := make(chan struct{}), make(chan struct{})
+	var startOnce, releaseOnce sync.Once
+	free := func() { releaseOnce.Do(func() { close(release) }) }
+	defer free() // a failed wait still lets m-first end, and the pool close
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		if err := do(ctx, "m-first", func() { <-release }); err != nil {
+		if err := do(ctx, "m-first", func() { startOnce.Do(func() { close(started) }); <-release }); err != nil {
 			t.Errorf("m-first: %v", err)
 		}
 	})
@@ -171,7 +176,11 @@ func TestDoTxScopeLineLeaderKeyIsFreed(t *testing.T) {
 		}
 	}
 	// The holder's fn runs once it is claimed; the line forms behind it.
-	time.Sleep(50 * time.Millisecond)
+	select {
+	case <-started:
+	case <-ctx.Done():
+		t.Fatal("m-first's fn never ran")
+	}
 	keys := []string{"z-head", "a-1", "a-2", "a-3"}
 	for i, key := range keys {
 		wg.Go(func() {
@@ -181,7 +190,7 @@ func TestDoTxScopeLineLeaderKeyIsFreed(t *testing.T) {
 		})
 		waitLine(i + 1)
 	}
-	close(release)
+	free()
 	wg.Wait()
 	mu.Lock()
 	if shared < len(keys) {
