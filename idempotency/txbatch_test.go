@@ -543,7 +543,7 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 	pool := testenv.Postgres(t)
 	var resolved sync.WaitGroup
 	resolved.Add(3)
-	l := New(pool, &Config{Committers: 1, WriteTimeout: 400 * time.Millisecond, ClaimLockTimeout: 100 * time.Millisecond,
+	l := New(pool, &Config{Committers: 1, WriteTimeout: lostCommitTimeout, ClaimLockTimeout: 100 * time.Millisecond,
 		Observe: func(ev Event, _ string) {
 			if ev == EventCommitResolved {
 				resolved.Done()
@@ -595,15 +595,20 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 	}
 }
 
+// lostCommitTimeout is the WriteTimeout of the lost-commit tests: short enough to cut a
+// slow COMMIT, long enough that asking the server about it afterwards (the same budget)
+// gets an answer on a box busy with the race detector and other packages' tests.
+const lostCommitTimeout = 2 * time.Second
+
 // slowCommitOf creates the table effects and makes the COMMIT of a transaction that
-// inserted key into it take 1.5 s (a deferred trigger): longer than a WriteTimeout of
-// 400 ms, so its answer is lost. When commits, the trigger survives the cancellation and
+// inserted key into it take 6 s (a deferred trigger): longer than a WriteTimeout of
+// lostCommitTimeout, so its answer is lost. When commits, the trigger survives the cancellation and
 // the transaction commits all the same; else it aborts.
 func slowCommitOf(t *testing.T, pool *pgxpool.Pool, key string, commits bool) {
 	t.Helper()
-	body := `PERFORM pg_sleep(1.5);`
+	body := `PERFORM pg_sleep(6);`
 	if commits {
-		body = `BEGIN PERFORM pg_sleep(1.5); EXCEPTION WHEN query_canceled THEN NULL; END;`
+		body = `BEGIN PERFORM pg_sleep(6); EXCEPTION WHEN query_canceled THEN NULL; END;`
 	}
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
@@ -878,7 +883,7 @@ func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
 			t.Parallel()
 			ctx := testenv.Context(t, time.Minute)
 			pool := testenv.Postgres(t)
-			l := New(pool, &Config{Committers: 1, WriteTimeout: 400 * time.Millisecond, ClaimLockTimeout: 100 * time.Millisecond})
+			l := New(pool, &Config{Committers: 1, WriteTimeout: lostCommitTimeout, ClaimLockTimeout: 100 * time.Millisecond})
 			l.tx.Budget, l.tx.Slow = 50*time.Millisecond, time.Hour // z-last's turn comes past the budget
 			defer l.Close()
 			slowCommitOf(t, pool, "m-slow", commits)

@@ -71,8 +71,14 @@ func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 	relayCtx, stop := context.WithCancel(ctx)
 	done := make(chan error)
 	go func() { done <- c.RunRelay(relayCtx) }()
+	// Published means both: the task is in Redis and the intent says so. Stopping the
+	// relay between the two would leave the intent pending, to be published again.
+	published := func() bool {
+		info, err := c.Intent(ctx, "debit:committed")
+		return err == nil && info.State == outbox.IntentPublished && taskExists(t, rdb, "debit:committed")
+	}
 	deadline := time.Now().Add(10 * time.Second)
-	for !taskExists(t, rdb, "debit:committed") && time.Now().Before(deadline) {
+	for !published() && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	stop()
