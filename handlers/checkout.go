@@ -27,42 +27,62 @@ type CheckoutResult struct {
 // email and before the step was recorded sends it again on the next delivery.
 func (ch *Charger) Checkout(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
 	charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (ChargeResult, error) {
-		raw, err := ch.Charge(ctx, key, c.Charge())
-		var r ChargeResult
-		if err == nil {
-			err = json.Unmarshal(raw, &r)
-		}
-		return r, err
+		return ch.ChargeCheckout(ctx, key, c)
 	}, idempotency.StepInput(c))
 	if err != nil {
 		return nil, err
 	}
 	row, err := idempotency.StepTx(ctx, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-		_, fence, _ := idempotency.FromContext(ctx)
-		var id int64
-		err := tx.QueryRow(ctx, `INSERT INTO orders (order_id, customer_id, amount_cents, currency, charge_id, fence)
-			VALUES ($1, $2, $3, $4, $5, $6) RETURNING id`, c.OrderID, c.CustomerID, c.AmountCents, c.Currency, charge.ChargeID, fence).Scan(&id)
-		return id, err
+		return RecordOrder(ctx, tx, c, charge.ChargeID)
 	})
 	if err != nil {
 		return nil, err
 	}
 	email, err := idempotency.Step(ctx, "receipt", func(ctx context.Context, key string) (int64, error) {
-		raw, err := ch.post(ctx, ch.emails, "receipt", key, map[string]string{
-			"to": c.Email, "subject": "Your receipt", "order_id": c.OrderID})
-		if err != nil {
-			return 0, err
-		}
-		var sent struct {
-			ID int64 `json:"id"`
-		}
-		if err := json.Unmarshal(raw, &sent); err != nil || sent.ID == 0 {
-			return 0, fmt.Errorf("receipt %s: unreadable provider answer %.200q", key, raw)
-		}
-		return sent.ID, nil
+		return ch.SendReceipt(ctx, key, c)
 	})
 	if err != nil {
 		return nil, err
 	}
 	return json.Marshal(CheckoutResult{ChargeID: charge.ChargeID, OrderRow: row, EmailID: email})
+}
+
+// ChargeCheckout is a checkout's first effect: it charges c's amount at the provider
+// under key (the step key), which the provider honours.
+func (ch *Charger) ChargeCheckout(ctx context.Context, key string, c tasks.Checkout) (ChargeResult, error) {
+	raw, err := ch.Charge(ctx, key, c.Charge())
+	var r ChargeResult
+	if err == nil {
+		err = json.Unmarshal(raw, &r)
+	}
+	return r, err
+}
+
+// RecordOrder is a checkout's second effect: a row in orders, with the fence of the claim
+// in ctx (idempotency.FromContext; 0 without one). The table has no unique constraint on
+// the order: only the step's record keeps a second row out.
+func RecordOrder(ctx context.Context, tx pgx.Tx, c tasks.Checkout, chargeID string) (int64, error) {
+	_, fence, _ := idempotency.FromContext(ctx)
+	var id int64
+	err := tx.QueryRow(ctx, `INSERT INTO orders (order_id, customer_id, amount_cents, currency, charge_id, fence)
+		VALUES ($1, $2, $3, $4, $5, $6) RETURNING id`, c.OrderID, c.CustomerID, c.AmountCents, c.Currency, chargeID, fence).Scan(&id)
+	return id, err
+}
+
+// SendReceipt is a checkout's third effect: the receipt, emailed through an endpoint that
+// honours no idempotency key (key is sent all the same, for the record). It returns the
+// provider's id of the email.
+func (ch *Charger) SendReceipt(ctx context.Context, key string, c tasks.Checkout) (int64, error) {
+	raw, err := ch.post(ctx, ch.emails, "receipt", key, map[string]string{
+		"to": c.Email, "subject": "Your receipt", "order_id": c.OrderID})
+	if err != nil {
+		return 0, err
+	}
+	var sent struct {
+		ID int64 `json:"id"`
+	}
+	if err := json.Unmarshal(raw, &sent); err != nil || sent.ID == 0 {
+		return 0, fmt.Errorf("receipt %s: unreadable provider answer %.200q", key, raw)
+	}
+	return sent.ID, nil
 }

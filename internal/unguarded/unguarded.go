@@ -13,7 +13,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/tasks"
 )
 
 // Leased returns a handler that decodes each delivery and runs fn on it with no
@@ -43,4 +45,39 @@ func Transactional[T idempotency.Job](pool *pgxpool.Pool, taskType string, decod
 		})
 		return out, err
 	})
+}
+
+// Checkout is handlers.Charger.Checkout's three effects with no step records: each
+// delivery charges (the provider's key still saves the charge), inserts an order row and
+// sends a receipt, so a redelivered checkout records a second order and emails twice.
+// Use it with Leased, as the checkout's fn.
+func Checkout(ch *handlers.Charger, pool *pgxpool.Pool) func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+	return func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		key := c.Key()
+		chargeKey, err := idempotency.StepKey(key, "charge")
+		if err != nil {
+			return nil, err
+		}
+		receiptKey, err := idempotency.StepKey(key, "receipt")
+		if err != nil {
+			return nil, err
+		}
+		charge, err := ch.ChargeCheckout(ctx, chargeKey, c)
+		if err != nil {
+			return nil, err
+		}
+		var row int64
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			row, err = handlers.RecordOrder(ctx, tx, c, charge.ChargeID)
+			return err
+		})
+		if err != nil {
+			return nil, err
+		}
+		email, err := ch.SendReceipt(ctx, receiptKey, c)
+		if err != nil {
+			return nil, err
+		}
+		return json.Marshal(handlers.CheckoutResult{ChargeID: charge.ChargeID, OrderRow: row, EmailID: email})
+	}
 }
