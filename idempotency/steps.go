@@ -139,9 +139,10 @@ func validateStepName(name string) error {
 // Names follow [a-z0-9_-]{1,64}, and every delivery must call the job's steps in the same
 // order, one name once, one after another (not from concurrent goroutines): each call's
 // position in the run is recorded, and a recorded step met at another position fails with
-// a *StepMismatchError, as does one recorded with another input (StepInput). The steps
-// recorded so far are read once per delivery, at its first Step or StepTx call (reading
-// them with the claim itself is a later optimisation).
+// a *StepMismatchError, as does one recorded with another input (StepInput). A job's
+// first delivery reads nothing: a step costs one round trip, its record. A delivery that
+// resumes the job (or re-runs it) reads the steps recorded so far once, at its first
+// Step or StepTx call.
 //
 // Errors: ErrNoClaim outside a leased handler; ErrStepInTx inside DoTx; ErrInvalidRequest
 // for a bad name; ErrInvalidKey when the step key is too long; ErrStepMismatch. These are
@@ -292,9 +293,14 @@ func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRu
 	call.seq = run.calls
 	run.calls++
 	if !run.loaded {
-		rows, err := store.ReadSteps(ctx, run.l.pool, run.c.Key, int32(run.c.Generation))
-		if err != nil {
-			return nil, call, nil, asUnavailable(ctx, fmt.Errorf("idempotency: read steps of %s: %w", run.c.Key, err))
+		// Steps are recorded only under a claim of the key, and a key's first claim
+		// (Attempt 1: its row was just inserted) comes after none: only a delivery that
+		// resumes the key, or re-runs it, has steps to read.
+		var rows []store.StepRow
+		if run.c.Attempt > 1 {
+			if rows, err = store.ReadSteps(ctx, run.l.pool, run.c.Key, int32(run.c.Generation)); err != nil {
+				return nil, call, nil, asUnavailable(ctx, fmt.Errorf("idempotency: read steps of %s: %w", run.c.Key, err))
+			}
 		}
 		run.steps = make(map[string]store.StepRow, len(rows))
 		for _, r := range rows {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/internal/testenv"
@@ -161,6 +162,66 @@ func TestStepAfterRetry(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 1 {
 		t.Errorf("%d effect rows, want 1", n)
+	}
+}
+
+// stepReads counts the statements that read a key's recorded steps.
+type stepReads struct{ n atomic.Int64 }
+
+func (r *stepReads) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "FROM processed_job_steps s") {
+		r.n.Add(1)
+	}
+	return ctx
+}
+
+func (r *stepReads) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestStepReadsOnlyWhenResuming: a job's first delivery has no steps to read and reads
+// none; the delivery that resumes it reads them once, however many steps it calls.
+func TestStepReadsOnlyWhenResuming(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reads := &stepReads{}
+	cfg.ConnConfig.Tracer = reads
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	l := idempotency.New(pool, nil)
+	t.Cleanup(l.Close)
+	var runs atomic.Int64
+	handler := func(ctx context.Context) (json.RawMessage, error) {
+		run := runs.Add(1)
+		for _, name := range []string{"a", "b", "c"} {
+			if _, err := idempotency.Step(ctx, name, func(context.Context, string) (int64, error) { return run, nil }); err != nil {
+				return nil, err
+			}
+		}
+		if run == 1 {
+			return nil, errLater
+		}
+		return json.RawMessage(`true`), nil
+	}
+	if _, err := l.Do(ctx, req("fresh:1"), handler); !errors.Is(err, errLater) {
+		t.Fatalf("first delivery: %v", err)
+	}
+	if n := reads.n.Load(); n != 0 {
+		t.Errorf("the first delivery read the steps %d times, want 0", n)
+	}
+	if _, err := l.Do(ctx, req("fresh:1"), handler); err != nil {
+		t.Fatalf("second delivery: %v", err)
+	}
+	if n := reads.n.Load(); n != 1 {
+		t.Errorf("the resuming delivery read the steps %d times, want 1", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM processed_job_steps WHERE idempotency_key = 'fresh:1' AND result = '1'`); n != 3 {
+		t.Errorf("%d steps recorded by the first delivery, want 3", n)
 	}
 }
 
