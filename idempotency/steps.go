@@ -27,7 +27,8 @@ const (
 	// MaxStepJobKeyBytes is the longest key of a job whose every step name fits: a step
 	// key is at most MaxKeyBytes (255) bytes, so a job that records steps should keep its
 	// key to 255 - 3 - 64 = 188 bytes. A longer key works with shorter step names; Step
-	// checks each step key when it is called (not yet at enqueue).
+	// checks each step key when it is called, and the outbox at enqueue for the steps a
+	// job declares (outbox.Spec.Steps).
 	MaxStepJobKeyBytes = MaxKeyBytes - len(StepKeySeparator) - MaxStepName
 )
 

@@ -123,7 +123,9 @@ func CheckoutSpec(c Checkout) (outbox.Spec, error) {
 	if err := c.Validate(); err != nil {
 		return outbox.Spec{}, fmt.Errorf("%s: %w", TypeCheckout, err)
 	}
-	return newSpec(TypeCheckout, c, c.Key(), checkoutTimeout)
+	s, err := newSpec(TypeCheckout, c, c.Key(), checkoutTimeout)
+	s.Steps = CheckoutSteps
+	return s, err
 }
 
 // NewCheckoutTask validates c and returns its task for a direct publish, like

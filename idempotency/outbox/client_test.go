@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -113,6 +114,28 @@ func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 	bad.Key = "has space"
 	if _, err := enqueueTx(t, pool, c, bad, true); !errors.Is(err, idempotency.ErrInvalidKey) {
 		t.Fatalf("bad key: %v, want ErrInvalidKey", err)
+	}
+
+	// A job that declares its steps is refused when a step key would not fit, or a name
+	// breaks the rule; the limit is named, and nothing is recorded.
+	long := debitSpec(t, "steps", 1)
+	long.Key = "debit:" + strings.Repeat("x", idempotency.MaxKeyBytes-len("debit:")-len("#s/charge")+1)
+	long.Steps = []string{"charge"}
+	_, err = enqueueTx(t, pool, c, long, true)
+	if !errors.Is(err, idempotency.ErrInvalidKey) || !strings.Contains(err.Error(), "at most 255") {
+		t.Fatalf("a step key of 256 bytes: %v, want ErrInvalidKey naming the limit", err)
+	}
+	long.Key = long.Key[:len(long.Key)-1]
+	long.Steps = []string{"charge", "Bad Name"}
+	if _, err = enqueueTx(t, pool, c, long, true); !errors.Is(err, idempotency.ErrInvalidRequest) {
+		t.Fatalf("a bad step name: %v, want ErrInvalidRequest", err)
+	}
+	if _, err := c.Intent(ctx, long.Key); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("a refused job's intent: %v, want ErrNotFound", err)
+	}
+	long.Steps = []string{"charge"}
+	if _, err = enqueueTx(t, pool, c, long, true); err != nil {
+		t.Fatalf("a step key of 255 bytes: %v", err)
 	}
 }
 

@@ -25,6 +25,11 @@ func checkSpec(spec Spec) error {
 	if spec.Type == "" {
 		return fmt.Errorf("%w: %s: a task type is required", idempotency.ErrInvalidRequest, spec.Key)
 	}
+	for _, name := range spec.Steps {
+		if _, err := idempotency.StepKey(spec.Key, name); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 

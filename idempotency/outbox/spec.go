@@ -33,6 +33,11 @@ type Spec struct {
 	// idempotency.HeaderTraceParent). Enqueue and EnqueueTx fill it from their context
 	// (idempotency.TraceParent) when it is empty.
 	TraceParent string
+	// Steps names the steps the job's handler records (idempotency.Step, StepTx), for the
+	// enqueue to check that each step key (<key>#s/<name>) is a valid name within the
+	// 255-byte key limit: a job whose step keys cannot be recorded is refused here, not
+	// at its first step. It is checked, not stored.
+	Steps []string
 }
 
 // Task returns the asynq task for s under TaskID taskID (the key for the first publish),
