@@ -4,8 +4,8 @@
 //
 //   - the core set (this directory): the ledger (processed_jobs, and the recorded steps
 //     of leased jobs, processed_job_steps), the outbox (job_intents,
-//     redis_epochs) and the API's memory of Idempotency-Key headers
-//     (api_idempotency_keys). Up applies it and records its versions in idemq_db_version.
+//     redis_epochs), the periodic schedule (schedule_entries) and the API's memory of
+//     Idempotency-Key headers (api_idempotency_keys). Up applies it and records its versions in idemq_db_version.
 //   - the example set (the example directory): the tables of the example handlers and of
 //     the stand-in payment provider (wallet_entries, fakepay_requests, fakepay_charges).
 //     `idemq migrate` applies it after the core set; UpExample applies it and records its

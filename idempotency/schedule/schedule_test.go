@@ -1,0 +1,321 @@
+package schedule_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/idempotency/schedule"
+	"github.com/idemq/idemq/internal/testenv"
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// simClock is the simulated time; each replica reads it with its own offset.
+type simClock struct{ now time.Time }
+
+// fleet starts scheduler replicas on one database, each with its own clock offset.
+type fleet struct {
+	t      *testing.T
+	ctx    context.Context
+	pool   *pgxpool.Pool
+	client *outbox.Client
+	clock  *simClock
+}
+
+func newFleet(t *testing.T) *fleet {
+	t.Helper()
+	pool := testenv.Postgres(t)
+	// The simulation starts after the entries' first revision (the database's clock).
+	start := time.Now().UTC().Truncate(time.Minute).Add(time.Minute)
+	return &fleet{t: t, ctx: testenv.Context(t, 3*time.Minute), pool: pool,
+		client: outbox.NewClient(pool, testenv.Redis(t), nil), clock: &simClock{now: start}}
+}
+
+// replica is a started scheduler (Sync done) whose clock is the simulation's plus offset.
+func (f *fleet) replica(entries []schedule.Entry, offset time.Duration) *schedule.Scheduler {
+	f.t.Helper()
+	s, err := schedule.New(f.pool, f.client, entries, &schedule.Config{Logger: quiet,
+		Now: func() time.Time { return f.clock.now.Add(offset) }})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if err := s.Sync(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+	return s
+}
+
+func (f *fleet) tick(s *schedule.Scheduler) schedule.TickStats {
+	f.t.Helper()
+	st, err := s.Tick(f.ctx)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return st
+}
+
+// jobs returns the payload of each job of entry name, by key.
+func (f *fleet) jobs(name string) map[string]string {
+	f.t.Helper()
+	rows, err := f.pool.Query(f.ctx, `SELECT idempotency_key, convert_from(payload, 'UTF8') FROM job_intents WHERE idempotency_key LIKE $1`, "cron:"+name+":%")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	defer rows.Close()
+	out := map[string]string{}
+	for rows.Next() {
+		var k, p string
+		if err := rows.Scan(&k, &p); err != nil {
+			f.t.Fatal(err)
+		}
+		out[k] = p
+	}
+	if err := rows.Err(); err != nil {
+		f.t.Fatal(err)
+	}
+	return out
+}
+
+func (f *fleet) lastTick(name string) time.Time {
+	f.t.Helper()
+	var t time.Time
+	if err := f.pool.QueryRow(f.ctx, `SELECT last_tick FROM schedule_entries WHERE name = $1`, name).Scan(&t); err != nil {
+		f.t.Fatal(err)
+	}
+	return t.UTC()
+}
+
+// every returns the instants of a schedule of period d (aligned to the epoch, as cron's
+// minutes are) in (after, upTo].
+func every(d time.Duration, after, upTo time.Time) []time.Time {
+	var out []time.Time
+	for t := after.Truncate(d).Add(d); !t.After(upTo); t = t.Add(d) {
+		out = append(out, t)
+	}
+	return out
+}
+
+// TestReplicasEnqueueEveryTickOnce runs three replicas over a simulated day, their clocks
+// off by up to 29 s: one replica away for two hours, every replica down for 50 minutes
+// (then restarted, one first), an entry changed mid-run. Every tick is one job; the ticks
+// missed during the outage follow each entry's catch-up policy.
+func TestReplicasEnqueueEveryTickOnce(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	entries := []schedule.Entry{
+		{Name: "minutely", Schedule: "* * * * *", TaskType: "report:build", Payload: []byte(`{"v":1}`)},
+		{Name: "every90", Schedule: "@every 90s", TaskType: "sync:pull"},
+		{Name: "latest", Schedule: "*/5 * * * *", TaskType: "mail:digest", CatchUp: schedule.CatchUpLatest},
+		{Name: "none", Schedule: "*/5 * * * *", TaskType: "cache:warm", CatchUp: schedule.CatchUpNone},
+	}
+	offsets := []time.Duration{0, 17 * time.Second, -29 * time.Second}
+	start := f.clock.now
+	var revisedAt time.Time
+	if err := f.pool.QueryRow(f.ctx, `SELECT now()`).Scan(&revisedAt); err != nil {
+		t.Fatal(err)
+	}
+	replicas := make([]*schedule.Scheduler, len(offsets))
+	for i, o := range offsets {
+		replicas[i] = f.replica(entries, o)
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	step := func() { f.clock.now = f.clock.now.Add(time.Duration(10+rng.IntN(50)) * time.Second) }
+	until := func(h time.Duration, alive ...int) {
+		for f.clock.now.Before(start.Add(h)) {
+			step()
+			for _, i := range alive {
+				f.tick(replicas[i])
+			}
+		}
+	}
+	until(3*time.Hour, 0, 1, 2)
+	until(5*time.Hour, 0, 1) // replica 2 is away for two hours, then back as it was
+	until(10*time.Hour, 0, 1, 2)
+
+	// Every replica down for 50 minutes, then restarted (new processes): replica 0 first,
+	// alone for two rounds.
+	lastLatest, lastNone := f.lastTick("latest"), f.lastTick("none")
+	f.clock.now = f.clock.now.Add(50 * time.Minute)
+	for i, o := range offsets {
+		replicas[i] = f.replica(entries, o)
+	}
+	restart := f.clock.now // replica 0's clock, offset 0
+	st := f.tick(replicas[0])
+	if st.CaughtUp == 0 || st.Skipped == 0 {
+		t.Errorf("the first round after the outage: %+v, want ticks caught up and skipped", st)
+	}
+	step()
+	f.tick(replicas[0])
+	until(15*time.Hour, 0, 1, 2)
+
+	// The minutely entry changes (a replica starts with a new file); the others follow
+	// the table from their next round.
+	changed := slices.Clone(entries)
+	changed[0].Payload = []byte(`{"v":2}`)
+	replicas[1] = f.replica(changed, offsets[1])
+	change := f.clock.now
+	until(24*time.Hour, 0, 1, 2)
+	end := f.clock.now
+
+	// The minutely and every90 entries: every tick once, the outage's caught up.
+	first := start.Add(offsets[2]) // no replica looked before; the first looks catch up
+	for _, c := range []struct {
+		name   string
+		period time.Duration
+	}{{"minutely", time.Minute}, {"every90", 90 * time.Second}} {
+		got := f.jobs(c.name)
+		for _, tick := range every(c.period, latest(revisedAt, first.Add(-time.Hour)), end.Add(offsets[2])) {
+			k := schedule.TickKey(c.name, tick)
+			if _, ok := got[k]; !ok {
+				t.Errorf("%s: no job for tick %s", c.name, k)
+			}
+			delete(got, k)
+		}
+		for k := range got {
+			tick, err := time.Parse(schedule.TickLayout, k[len(k)-len(schedule.TickLayout):])
+			if err != nil || tick.After(end.Add(offsets[1])) || tick.Unix()%int64(c.period/time.Second) != 0 {
+				t.Errorf("%s: a job for no tick due: %s", c.name, k)
+			}
+		}
+	}
+	for k, p := range f.jobs("minutely") {
+		tick, _ := time.Parse(schedule.TickLayout, strings.TrimPrefix(k, "cron:minutely:"))
+		switch {
+		case tick.Before(change.Add(offsets[2])) && p != `{"v":1}`:
+			t.Errorf("%s before the change has payload %s", k, p)
+		case tick.After(change.Add(time.Minute)) && p != `{"v":2}`:
+			t.Errorf("%s after the change has payload %s", k, p)
+		}
+	}
+
+	// The outage's ticks: latest keeps the newest missed one, none keeps none.
+	missed := every(5*time.Minute, lastLatest, restart)
+	if len(missed) < 9 {
+		t.Fatalf("the outage missed %d ticks of */5, want about 10", len(missed))
+	}
+	got := f.jobs("latest")
+	for i, tick := range missed {
+		_, ok := got[schedule.TickKey("latest", tick)]
+		if last := i == len(missed)-1; ok != last {
+			t.Errorf("latest: tick %s enqueued %t, want %t", tick.Format(schedule.TickLayout), ok, last)
+		}
+	}
+	got = f.jobs("none")
+	for _, tick := range every(5*time.Minute, lastNone, restart) {
+		if _, ok := got[schedule.TickKey("none", tick)]; ok {
+			t.Errorf("none: the missed tick %s was enqueued", tick.Format(schedule.TickLayout))
+		}
+	}
+	for _, tick := range every(5*time.Minute, restart.Add(time.Minute), end.Add(offsets[2])) {
+		if _, ok := got[schedule.TickKey("none", tick)]; !ok {
+			t.Errorf("none: no job for tick %s after the restart", tick.Format(schedule.TickLayout))
+		}
+	}
+}
+
+func latest(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
+// TestPauseOverlapManualRemove: a paused entry skips its ticks and does not catch them
+// up when resumed; an overlap-skip entry waits for its job; a manual run is keyed by its
+// id; a removed entry enqueues nothing more.
+func TestPauseOverlapManualRemove(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	entries := []schedule.Entry{
+		{Name: "paused", Schedule: "* * * * *", TaskType: "t:a"},
+		{Name: "single", Schedule: "* * * * *", TaskType: "t:b", Overlap: schedule.OverlapSkip},
+	}
+	s := f.replica(entries, 0)
+	f.tick(s)
+	if err := schedule.Pause(f.ctx, f.pool, "paused"); err != nil {
+		t.Fatal(err)
+	}
+	if err := schedule.Pause(f.ctx, f.pool, "nope"); !errors.Is(err, schedule.ErrNoEntry) {
+		t.Errorf("pause of no entry: %v, want ErrNoEntry", err)
+	}
+	before := len(f.jobs("paused"))
+	f.clock.now = f.clock.now.Add(5 * time.Minute)
+	if st := f.tick(s); st.Skipped < 5 {
+		t.Errorf("a paused entry and a busy one over 5 minutes: %+v, want at least 5 skipped", st)
+	}
+	if n := len(f.jobs("paused")); n != before {
+		t.Errorf("a paused entry enqueued %d jobs", n-before)
+	}
+	if err := schedule.Resume(f.ctx, f.pool, "paused"); err != nil {
+		t.Fatal(err)
+	}
+	f.clock.now = f.clock.now.Add(time.Minute)
+	f.tick(s)
+	if n := len(f.jobs("paused")); n != before+1 {
+		t.Errorf("after resume: %d new jobs, want 1 (the paused ticks are not caught up)", n-before)
+	}
+
+	// single's first job is unfinished: no more of its ticks until it is done.
+	if n := len(f.jobs("single")); n != 1 {
+		t.Fatalf("single: %d jobs while its first is unfinished, want 1", n)
+	}
+	if _, err := f.pool.Exec(f.ctx, `UPDATE job_intents SET state = 'done', finished_at = now() WHERE idempotency_key LIKE 'cron:single:%'`); err != nil {
+		t.Fatal(err)
+	}
+	f.clock.now = f.clock.now.Add(3 * time.Minute)
+	f.tick(s)
+	if n := len(f.jobs("single")); n != 2 {
+		t.Errorf("single: %d jobs once the first was done and 3 ticks passed, want 2 (the newest tick only)", n)
+	}
+
+	// A manual run: its id is its identity.
+	for range 2 {
+		if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "backfill-1"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, ok := f.jobs("paused")[schedule.ManualKey("paused", "backfill-1")]; !ok {
+		t.Error("no job for the manual run")
+	}
+	if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "bad id"); !errors.Is(err, idempotency.ErrInvalidKey) {
+		t.Errorf("a manual run id with a space: %v, want ErrInvalidKey", err)
+	}
+	if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "nope", "x"); !errors.Is(err, schedule.ErrNoEntry) {
+		t.Errorf("a manual run of no entry: %v, want ErrNoEntry", err)
+	}
+
+	// A replica started without "paused" removes it: nothing more from anyone.
+	s2 := f.replica(entries[1:], 0)
+	n := len(f.jobs("paused"))
+	f.clock.now = f.clock.now.Add(5 * time.Minute)
+	f.tick(s)
+	f.tick(s2)
+	if got := len(f.jobs("paused")); got != n {
+		t.Errorf("a removed entry enqueued %d jobs", got-n)
+	}
+	list, err := schedule.List(f.ctx, f.pool, f.clock.now)
+	if err != nil || len(list) != 1 || list[0].Name != "single" || list[0].LastKey == "" || list[0].Next.IsZero() {
+		t.Errorf("List: %+v %v, want single with its last job and next tick", list, err)
+	}
+}
+
+func TestNewRefusesAWindowPastRetention(t *testing.T) {
+	t.Parallel()
+	_, err := schedule.New(nil, nil, []schedule.Entry{{Name: "long", Schedule: "@daily", TaskType: "t", CatchUpWindow: 48 * time.Hour}},
+		&schedule.Config{Retention: 24 * time.Hour})
+	var ee *schedule.EntryError
+	if !errors.As(err, &ee) || ee.Field != "catch_up_window" || !strings.Contains(err.Error(), "retention") {
+		t.Fatalf("a 48h window with a 24h retention: %v, want an error on catch_up_window naming the retention", err)
+	}
+}
