@@ -29,6 +29,10 @@ cover:
 ## make bench BENCH_FLAGS="-seconds 6 -workloads noop,debit,charge,scale,io,latency,dup -write-docs"
 ## Worker RSS, one process per configuration over 100,000 tasks (a few minutes):
 ## make bench BENCH_FLAGS="-memory"
+## Recorded steps: order:checkout (three steps) in `idemq worker` against unguarded.Checkout in
+## bare asynq, paired, with what a step record costs per process beside a leased one-effect
+## charge (2,000 checkouts and 4,000 charges, c=10 and 50, 3 reps):
+## make bench BENCH_FLAGS="-drain -drain-workloads charge-distinct,checkout-distinct -drain-concurrency 10,50 -reps 3 -drain-n 8000 -json docs/bench/bench-drain-checkout.json"
 BENCH_FLAGS ?= -write-docs
 .PHONY: bench
 bench:

@@ -449,7 +449,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	drain := fs.Bool("drain", false, "measure the binaries instead: `idemq worker` (1 and 3 replicas, defaults but IDEMQ_CONCURRENCY) against bare asynq in a process of its own, draining the same tasks from a plain asynq client, paired per repetition")
 	fs.IntVar(&opt.DrainN, "drain-n", 10000, "-drain: keys of a drain over distinct scopes (hot and Zipf workloads take a share)")
 	drainConc := fs.String("drain-concurrency", "10,50", "-drain: concurrencies to run each workload at")
-	drainWorkloadsFlag := fs.String("drain-workloads", strings.Join(DrainWorkloadNames, ","), "-drain: workloads")
+	drainWorkloadsFlag := fs.String("drain-workloads", strings.Join(DrainWorkloadNames, ","), "-drain: workloads (checkout-distinct: order:checkout, three recorded steps in the worker against unguarded.Checkout's same effects in bare asynq, with a table of the step records' cost; run it with charge-distinct to also take off a leased one-effect job's cost)")
 	fs.DurationVar(&opt.DrainTimeout, "drain-timeout", 5*time.Minute, "-drain: time limit of one drain")
 	fs.IntVar(&opt.DrainPrefill, "drain-prefill", 5_000_000, "-drain: completed rows in the ledger before each drain of debit-prefilled (about 1.8 GB with its indexes per 5,000,000; written once per run, in a few minutes)")
 	fs.StringVar(&opt.DrainRiver, "drain-river", "", "-drain: also drain debit-distinct and debit-hot through River (configuration river: each debit's entry and its job's completion in one transaction), with the riverdrain binary at `PATH`, or build to build internal/bench/river first (run from the repository root)")

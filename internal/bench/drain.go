@@ -34,7 +34,9 @@ import (
 // own (idemq-bench -bare-child: default asynq.Config but Concurrency, a default pgx pool, each
 // debit's INSERT in its own transaction, each charge the same HTTP call to the provider),
 // on the same tasks from a plain asynq client (no TaskID, no idemq header), paired per
-// repetition.
+// repetition. Checkouts (order:checkout) run handlers.Charger.Checkout's three recorded
+// steps in the worker and unguarded.Checkout's same three effects, unrecorded, in bare
+// asynq.
 
 // Drain mode's configurations are bare asynq and, for each worker binary, 1 and 3
 // replicas of it ("worker×1", or "worker×1 NAME" when several binaries are compared).
@@ -87,6 +89,12 @@ type drainWorkload struct {
 	// prefilled: the ledger holds Options.DrainPrefill completed rows of other keys
 	// before each drain, as a ledger that keeps 30 days of keys does.
 	prefilled bool
+	// steps is how many steps each delivery records in the worker (idempotency.Step,
+	// StepTx); bare asynq runs the same effects unrecorded. 0: none.
+	steps int
+	// leasedBase is a workload of leased one-effect jobs whose cost over bare asynq the
+	// step table subtracts, to leave the steps' own ("" for none).
+	leasedBase string
 }
 
 var drainWorkloads = map[string]drainWorkload{
@@ -97,10 +105,12 @@ var drainWorkloads = map[string]drainWorkload{
 	"debit-prefilled": {name: "debit-prefilled", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }, prefilled: true},
 	"charge-distinct": {name: "charge-distinct", typ: tasks.TypeCharge, dup: 1, share: 0.5, scope: func(_ *rand.Rand, i int) int { return i }},
 	"charge-hot":      {name: "charge-hot", typ: tasks.TypeCharge, dup: 1, share: 0.25, scope: func(_ *rand.Rand, i int) int { return i % 17 }},
+	"checkout-distinct": {name: "checkout-distinct", typ: tasks.TypeCheckout, dup: 1, share: 0.25, scope: func(_ *rand.Rand, i int) int { return i },
+		steps: len(tasks.CheckoutSteps), leasedBase: "charge-distinct"},
 }
 
 // DrainWorkloadNames lists drain mode's workloads, in the order a run measures them.
-var DrainWorkloadNames = []string{"debit-distinct", "debit-hot", "debit-zipf", "debit-dup", "debit-prefilled", "charge-distinct", "charge-hot"}
+var DrainWorkloadNames = []string{"debit-distinct", "debit-hot", "debit-zipf", "debit-dup", "debit-prefilled", "charge-distinct", "charge-hot", "checkout-distinct"}
 
 // zipf draws scopes from a Zipf(s = 1.1) distribution over n scopes.
 func zipf(n uint64) func(*rand.Rand, int) int {
@@ -136,9 +146,13 @@ func (c zipfCDF) draw(u float64) uint64 { return uint64(sort.SearchFloat64s(c, u
 func (w drainWorkload) payload(prefix string, rng *rand.Rand, i int) []byte {
 	s := strconv.Itoa(w.scope(rng, i))
 	var v any
-	if w.typ == tasks.TypeDebit {
+	switch w.typ {
+	case tasks.TypeDebit:
 		v = tasks.Debit{AccountID: "acct-" + s, AmountCents: 1, Reference: prefix + "-" + strconv.Itoa(i)}
-	} else {
+	case tasks.TypeCheckout:
+		v = tasks.Checkout{OrderID: prefix + "-" + strconv.Itoa(i), CustomerID: "cust-" + s, AmountCents: 100, Currency: "EUR",
+			Email: "cust-" + s + "@example.com"}
+	default:
 		v = tasks.Charge{OrderID: prefix + "-" + strconv.Itoa(i), CustomerID: "cust-" + s, AmountCents: 100, Currency: "EUR"}
 	}
 	b, _ := json.Marshal(v)
@@ -156,7 +170,15 @@ type DrainSample struct {
 	Deliveries  int     `json:"deliveries"`
 	Seconds     float64 `json:"seconds"`
 	PerSecond   float64 `json:"deliveries_per_second"`
-	Effects     int     `json:"effects"`
+	// InFlightMS is the mean time a delivery held one of the drain's slots (replicas ×
+	// concurrency), in milliseconds: slots ÷ deliveries per second, by Little's law, as
+	// every slot is busy while a backlog drains.
+	InFlightMS float64 `json:"ms_in_flight"`
+	// Effects are the rows of the workload's first effect (the wallet entry or the
+	// provider's charge); every effect table is checked.
+	Effects int `json:"effects"`
+	// StepRows are the step records (processed_job_steps) of the drain's keys.
+	StepRows int `json:"step_rows,omitempty"`
 	// CPU per delivery, microseconds: the worker processes, redis-server, Postgres.
 	CPUWorkers float64 `json:"cpu_us_workers"`
 	CPURedis   float64 `json:"cpu_us_redis"`
@@ -212,8 +234,8 @@ func RunDrain(ctx context.Context, opt Options, progress io.Writer) ([]DrainSamp
 					if err != nil {
 						return out, err
 					}
-					fmt.Fprintf(progress, "drain %-15s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, effects %d, CPU µs %0.f+%0.f+%0.f, WAL %0.f B, busy/delivery %.2f, per commit %.1f, claims/delivery %.2f, reruns/delivery %.2f, handed/delivery %.2f\n",
-						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.WALBytes, s.BusyPerDelivery, s.PerCommit,
+					fmt.Fprintf(progress, "drain %-17s c=%-3d %-20s rep %d: %6d deliveries in %6.2fs = %7.0f/s, %.1f ms in flight, effects %d, CPU µs %0.f+%0.f+%0.f, WAL %0.f B, busy/delivery %.2f, per commit %.1f, claims/delivery %.2f, reruns/delivery %.2f, handed/delivery %.2f\n",
+						w.name, conc, cfg.name, rep+1, s.Deliveries, s.Seconds, s.PerSecond, s.InFlightMS, s.Effects, s.CPUWorkers, s.CPURedis, s.CPUPG, s.WALBytes, s.BusyPerDelivery, s.PerCommit,
 						s.ClaimsPerDelivery, s.RerunsPerDelivery, s.HandedPerDelivery)
 					out = append(out, s)
 				}
@@ -305,6 +327,7 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 	wal1 := e.walLSN(ctx)
 	s.Seconds = ended.Sub(began).Seconds()
 	s.PerSecond = float64(s.Deliveries) / s.Seconds
+	s.InFlightMS = float64(conc*max(cfg.replicas, 1)) / s.PerSecond * 1000
 	d := cpu0.to(cpu1)
 	per := 1e6 / float64(s.Deliveries)
 	s.CPUWorkers, s.CPURedis, s.CPUPG = (childCPU1-childCPU0)*per, d.redis*per, d.pg*per
@@ -329,21 +352,43 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 	if commits > 0 {
 		s.PerCommit = requests / commits
 	}
-	table, col := "wallet_entries", "reference"
-	if w.typ == tasks.TypeCharge {
-		table, col = "fakepay_charges", "order_id"
-	}
-	if err := e.admin.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE `+col+` LIKE $1`, prefix+"-%").Scan(&s.Effects); err != nil {
-		return s, fmt.Errorf("bench: count effects: %w", err)
-	}
 	want := keys
 	if cfg.binary == "" && w.typ == tasks.TypeDebit {
 		want = s.Deliveries // bare asynq runs every delivery
 	}
-	if s.Effects != want || s.Archived != 0 {
-		return s, fmt.Errorf("bench: drain %s %s c=%d: %d effects (want %d), %d archived", w.name, config, conc, s.Effects, want, s.Archived)
+	for i, t := range effectTables[w.typ] {
+		var n int
+		if err := e.admin.QueryRow(ctx, `SELECT count(*) FROM `+t.table+` WHERE `+t.column+` LIKE $1`, prefix+"-%").Scan(&n); err != nil {
+			return s, fmt.Errorf("bench: count effects: %w", err)
+		}
+		if i == 0 {
+			s.Effects = n
+		}
+		if n != want || s.Archived != 0 {
+			return s, fmt.Errorf("bench: drain %s %s c=%d: %d rows in %s (want %d), %d archived", w.name, config, conc, n, t.table, want, s.Archived)
+		}
+	}
+	if w.steps > 0 {
+		if err := e.admin.QueryRow(ctx, `SELECT count(*) FROM processed_job_steps WHERE idempotency_key LIKE $1`, "%:"+prefix+"-%").Scan(&s.StepRows); err != nil {
+			return s, fmt.Errorf("bench: count step records: %w", err)
+		}
+		want := keys * w.steps
+		if cfg.binary == "" {
+			want = 0 // bare asynq records no step
+		}
+		if s.StepRows != want {
+			return s, fmt.Errorf("bench: drain %s %s c=%d: %d step records (want %d)", w.name, config, conc, s.StepRows, want)
+		}
 	}
 	return s, nil
+}
+
+// effectTables are where each task type's effects land, one row per key and effect: the
+// table and its column holding the task's reference or order id.
+var effectTables = map[string][]struct{ table, column string }{
+	tasks.TypeDebit:    {{"wallet_entries", "reference"}},
+	tasks.TypeCharge:   {{"fakepay_charges", "order_id"}},
+	tasks.TypeCheckout: {{"fakepay_charges", "order_id"}, {"orders", "order_id"}, {"fakepay_emails", "order_id"}},
 }
 
 // walLSN is Postgres's current WAL position ("" when it cannot be read).
@@ -365,8 +410,11 @@ SELECT 'debit:' || md5(g::text), 'wallet:debit', 'completed', nextval('processed
        gen_random_uuid(), '{"balance_cents": -1}', 1, t, t, t, t
 FROM generate_series($1::bigint, $2::bigint) g,
      LATERAL (SELECT now() - interval '29 days' * (1 - g::float8 / $3::bigint) - interval '1 hour' AS t) at`
-	// drainRowsSQL deletes what a drain wrote, which is all newer than the prefilled rows.
-	drainRowsSQL = `DELETE FROM processed_jobs WHERE started_at > now() - interval '30 minutes'`
+	// drainRowsSQL deletes what a drain wrote to the ledger, its rows and their step
+	// records, which are all newer than the prefilled rows.
+	drainRowsSQL = `
+WITH steps AS (DELETE FROM processed_job_steps WHERE created_at > now() - interval '30 minutes')
+DELETE FROM processed_jobs WHERE started_at > now() - interval '30 minutes'`
 )
 
 // resetPrefilled empties Redis and every table but the ledger, deletes the rows of the
@@ -385,7 +433,7 @@ func (e *env) resetPrefilled(ctx context.Context, n int) error {
 	if have == n {
 		return nil
 	}
-	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs`); err != nil {
+	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs, processed_job_steps`); err != nil {
 		return fmt.Errorf("bench: truncate: %w", err)
 	}
 	const chunk = 1_000_000
@@ -483,7 +531,10 @@ func histogram(fams map[string]*dto.MetricFamily, name string) (sum, count float
 // WriteDrainTable prints drain mode's table: per workload, concurrency and configuration
 // the median deliveries per second (min–max), the median of the per-repetition ratios to
 // bare asynq (and to River, when River ran), CPU per delivery by process, busy answers
-// per delivery and requests per shared commit.
+// per delivery, requests per shared commit and the mean time in flight per delivery.
+// When a workload of recorded steps ran, a second table follows: per worker configuration
+// its CPU per delivery less bare asynq's on the same effects, per step, and, when the
+// workload's leased one-effect base ran too, less that base's own cost over bare asynq.
 func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 	type group struct {
 		workload string
@@ -531,8 +582,8 @@ func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 	if hasRiver {
 		riverHead, riverAlign = " ÷ River (paired) |", "--:|"
 	}
-	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) |"+riverHead+" CPU µs/delivery: workers + Redis + PG | CPU ÷ bare's: workers / Redis / PG | WAL B/delivery | busy per delivery | requests per commit |")
-	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|"+riverAlign+"--:|--:|--:|--:|--:|")
+	fmt.Fprintln(w, "| workload | concurrency | configuration | deliveries | deliveries/s | ÷ bare (paired) |"+riverHead+" CPU µs/delivery: workers + Redis + PG | CPU ÷ bare's: workers / Redis / PG | WAL B/delivery | busy per delivery | requests per commit | ms in flight (slots ÷ rate) |")
+	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|"+riverAlign+"--:|--:|--:|--:|--:|--:|")
 	for _, g := range order {
 		ss := by[g]
 		rates := collect(ss, func(s DrainSample) float64 { return s.PerSecond })
@@ -563,9 +614,63 @@ func WriteDrainTable(w io.Writer, samples []DrainSample) error {
 			cpuRatio = fmt.Sprintf("%.2f / %.2f / %.2f", cw/bw, cr/br, cp/bp)
 		}
 		wal := median(collect(ss, func(s DrainSample) float64 { return s.WALBytes }))
-		fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f (%.0f–%.0f) | %s | %.0f + %.0f + %.0f = %.0f | %s | %.0f | %s | %s |\n",
+		fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f (%.0f–%.0f) | %s | %.0f + %.0f + %.0f = %.0f | %s | %.0f | %s | %s | %.1f |\n",
 			g.workload, g.conc, g.config, ss[0].Deliveries, median(rates), slices.Min(rates), slices.Max(rates), ratio,
-			cw, cr, cp, cw+cr+cp, cpuRatio, wal, busy, commit)
+			cw, cr, cp, cw+cr+cp, cpuRatio, wal, busy, commit, median(collect(ss, func(s DrainSample) float64 { return s.InFlightMS })))
+	}
+	var stepped []group
+	for _, g := range order {
+		if drainWorkloads[g.workload].steps > 0 && g.config != DrainBare && g.config != DrainRiver {
+			stepped = append(stepped, g)
+		}
+	}
+	if len(stepped) == 0 {
+		return nil
+	}
+	cpuOf := func(g group) (cpu [3]float64, ok bool) {
+		ss := by[g]
+		if len(ss) == 0 {
+			return cpu, false
+		}
+		return [3]float64{median(collect(ss, func(s DrainSample) float64 { return s.CPUWorkers })),
+			median(collect(ss, func(s DrainSample) float64 { return s.CPURedis })),
+			median(collect(ss, func(s DrainSample) float64 { return s.CPUPG }))}, true
+	}
+	inFlight := func(g group) float64 {
+		return median(collect(by[g], func(s DrainSample) float64 { return s.InFlightMS }))
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "Step records: CPU µs per delivery, the configuration's median less bare asynq's (the same effects, unrecorded), then ÷ the steps a delivery records; the last column also takes off what a leased one-effect job costs over bare asynq (the same configuration less bare asynq on the base workload), when that workload ran at this concurrency.")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "| workload | concurrency | configuration | ÷ bare (paired) | ms in flight: idemq / bare | idemq − bare: workers / Redis / PG | (idemq − bare) ÷ steps: workers / Redis / PG = total | less the base's idemq − bare, ÷ steps: workers / Redis / PG = total |")
+	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|--:|--:|")
+	for _, g := range stepped {
+		wl := drainWorkloads[g.workload]
+		bare := group{g.workload, g.conc, DrainBare}
+		idemq, ok1 := cpuOf(g)
+		base, ok2 := cpuOf(bare)
+		if !ok1 || !ok2 {
+			continue
+		}
+		n := float64(wl.steps)
+		var diff, per [3]float64
+		for i := range diff {
+			diff[i] = idemq[i] - base[i]
+			per[i] = diff[i] / n
+		}
+		beyond := "-"
+		if lc, ok := cpuOf(group{wl.leasedBase, g.conc, g.config}); ok {
+			if lb, ok := cpuOf(group{wl.leasedBase, g.conc, DrainBare}); ok {
+				var b [3]float64
+				for i := range b {
+					b[i] = (diff[i] - (lc[i] - lb[i])) / n
+				}
+				beyond = fmt.Sprintf("%.0f / %.0f / %.0f = %.0f (base %s)", b[0], b[1], b[2], b[0]+b[1]+b[2], wl.leasedBase)
+			}
+		}
+		fmt.Fprintf(w, "| %s | %d | %s | %s | %.1f / %.1f | %.0f / %.0f / %.0f | %.0f / %.0f / %.0f = %.0f | %s |\n",
+			g.workload, g.conc, g.config, paired(by[g], by[bare]), inFlight(g), inFlight(bare),
+			diff[0], diff[1], diff[2], per[0], per[1], per[2], per[0]+per[1]+per[2], beyond)
 	}
 	return nil
 }

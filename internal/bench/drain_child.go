@@ -13,19 +13,22 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
+	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/tasks"
 )
 
 // runBareChild is drain mode's bare asynq worker, in a process of its own: a plain
 // asynq.Server (default asynq.Config but Concurrency) on REDIS_URL, and for debits a
 // default pgx pool on DATABASE_URL whose every delivery INSERTs its wallet entry in a
-// transaction of its own; for charges the same HTTP call to the provider the worker makes.
-// No lock, no ledger. It serves until ctx ends.
+// transaction of its own; for charges the same HTTP call to the provider the worker makes;
+// for checkouts the worker's three effects with no step records (unguarded.Checkout: the
+// charge, the order's row in a transaction of its own, the receipt). No lock, no ledger.
+// It serves until ctx ends.
 func runBareChild(ctx context.Context, redisURL, databaseURL string, args []string, _, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idemq-bench "+bareChildFlag, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	conc := fs.Int("concurrency", 10, "asynq concurrency")
-	fakepayURL := fs.String("fakepay", "", "the provider's base URL (charges)")
+	fakepayURL := fs.String("fakepay", "", "the provider's base URL (charges and checkouts)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -61,6 +64,7 @@ func runBareChild(ctx context.Context, redisURL, databaseURL string, args []stri
 		_, err := charger.Charge(ctx, c.Key(), c)
 		return err
 	})
+	mux.Handle(tasks.TypeCheckout, unguarded.Leased(tasks.TypeCheckout, tasks.DecodeCheckout, unguarded.Checkout(charger, pool)))
 	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{Concurrency: *conc, LogLevel: asynq.FatalLevel})
 	if err := srv.Start(mux); err != nil {
 		return err

@@ -163,3 +163,90 @@ func TestDrainTiny(t *testing.T) {
 		t.Errorf("table has no worker×3 row:\n%s", out.String())
 	}
 }
+
+// The step table takes bare asynq's CPU on the same checkouts off the worker's, divides
+// by the three steps, and, with the leased one-effect base in the run, also takes off the
+// base's own cost over bare asynq.
+func TestDrainTableStepCost(t *testing.T) {
+	samples := []DrainSample{
+		{Workload: "checkout-distinct", Concurrency: 10, Config: DrainBare, Rep: 1, Deliveries: 100, PerSecond: 1000, InFlightMS: 10,
+			CPUWorkers: 1000, CPURedis: 100, CPUPG: 500},
+		{Workload: "checkout-distinct", Concurrency: 10, Config: "worker×1", Rep: 1, Deliveries: 100, PerSecond: 250, InFlightMS: 40,
+			CPUWorkers: 1600, CPURedis: 160, CPUPG: 1100},
+	}
+	var b bytes.Buffer
+	if err := WriteDrainTable(&b, samples); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"| checkout-distinct | 10 | worker×1 | 100 | 250 (250–250) | **0.25** (0.25–0.25) |",
+		"| 40.0 |\n", // ms in flight, the main table's last column
+		"| checkout-distinct | 10 | worker×1 | **0.25** (0.25–0.25) | 40.0 / 10.0 | 600 / 60 / 600 | 200 / 20 / 200 = 420 | - |",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("table:\n%s\nwant %q", b.String(), want)
+		}
+	}
+
+	samples = append(samples,
+		DrainSample{Workload: "charge-distinct", Concurrency: 10, Config: DrainBare, Rep: 1, Deliveries: 100, PerSecond: 1000,
+			CPUWorkers: 500, CPURedis: 50, CPUPG: 300},
+		DrainSample{Workload: "charge-distinct", Concurrency: 10, Config: "worker×1", Rep: 1, Deliveries: 100, PerSecond: 500,
+			CPUWorkers: 800, CPURedis: 80, CPUPG: 600})
+	b.Reset()
+	if err := WriteDrainTable(&b, samples); err != nil {
+		t.Fatal(err)
+	}
+	if want := "| 200 / 20 / 200 = 420 | 100 / 10 / 100 = 210 (base charge-distinct) |"; !strings.Contains(b.String(), want) {
+		t.Errorf("table:\n%s\nwant %q", b.String(), want)
+	}
+
+	b.Reset()
+	if err := WriteDrainTable(&b, samples[2:]); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(b.String(), "Step records") {
+		t.Errorf("a run without recorded steps printed the step table:\n%s", b.String())
+	}
+}
+
+// TestDrainCheckoutTiny drains 100 checkouts through bare asynq (unguarded.Checkout) and
+// `idemq worker` (three recorded steps each) at their smallest, and checks that every
+// configuration made each checkout's three effects once and that only the worker recorded
+// its steps, never how fast.
+func TestDrainCheckoutTiny(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, 3*time.Minute)
+	jsonPath := filepath.Join(t.TempDir(), "bench-drain.json")
+	var out, progress bytes.Buffer
+	err := Main(ctx, envOr("REDIS_URL", testenv.DefaultRedisURL), envOr("DATABASE_URL", testenv.DefaultDatabaseURL),
+		[]string{"-drain", "-reps", "1", "-drain-n", "100", "-drain-concurrency", "10", "-drain-workloads", "checkout-distinct",
+			"-idemq", "build", "-json", jsonPath}, &out, &progress)
+	if err != nil {
+		t.Fatalf("bench -drain: %v\nprogress:\n%s", err, progress.String())
+	}
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep struct{ Samples []DrainSample }
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatalf("decode %s: %v", jsonPath, err)
+	}
+	if len(rep.Samples) != 3 {
+		t.Fatalf("%d samples, want bare, worker×1 and worker×3", len(rep.Samples))
+	}
+	for _, s := range rep.Samples {
+		steps := 3 * s.Keys
+		if s.Config == DrainBare {
+			steps = 0
+		}
+		if s.Keys != 100 || s.Effects != s.Keys || s.StepRows != steps || s.InFlightMS <= 0 {
+			t.Errorf("%s: %d keys, %d effects, %d step records, %.1f ms in flight; want 100 keys, one effect each, %d step records",
+				s.Config, s.Keys, s.Effects, s.StepRows, s.InFlightMS, steps)
+		}
+	}
+	if !strings.Contains(out.String(), "| checkout-distinct | 10 | worker×1 | **") {
+		t.Errorf("no step table row for worker×1:\n%s", out.String())
+	}
+}

@@ -221,18 +221,19 @@ func (e *env) reset(ctx context.Context) error {
 	if err := e.resetKeepingLedger(ctx); err != nil {
 		return err
 	}
-	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs`); err != nil {
+	if _, err := e.admin.Exec(ctx, `TRUNCATE processed_jobs, processed_job_steps`); err != nil {
 		return fmt.Errorf("bench: truncate: %w", err)
 	}
 	return nil
 }
 
-// resetKeepingLedger is reset without emptying the ledger (processed_jobs).
+// resetKeepingLedger is reset without emptying the ledger (processed_jobs and its step
+// records, processed_job_steps).
 func (e *env) resetKeepingLedger(ctx context.Context) error {
 	if err := e.rdb.FlushDB(ctx).Err(); err != nil {
 		return fmt.Errorf("bench: empty the leased Redis database: %w", err)
 	}
-	if _, err := e.admin.Exec(ctx, `TRUNCATE wallet_entries, fakepay_charges, fakepay_requests, job_intents`); err != nil {
+	if _, err := e.admin.Exec(ctx, `TRUNCATE wallet_entries, fakepay_charges, fakepay_requests, fakepay_emails, orders, job_intents`); err != nil {
 		return fmt.Errorf("bench: truncate: %w", err)
 	}
 	return nil
