@@ -95,10 +95,11 @@ func setPaused(ctx context.Context, pool *pgxpool.Pool, name string, paused bool
 	return nil
 }
 
-// RunNow enqueues one job of entry name now, outside its schedule, keyed ManualKey(name,
-// id): the same id is the same run (a duplicate), whoever asks. id is 1..64 bytes of what
-// a key may hold. ErrNoEntry when there is no such entry; the outbox's errors otherwise.
-func RunNow(ctx context.Context, pool *pgxpool.Pool, client *outbox.Client, name, id string) (outbox.EnqueueResult, error) {
+// RunNow enqueues one job of entry name at, outside its schedule, keyed ManualKey(name,
+// id): the same id is the same run (a duplicate), whoever asks. Its Tick is At: at (to
+// the second), Manual: id. id is 1..64 bytes of what a key may hold. ErrNoEntry when there
+// is no such entry; the outbox's errors otherwise.
+func RunNow(ctx context.Context, pool *pgxpool.Pool, client *outbox.Client, name, id string, at time.Time) (outbox.EnqueueResult, error) {
 	if len(id) == 0 || len(id) > MaxManualID {
 		return outbox.EnqueueResult{}, fmt.Errorf("%w: manual run id: %d bytes, must be 1..%d", idempotency.ErrInvalidKey, len(id), MaxManualID)
 	}
@@ -114,7 +115,7 @@ func RunNow(ctx context.Context, pool *pgxpool.Pool, client *outbox.Client, name
 		if err != nil {
 			return outbox.EnqueueResult{}, err
 		}
-		return client.Enqueue(ctx, p.spec(ManualKey(name, id)))
+		return client.Enqueue(ctx, p.spec(Tick{Entry: name, At: at.UTC().Truncate(time.Second), Manual: id}))
 	}
 	return outbox.EnqueueResult{}, fmt.Errorf("%w: %q", ErrNoEntry, name)
 }

@@ -114,6 +114,44 @@ func ManualKey(name, id string) string {
 	return "cron:" + name + ":manual:" + id
 }
 
+// Tick is what a periodic job's payload says of its tick, beside the entry's payload:
+// the fields schedule_entry, tick (RFC 3339, UTC) and, for a manual run, manual_run. Embed
+// it in the job's payload type and the type is an idempotency.Job keyed as the scheduler
+// keys it (Key), its lock scope the key:
+//
+//	type Settle struct {
+//		schedule.Tick
+//		Period string `json:"period"`
+//	}
+type Tick struct {
+	Entry  string    `json:"schedule_entry"`
+	At     time.Time `json:"tick"`
+	Manual string    `json:"manual_run,omitempty"`
+}
+
+// Key is TickKey(Entry, At), or ManualKey(Entry, Manual) for a manual run.
+func (t Tick) Key() string {
+	if t.Manual != "" {
+		return ManualKey(t.Entry, t.Manual)
+	}
+	return TickKey(t.Entry, t.At)
+}
+
+// LockScope is "": the key.
+func (t Tick) LockScope() string { return "" }
+
+// tickFields are the payload fields a Tick adds; an entry's payload may not use them.
+var tickFields = []string{"schedule_entry", "tick", "manual_run"}
+
+// payload is an entry's payload (a JSON object, compact) with t's fields added.
+func (t Tick) payload(entry json.RawMessage) []byte {
+	b, _ := json.Marshal(t) // a struct of strings and a time: cannot fail
+	if len(entry) <= 2 {    // {}
+		return b
+	}
+	return append(append(b[:len(b)-1:len(b)-1], ','), entry[1:]...)
+}
+
 // next is a schedule: the first tick strictly after t.
 type next interface {
 	Next(t time.Time) time.Time
@@ -186,6 +224,15 @@ func compile(e Entry, label string) (*plan, error) {
 		return bad("payload", fmt.Errorf("not valid JSON: %v", err))
 	}
 	e.Payload = compact.Bytes()
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(e.Payload, &fields); err != nil {
+		return bad("payload", errors.New("must be a JSON object: the scheduler adds the tick's fields to it"))
+	}
+	for _, f := range tickFields {
+		if _, ok := fields[f]; ok {
+			return bad("payload", fmt.Errorf("%q is the scheduler's field (schedule.Tick): rename it", f))
+		}
+	}
 	if len(e.Payload) > idempotency.MaxPayloadBytes {
 		return bad("payload", fmt.Errorf("%d bytes; the limit is %d", len(e.Payload), idempotency.MaxPayloadBytes))
 	}

@@ -97,6 +97,8 @@ func TestEntryErrorsNameTheField(t *testing.T) {
 		{Entry{Name: "a", Schedule: "CRON_TZ=UTC 0 * * * *", TaskType: "t"}, "schedule"},
 		{Entry{Name: "a", Schedule: "@hourly"}, "task_type"},
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Payload: []byte("{")}, "payload"},
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Payload: []byte("[1]")}, "payload"},
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Payload: []byte(`{"tick":1}`)}, "payload"},
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", CatchUp: "some"}, "catch_up"},
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Overlap: "queue"}, "overlap"},
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", CatchUpWindow: -time.Second}, "catch_up_window"},

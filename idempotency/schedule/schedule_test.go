@@ -2,6 +2,7 @@ package schedule_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -190,11 +191,17 @@ func TestReplicasEnqueueEveryTickOnce(t *testing.T) {
 		}
 	}
 	for k, p := range f.jobs("minutely") {
-		tick, _ := time.Parse(schedule.TickLayout, strings.TrimPrefix(k, "cron:minutely:"))
+		var job struct {
+			schedule.Tick
+			V int `json:"v"`
+		}
+		if err := json.Unmarshal([]byte(p), &job); err != nil || job.Key() != k {
+			t.Fatalf("%s: payload %s decodes to key %q (%v), want its own", k, p, job.Key(), err)
+		}
 		switch {
-		case tick.Before(change.Add(offsets[2])) && p != `{"v":1}`:
+		case job.At.Before(change.Add(offsets[2])) && job.V != 1:
 			t.Errorf("%s before the change has payload %s", k, p)
-		case tick.After(change.Add(time.Minute)) && p != `{"v":2}`:
+		case job.At.After(change.Add(time.Minute)) && job.V != 2:
 			t.Errorf("%s after the change has payload %s", k, p)
 		}
 	}
@@ -281,17 +288,19 @@ func TestPauseOverlapManualRemove(t *testing.T) {
 
 	// A manual run: its id is its identity.
 	for range 2 {
-		if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "backfill-1"); err != nil {
+		if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "backfill-1", f.clock.now); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if _, ok := f.jobs("paused")[schedule.ManualKey("paused", "backfill-1")]; !ok {
-		t.Error("no job for the manual run")
+	manual, ok := f.jobs("paused")[schedule.ManualKey("paused", "backfill-1")]
+	want := `{"schedule_entry":"paused","tick":"` + f.clock.now.UTC().Truncate(time.Second).Format(time.RFC3339) + `","manual_run":"backfill-1"}`
+	if !ok || manual != want {
+		t.Errorf("the manual run's job: %q (found %t), want %s", manual, ok, want)
 	}
-	if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "bad id"); !errors.Is(err, idempotency.ErrInvalidKey) {
+	if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "bad id", f.clock.now); !errors.Is(err, idempotency.ErrInvalidKey) {
 		t.Errorf("a manual run id with a space: %v, want ErrInvalidKey", err)
 	}
-	if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "nope", "x"); !errors.Is(err, schedule.ErrNoEntry) {
+	if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "nope", "x", f.clock.now); !errors.Is(err, schedule.ErrNoEntry) {
 		t.Errorf("a manual run of no entry: %v, want ErrNoEntry", err)
 	}
 

@@ -318,7 +318,7 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 func (s *Scheduler) enqueue(ctx context.Context, p *plan, ticks []time.Time, catchUp bool, st *TickStats) error {
 	specs := make([]outbox.Spec, len(ticks))
 	for i, t := range ticks {
-		specs[i] = p.spec(TickKey(p.Name, t))
+		specs[i] = p.spec(Tick{Entry: p.Name, At: t})
 	}
 	var results []outbox.EnqueueResult
 	var specErrs []error
@@ -368,9 +368,9 @@ func (s *Scheduler) count(ev Event, entry string, n int, total *int) {
 	}
 }
 
-// spec is the Spec of p's job under key.
-func (p *plan) spec(key string) outbox.Spec {
-	return outbox.Spec{Key: key, Type: p.TaskType, Payload: p.Payload, Queue: p.Queue,
+// spec is the Spec of p's job for t: the entry's payload with t's fields added.
+func (p *plan) spec(t Tick) outbox.Spec {
+	return outbox.Spec{Key: t.Key(), Type: p.TaskType, Payload: t.payload(p.Payload), Queue: p.Queue,
 		MaxRetry: p.MaxRetry, Timeout: p.Timeout}
 }
 
