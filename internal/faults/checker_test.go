@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -51,6 +52,22 @@ type verdict struct {
 	// inside its lease.
 	FencedRequests int `json:"provider_requests_fenced"`
 	LateRequests   int `json:"provider_requests_after_takeover"`
+
+	// The checkouts (order:checkout, three recorded steps; see judgeCheckout): their
+	// effects in all, those beyond one per checkout, and the receipt emails sent again by
+	// a claim that did not record its receipt step, each attributed by its fence.
+	Checkouts          int `json:"checkouts_expected"`
+	CheckoutCharges    int `json:"checkout_charges"`
+	CheckoutOrders     int `json:"checkout_order_rows"`
+	CheckoutEmails     int `json:"checkout_emails"`
+	DupCheckoutCharges int `json:"duplicate_checkout_charges"`
+	DupOrders          int `json:"duplicate_order_rows"`
+	DupEmails          int `json:"duplicate_emails_unattributed"`
+	ExcusedEmails      int `json:"excused_duplicate_emails"` // unrecorded receipt, attributed
+	// CheckoutProblems counts the checkouts that break the rule, CheckoutFailures says
+	// how (the first 20 messages, each naming the order and the fences).
+	CheckoutProblems int      `json:"checkout_problems"`
+	CheckoutFailures []string `json:"checkout_failures,omitempty"`
 }
 
 type effects struct {
@@ -70,7 +87,8 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 		return v, err
 	}
 	rows, err := c.pool.Query(ctx, `SELECT e.key, e.kind, e.ref, coalesce(p.status, ''), coalesce(p.attempts, 0),
-			coalesce(p.result->>'charge_id', p.result->>'entry_id', ''), p.completed_at, i.created_at
+			coalesce(p.result->>'charge_id', p.result->>'entry_id', ''), coalesce(p.result->>'order_row', ''),
+			coalesce(p.result->>'email_id', ''), p.completed_at, i.created_at
 		FROM faults_expected e
 		LEFT JOIN processed_jobs p ON p.idempotency_key = e.key
 		LEFT JOIN job_intents i ON i.idempotency_key = e.key`)
@@ -87,18 +105,24 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 			v.Examples = append(v.Examples, fmt.Sprintf(format, args...))
 		}
 	}
+	var checkouts []checkoutRow
 	for rows.Next() {
-		var key, kind, ref, status, named string
+		var key, kind, ref, status, named, orderRow, emailID string
 		var attempts int
 		var done, created *time.Time
-		if err := rows.Scan(&key, &kind, &ref, &status, &attempts, &named, &done, &created); err != nil {
+		if err := rows.Scan(&key, &kind, &ref, &status, &attempts, &named, &orderRow, &emailID, &done, &created); err != nil {
 			return v, err
 		}
 		v.Expected++
 		seen[kind+"/"+ref] = true
 		eff := charges[ref]
-		if kind == "debit" {
+		switch kind {
+		case "debit":
 			eff = entries[ref]
+		case "checkout":
+			// Its effects are judged after the loop, by judgeCheckout.
+			checkouts = append(checkouts, checkoutRow{key: key, orderID: ref, status: status, chargeID: named, orderRow: orderRow, emailID: emailID})
+			eff = effects{}
 		}
 		if eff.count > 1 {
 			if kind == "charge" {
@@ -126,6 +150,7 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 			latencies = append(latencies, done.Sub(*created).Seconds())
 		}
 		switch {
+		case kind == "checkout":
 		case eff.count == 0:
 			v.MissingEffect++
 			example("%s: completed (result %q) but no effect exists", key, named)
@@ -141,9 +166,12 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 		return v, err
 	}
 	for ref, e := range charges {
-		if !seen["charge/"+ref] {
+		if !seen["charge/"+ref] && !seen["checkout/"+ref] {
 			v.StrayEffects += e.count
 		}
+	}
+	if err := c.checkCheckouts(ctx, &v, checkouts, seen); err != nil {
+		return v, err
 	}
 	for ref, e := range entries {
 		if !seen["debit/"+ref] {
@@ -182,6 +210,261 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 	}
 	v.Leftover, v.BadArchived, v.BadProblems = left, bad, problems
 	return v, nil
+}
+
+// checkoutRow is an expected checkout as the checker reads it: its key, order, ledger
+// status, and what its stored result names (empty unless completed).
+type checkoutRow struct {
+	key, orderID, status        string
+	chargeID, orderRow, emailID string
+}
+
+// orderRow is a row of orders; emailRow a request the email endpoint stored (fence nil
+// when it carried none); stepRow a step recorded for a key's current generation.
+type (
+	orderRow struct{ id, fence int64 }
+	emailRow struct {
+		id    int64
+		fence *int64
+		key   string
+	}
+	stepRow struct{ fence int64 }
+)
+
+// checkoutVerdict is judgeCheckout's finding for one checkout.
+type checkoutVerdict struct {
+	excused                         int // receipt emails sent again, each by a claim that did not record its step
+	dupCharges, dupOrders, dupEmail int // effects beyond one: charges, order rows, emails not so attributed
+	problems                        []string
+}
+
+// checkCheckouts judges every expected checkout (judgeCheckout) from fakepay_charges
+// (by the charge step key), orders, fakepay_emails and processed_job_steps (the steps of
+// each key's current generation), and counts the orders and emails of no expected
+// checkout as stray effects.
+func (c *cluster) checkCheckouts(ctx context.Context, v *verdict, checkouts []checkoutRow, seen map[string]bool) error {
+	byKey, err := c.effects(ctx, `SELECT idempotency_key, id FROM fakepay_charges WHERE idempotency_key LIKE 'checkout:%' ORDER BY created_at, id`)
+	if err != nil {
+		return err
+	}
+	byOrder, err := c.effects(ctx, `SELECT order_id, id FROM fakepay_charges WHERE order_id LIKE 'co-%' ORDER BY created_at, id`)
+	if err != nil {
+		return err
+	}
+	orders := map[string][]orderRow{}
+	rows, err := c.pool.Query(ctx, `SELECT order_id, id, coalesce(fence, 0) FROM orders ORDER BY id`)
+	if err != nil {
+		return err
+	}
+	for rows.Next() {
+		var id string
+		var o orderRow
+		if err := rows.Scan(&id, &o.id, &o.fence); err != nil {
+			rows.Close()
+			return err
+		}
+		orders[id] = append(orders[id], o)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	emails := map[string][]emailRow{}
+	rows, err = c.pool.Query(ctx, `SELECT order_id, id, fence, coalesce(idempotency_key, '') FROM fakepay_emails ORDER BY id`)
+	if err != nil {
+		return err
+	}
+	for rows.Next() {
+		var id string
+		var e emailRow
+		if err := rows.Scan(&id, &e.id, &e.fence, &e.key); err != nil {
+			rows.Close()
+			return err
+		}
+		emails[id] = append(emails[id], e)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	steps := map[string]map[string]stepRow{}
+	rows, err = c.pool.Query(ctx, `SELECT s.idempotency_key, s.step, s.fence FROM processed_job_steps s
+		JOIN processed_jobs p ON p.idempotency_key = s.idempotency_key AND p.generation = s.generation`)
+	if err != nil {
+		return err
+	}
+	for rows.Next() {
+		var key, step string
+		var r stepRow
+		if err := rows.Scan(&key, &step, &r.fence); err != nil {
+			rows.Close()
+			return err
+		}
+		if steps[key] == nil {
+			steps[key] = map[string]stepRow{}
+		}
+		steps[key][step] = r
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+
+	v.Checkouts = len(checkouts)
+	for _, co := range checkouts {
+		chargeKey, _ := idempotency.StepKey(co.key, "charge")
+		charged := byKey[chargeKey]
+		v.CheckoutCharges += charged.count
+		v.CheckoutOrders += len(orders[co.orderID])
+		v.CheckoutEmails += len(emails[co.orderID])
+		cv := judgeCheckout(co, charged.ids, byOrder[co.orderID].count, orders[co.orderID], emails[co.orderID], steps[co.key])
+		v.ExcusedEmails += cv.excused
+		v.DupCheckoutCharges += cv.dupCharges
+		v.DupOrders += cv.dupOrders
+		v.DupEmails += cv.dupEmail
+		if len(cv.problems) > 0 {
+			v.CheckoutProblems++
+			for _, p := range cv.problems {
+				if len(v.CheckoutFailures) < 20 {
+					v.CheckoutFailures = append(v.CheckoutFailures, p)
+				}
+			}
+		}
+	}
+	for id, rs := range orders {
+		if !seen["checkout/"+id] {
+			v.StrayEffects += len(rs)
+		}
+	}
+	for id, es := range emails {
+		if !seen["checkout/"+id] {
+			v.StrayEffects += len(es)
+		}
+	}
+	return nil
+}
+
+// judgeCheckout applies the checkout rule to one checkout, given the provider's charges
+// under its charge step key (ids, oldest first) and of its order under any key, its rows
+// in orders, the emails of its order, and the steps recorded for its key:
+//
+//   - at most one charge, under the step key, and exactly one once completed; no charge
+//     of the order under another key;
+//   - at most one order row, and exactly one once completed; a row only with its record
+//     step, under the step's fence (StepTx commits the two together);
+//   - the receipt: once its step is recorded, under fence F, exactly one email under F;
+//     every other email of the order carries a fence lower than F, at most one per fence:
+//     each was sent by an earlier claim that did not record the step (killed, frozen past
+//     its lease, self-fenced), which the provider, honouring no key, cannot tell apart.
+//     Without a record (a checkout not completed) every email carries a fence of its
+//     own. Every email carries the receipt's step key. The emails beyond one that this
+//     attributes are excused, and counted;
+//   - a completed checkout has all three steps recorded, and its result names the charge,
+//     the order row and the email under F.
+func judgeCheckout(co checkoutRow, charges []string, orderCharges int, orders []orderRow, emails []emailRow, steps map[string]stepRow) checkoutVerdict {
+	var cv checkoutVerdict
+	problem := func(format string, args ...any) {
+		cv.problems = append(cv.problems, fmt.Sprintf("checkout %s: ", co.orderID)+fmt.Sprintf(format, args...))
+	}
+	completed := co.status == "completed"
+	chargeKey, _ := idempotency.StepKey(co.key, "charge")
+	receiptKey, _ := idempotency.StepKey(co.key, "receipt")
+
+	switch {
+	case len(charges) > 1:
+		cv.dupCharges = len(charges) - 1
+		problem("%d charges under its step key %s: %v", len(charges), chargeKey, charges)
+	case len(charges) == 0 && completed:
+		problem("completed, but no charge under its step key %s", chargeKey)
+	case len(charges) == 1 && completed && co.chargeID != charges[0]:
+		problem("its result names charge %q, the one under its step key is %q", co.chargeID, charges[0])
+	}
+	if orderCharges != len(charges) {
+		problem("%d charges of the order, %d of them under its step key %s", orderCharges, len(charges), chargeKey)
+	}
+
+	record, recorded := steps["record"]
+	fences := make([]int64, len(orders))
+	for i, o := range orders {
+		fences[i] = o.fence
+	}
+	switch {
+	case len(orders) > 1:
+		cv.dupOrders = len(orders) - 1
+		problem("%d order rows, under fences %v", len(orders), fences)
+	case len(orders) == 0 && (completed || recorded):
+		problem("no order row (record step recorded: %t)", recorded)
+	case len(orders) == 1 && !recorded:
+		problem("an order row under fence %d, but no record step", orders[0].fence)
+	case len(orders) == 1 && orders[0].fence != record.fence:
+		problem("its order row carries fence %d, its record step fence %d", orders[0].fence, record.fence)
+	case len(orders) == 1 && completed && co.orderRow != strconv.FormatInt(orders[0].id, 10):
+		problem("its result names order row %q, the row is %d", co.orderRow, orders[0].id)
+	}
+
+	receipt, sent := steps["receipt"]
+	var atF []emailRow
+	byFence := map[int64]int{}
+	attributed := true
+	for _, e := range emails {
+		switch {
+		case e.key != receiptKey:
+			attributed = false
+		case e.fence == nil:
+			attributed = false
+		case sent && *e.fence == receipt.fence:
+			atF = append(atF, e)
+		case sent && *e.fence > receipt.fence:
+			attributed = false
+		default:
+			byFence[*e.fence]++
+			if byFence[*e.fence] > 1 {
+				attributed = false
+			}
+		}
+	}
+	if sent && len(atF) != 1 {
+		attributed = false
+	}
+	if sent && len(atF) == 1 && completed && co.emailID != strconv.FormatInt(atF[0].id, 10) {
+		problem("its result names email %q, the one under the receipt's fence %d is %d", co.emailID, receipt.fence, atF[0].id)
+	}
+	switch {
+	case attributed:
+		cv.excused = max(0, len(emails)-1)
+	default:
+		cv.dupEmail = max(0, len(emails)-1)
+		f := "not recorded"
+		if sent {
+			f = "recorded under fence " + strconv.FormatInt(receipt.fence, 10)
+		}
+		problem("receipt step %s; %d emails under fences %s, want one under the step's fence and each other under a lower fence of its own, all with key %s",
+			f, len(emails), emailFences(emails, receiptKey), receiptKey)
+	}
+	if completed {
+		for _, s := range tasks.CheckoutSteps {
+			if _, ok := steps[s]; !ok {
+				problem("completed, but its step %q is not recorded", s)
+			}
+		}
+	}
+	return cv
+}
+
+// emailFences lists the emails' fences ("none" for an email that carried no fence, and
+// the key when it is not want).
+func emailFences(emails []emailRow, want string) string {
+	parts := make([]string, len(emails))
+	for i, e := range emails {
+		parts[i] = "none"
+		if e.fence != nil {
+			parts[i] = strconv.FormatInt(*e.fence, 10)
+		}
+		if e.key != want {
+			parts[i] += fmt.Sprintf(" (key %q)", e.key)
+		}
+	}
+	return "[" + strings.Join(parts, " ") + "]"
 }
 
 // lateRequests counts the fenced provider requests and those that arrived late: after a

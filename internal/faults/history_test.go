@@ -47,7 +47,8 @@ type event struct {
 	Note   string  `json:"note,omitempty"`
 }
 
-// heldKeys are the charge keys a process held in progress when it was killed or stopped.
+// heldKeys are the leased keys (charges, checkouts) a process held in progress when it was
+// killed or stopped.
 type heldKeys struct {
 	at   time.Time
 	keys []string
@@ -86,10 +87,11 @@ type leaseRow struct {
 	until time.Time
 }
 
-// inProgressCharges reads the charge keys in progress with their fence and lease end.
-func (c *cluster) inProgressCharges(ctx context.Context) (map[string]leaseRow, error) {
+// inProgressLeased reads the keys of leased jobs (charges and checkouts) in progress with
+// their fence and lease end.
+func (c *cluster) inProgressLeased(ctx context.Context) (map[string]leaseRow, error) {
 	rows, err := c.pool.Query(ctx, `SELECT idempotency_key, fence, locked_until FROM processed_jobs
-		WHERE status = 'in_progress' AND task_type = 'payment:charge'`)
+		WHERE status = 'in_progress' AND task_type IN ('payment:charge', 'order:checkout')`)
 	if err != nil {
 		return nil, err
 	}
@@ -106,12 +108,12 @@ func (c *cluster) inProgressCharges(ctx context.Context) (map[string]leaseRow, e
 	return out, rows.Err()
 }
 
-// heldBy returns the charge keys in progress at t0 (snapshot) that nobody heartbeated
+// heldBy returns the leased keys in progress at t0 (snapshot) that nobody heartbeated
 // since: still in progress under the same fence and lease end after more than one
 // heartbeat interval (lease/3). Those belong to a process that is dead or stopped.
 func (c *cluster) heldBy(ctx context.Context, snap map[string]leaseRow) []string {
 	time.Sleep(lease/3 + 1300*time.Millisecond)
-	now, err := c.inProgressCharges(ctx)
+	now, err := c.inProgressLeased(ctx)
 	if err != nil {
 		return nil
 	}
@@ -129,7 +131,7 @@ func (c *cluster) heldBy(ctx context.Context, snap map[string]leaseRow) []string
 func (c *cluster) trackHeld(t0 time.Time) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	snap, err := c.inProgressCharges(ctx)
+	snap, err := c.inProgressLeased(ctx)
 	if err != nil || len(snap) == 0 {
 		return
 	}

@@ -81,13 +81,13 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		c.startWorker(w)
 
 	case faultStopWorker:
-		// Stop a worker that holds charges: try the workers in turn (each stopped for
-		// about lease/3 + 1.3 s to see whose leases stop moving) until one does.
+		// Stop a worker that holds charges or checkouts: try the workers in turn (each
+		// stopped for about lease/3 + 1.3 s to see whose leases stop moving) until one does.
 		var held []string
 		var t0 time.Time
 		for _, i := range rng.Perm(len(c.workers)) {
 			w = c.workers[i]
-			snap, _ := c.inProgressCharges(ctx)
+			snap, _ := c.inProgressLeased(ctx)
 			if w.signal(syscall.SIGSTOP, false) == nil {
 				continue
 			}
@@ -98,7 +98,7 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 			w.signal(syscall.SIGCONT, false)
 		}
 		if len(held) == 0 {
-			c.hist.note(kind, w.name, "no worker held a charge in progress; nothing stopped")
+			c.hist.note(kind, w.name, "no worker held a charge or checkout in progress; nothing stopped")
 			return
 		}
 		stopFor := pause(lease+2*time.Second, lease+4*time.Second)

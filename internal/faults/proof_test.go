@@ -316,6 +316,9 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
 	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
 	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
+	fail(v.Checkouts > 0, "no checkout in the workload: the checkout rule saw nothing")
+	fail(v.CheckoutProblems == 0, "%d checkouts break the checkout rule (duplicate charges %d, order rows %d, emails not attributed to an unrecorded receipt %d): %v",
+		v.CheckoutProblems, v.DupCheckoutCharges, v.DupOrders, v.DupEmails, firstN(v.CheckoutFailures, 6))
 	fail(v.FencedRequests > 0, "no provider request carried its fence: the late-request check saw nothing")
 	fail(v.LateRequests == 0, "%d provider requests arrived after the key was taken over (a request of a higher fence, or its completion, came first)", v.LateRequests)
 	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
@@ -456,10 +459,11 @@ func (c *cluster) unsettled(ctx context.Context) (map[string]int, error) {
 }
 
 // runNoGuards is negative control (a): the same seed's workload (its first jobs) with the
-// ledger and lock off (IDEMQ_UNSAFE_NO_GUARDS) and the provider ignoring keys. The
-// checker must find duplicate effects.
+// ledger and lock off (IDEMQ_UNSAFE_NO_GUARDS: checkouts run unguarded.Checkout, with no
+// step records) and the provider ignoring keys. Every checkout is also sent a second time.
+// The checker must find duplicate effects, and duplicate order rows or emails of checkouts.
 func runNoGuards(t *testing.T, p profile, seed uint64) controlReport {
-	r := controlReport{Name: "a: no ledger/lock, provider keys off"}
+	r := controlReport{Name: "a: no ledger/lock/step records, provider keys off"}
 	hist := newHistory()
 	c := startCluster(t, clusterConfig{mode: localserver.PersistNone, workers: 4, honorKeys: false,
 		workerEnv: []string{"IDEMQ_UNSAFE_NO_GUARDS=true"}}, hist)
@@ -468,6 +472,11 @@ func runNoGuards(t *testing.T, p profile, seed uint64) controlReport {
 	jobs := plan(seed, p.jobs, p.spread)[:p.controlJobs]
 	for i := range jobs {
 		jobs[i].at /= 4 // same jobs, sent faster
+		if jobs[i].checkout != nil && !jobs[i].dup {
+			// A second delivery of every checkout: without step records it records
+			// a second order and sends a second receipt.
+			jobs[i].dup, jobs[i].dupAfter = true, 500*time.Millisecond
+		}
 	}
 	if err := c.drive(ctx, jobs); err != nil {
 		r.Failures = append(r.Failures, "workload: "+err.Error())
@@ -481,11 +490,15 @@ func runNoGuards(t *testing.T, p profile, seed uint64) controlReport {
 	if v.DuplicateEffects == 0 {
 		r.Failures = append(r.Failures, "the checker found no duplicate effect with the guards off: it cannot see what they prevent")
 	}
+	if v.DupOrders+v.DupEmails == 0 {
+		r.Failures = append(r.Failures, fmt.Sprintf("the checker found no duplicate order row and no unattributed email of %d checkouts without step records: it cannot see what the steps prevent", v.Checkouts))
+	}
 	r.Pass = len(r.Failures) == 0
 	if !r.Pass {
 		t.Errorf("control %s: %v", r.Name, r.Failures)
 	}
-	t.Logf("control %s: %d duplicate effects found (%d duplicates sent)", r.Name, v.DuplicateEffects, hist.dups)
+	t.Logf("control %s: %d duplicate effects found; checkouts %d: %d duplicate order rows, %d duplicate emails (%d duplicates sent)",
+		r.Name, v.DuplicateEffects, v.Checkouts, v.DupOrders, v.DupEmails, hist.dups)
 	return r
 }
 
@@ -518,7 +531,7 @@ func runNoFencing(t *testing.T, p profile, seed uint64) controlReport {
 	// Wait until worker0 holds charges, stop it, let worker1 take them over.
 	var snap map[string]leaseRow
 	for deadline := time.Now().Add(30 * time.Second); len(snap) == 0 && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		snap, _ = c.inProgressCharges(ctx)
+		snap, _ = c.inProgressLeased(ctx)
 	}
 	w0 := c.workers[0]
 	w0.signal(syscall.SIGSTOP, false)
@@ -533,7 +546,7 @@ func runNoFencing(t *testing.T, p profile, seed uint64) controlReport {
 	// Resume the stale owner just after the first takeover, while the new owner is still
 	// inside its provider call (0-3 s): its own completion then races the new owner's.
 	for deadline := t0.Add(lease + 4*time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		now, _ := c.inProgressCharges(ctx)
+		now, _ := c.inProgressLeased(ctx)
 		moved := false
 		for _, k := range held {
 			if r, ok := now[k]; ok && r.fence != snap[k].fence {
@@ -600,6 +613,13 @@ func table(rep *report) string {
 	row("lost", func(r runReport) any { return r.Verdict.Lost })
 	row("stuck", func(r runReport) any { return r.Verdict.Stuck })
 	row("duplicate effects", func(r runReport) any { return r.Verdict.DuplicateEffects })
+	row("checkouts: charges / order rows / emails", func(r runReport) any {
+		return fmt.Sprintf("%d: %d / %d / %d", r.Verdict.Checkouts, r.Verdict.CheckoutCharges, r.Verdict.CheckoutOrders, r.Verdict.CheckoutEmails)
+	})
+	row("excused duplicate emails (unrecorded receipt, attributed)", func(r runReport) any { return r.Verdict.ExcusedEmails })
+	row("checkouts breaking the rule (dup charges/orders/emails)", func(r runReport) any {
+		return fmt.Sprintf("%d (%d/%d/%d)", r.Verdict.CheckoutProblems, r.Verdict.DupCheckoutCharges, r.Verdict.DupOrders, r.Verdict.DupEmails)
+	})
 	row("results naming another effect", func(r runReport) any {
 		return r.Verdict.WrongResult + r.Verdict.MissingEffect + r.Verdict.OlderResult
 	})
@@ -662,9 +682,14 @@ func table(rep *report) string {
 			fmt.Fprintf(&b, "negative control %s: SKIPPED: %s\n", c.Name, c.Skipped)
 			continue
 		}
-		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results, %d results naming an older charge, %d of %d fenced provider requests after a takeover; takeovers %v, fenced completions %v: %s\n",
+		var checkouts string
+		if v := c.Verdict; v.Checkouts > 0 {
+			checkouts = fmt.Sprintf("; %d checkouts: duplicate charges %d, order rows %d, emails %d (excused %d)",
+				v.Checkouts, v.DupCheckoutCharges, v.DupOrders, v.DupEmails, v.ExcusedEmails)
+		}
+		fmt.Fprintf(&b, "negative control %s: %d duplicate effects found (charges %d, wallet entries %d), %d wrong results, %d results naming an older charge, %d of %d fenced provider requests after a takeover; takeovers %v, fenced completions %v%s: %s\n",
 			c.Name, c.Verdict.DuplicateEffects, c.Verdict.DupCharges, c.Verdict.DupEntries, c.Verdict.WrongResult, c.Verdict.OlderResult,
-			c.Verdict.LateRequests, c.Verdict.FencedRequests, c.Counters["ledger:takeover"], c.Counters["ledger:lease_lost"], passFail(c.Pass))
+			c.Verdict.LateRequests, c.Verdict.FencedRequests, c.Counters["ledger:takeover"], c.Counters["ledger:lease_lost"], checkouts, passFail(c.Pass))
 		for _, f := range c.Failures {
 			fmt.Fprintf(&b, "  FAILURE: %s\n", f)
 		}

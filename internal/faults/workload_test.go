@@ -23,8 +23,8 @@ import (
 // the job is sent: the checker's list of what must exist exactly once.
 const createExpected = `CREATE TABLE faults_expected (
 	key         text PRIMARY KEY,
-	kind        text NOT NULL,     -- charge | debit
-	ref         text NOT NULL,     -- order_id or reference
+	kind        text NOT NULL,     -- charge | debit | checkout
+	ref         text NOT NULL,     -- order_id (of a charge or a checkout) or reference
 	dup         boolean NOT NULL,  -- also sent a second time straight to asynq
 	recorded_at timestamptz NOT NULL DEFAULT now()
 )`
@@ -34,12 +34,16 @@ type job struct {
 	at       time.Duration // when to send it, from the start of the workload
 	charge   *tasks.Charge
 	debit    *tasks.Debit
+	checkout *tasks.Checkout
 	dup      bool
 	dupAfter time.Duration // when the duplicate follows the API request
 }
 
 func (j job) key() string {
-	if j.charge != nil {
+	switch {
+	case j.checkout != nil:
+		return j.checkout.Key()
+	case j.charge != nil:
 		return j.charge.Key()
 	}
 	return j.debit.Key()
@@ -48,9 +52,12 @@ func (j job) key() string {
 func (j job) spec() outbox.Spec {
 	var s outbox.Spec
 	var err error
-	if j.charge != nil {
+	switch {
+	case j.checkout != nil:
+		s, err = tasks.CheckoutSpec(*j.checkout)
+	case j.charge != nil:
 		s, err = tasks.ChargeSpec(*j.charge)
-	} else {
+	default:
 		s, err = tasks.DebitSpec(*j.debit)
 	}
 	if err != nil {
@@ -59,13 +66,20 @@ func (j job) spec() outbox.Spec {
 	return s
 }
 
-// plan derives n jobs from seed: half charges, half debits, about 20% with a duplicate,
-// sent evenly over spread.
+// plan derives n jobs from seed: one in checkoutEvery a checkout, the others half
+// charges, half debits; about 20% with a duplicate, sent evenly over spread.
 // Of every burstEvery jobs, the first burstSize are sent at once.
 const burstEvery, burstSize = 40, 24
 
+// checkoutEvery places the checkouts: job i is one when i%checkoutEvery == checkoutAt
+// (12.5% of the jobs: 5 of every 40, 3 of them in its burst). A checkout takes the place of the
+// charge or debit the seed drew there, and its fields come from a stream of their own, so
+// the seed's other jobs are those it made before checkouts existed.
+const checkoutEvery, checkoutAt = 8, 3
+
 func plan(seed uint64, n int, spread time.Duration) []job {
 	rng := rand.New(rand.NewPCG(seed, 1))
+	crng := rand.New(rand.NewPCG(seed, 3))
 	jobs := make([]job, n)
 	for i := range jobs {
 		// Most of every 40 jobs arrive together at its start, the rest spread after them:
@@ -85,6 +99,13 @@ func plan(seed uint64, n int, spread time.Duration) []job {
 		}
 		if rng.Float64() < 0.2 {
 			j.dup, j.dupAfter = true, time.Duration(rng.IntN(3000))*time.Millisecond
+		}
+		if i%checkoutEvery == checkoutAt {
+			// Customers from the charges' range: a checkout and a charge of one customer
+			// share a lock scope.
+			j.checkout = &tasks.Checkout{OrderID: fmt.Sprintf("co-%d", i), CustomerID: fmt.Sprintf("c-%d", crng.IntN(n/2+1)),
+				AmountCents: int64(100 + crng.IntN(10000)), Currency: "EUR", Email: fmt.Sprintf("buyer-%d@example.com", i)}
+			j.charge, j.debit = nil, nil
 		}
 		jobs[i] = j
 	}
@@ -132,9 +153,12 @@ func collect(ch chan error) []error {
 
 func (c *cluster) send(ctx context.Context, j job) error {
 	key, kind, ref := j.key(), "debit", ""
-	if j.charge != nil {
+	switch {
+	case j.checkout != nil:
+		kind, ref = "checkout", j.checkout.OrderID
+	case j.charge != nil:
 		kind, ref = "charge", j.charge.OrderID
-	} else {
+	default:
 		ref = j.debit.Reference
 	}
 	if err := retry(ctx, time.Minute, func() error {
@@ -145,7 +169,10 @@ func (c *cluster) send(ctx context.Context, j job) error {
 		return fmt.Errorf("record %s: %w", key, err)
 	}
 	path, body := "/v1/wallet/debits", any(j.debit)
-	if j.charge != nil {
+	switch {
+	case j.checkout != nil:
+		path, body = "/v1/checkouts", j.checkout
+	case j.charge != nil:
 		path, body = "/v1/charges", j.charge
 	}
 	b, _ := json.Marshal(body)
