@@ -133,7 +133,7 @@ func CheckFieldNames(payload []byte, v any) error {
 var namesByType sync.Map // reflect.Type → []string
 
 // jsonNames returns the json names of t's exported fields (t a struct or a pointer to
-// one), or nil.
+// one), those of its embedded structs included, or nil.
 func jsonNames(t reflect.Type) []string {
 	if t == nil {
 		return nil
@@ -151,10 +151,20 @@ func jsonNames(t reflect.Type) []string {
 	for i := range t.NumField() {
 		f := t.Field(i)
 		tag := f.Tag.Get("json")
+		name, _, _ := strings.Cut(tag, ",")
+		ft := f.Type
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		if f.Anonymous && name == "" && tag != "-" && ft.Kind() == reflect.Struct {
+			// An embedded struct without a name: its fields are the payload's, as
+			// encoding/json promotes them.
+			names = append(names, jsonNames(ft)...)
+			continue
+		}
 		if !f.IsExported() || tag == "-" {
 			continue
 		}
-		name, _, _ := strings.Cut(tag, ",")
 		if name == "" {
 			name = f.Name
 		}

@@ -107,3 +107,30 @@ func TestDecodeStrict(t *testing.T) {
 		t.Fatalf("DecodeStrict type error = %v, want one wrapping *json.UnmarshalTypeError for account_id", err)
 	}
 }
+
+// TestDecodeStrictEmbedded: the fields of an embedded struct are the payload's, as
+// encoding/json promotes them; a misspelt one is still refused.
+func TestDecodeStrictEmbedded(t *testing.T) {
+	t.Parallel()
+	type tick struct {
+		Entry string `json:"entry"`
+	}
+	type job struct {
+		tick
+		debit  `json:"debit"`
+		Period string `json:"period"`
+	}
+	v, err := idempotency.DecodeStrict[job]([]byte(`{"entry":"e","period":"1h","debit":{"account_id":"a"}}`))
+	if err != nil || v.Entry != "e" || v.Period != "1h" {
+		t.Fatalf("DecodeStrict: %+v %v", v, err)
+	}
+	for payload, want := range map[string]string{
+		`{"Entry":"e","period":"1h"}`:          `"entry"`,
+		`{"entry":"e","account_id":"a"}`:       "account_id",
+		`{"entry":"e","period":"1h","x":true}`: `x`,
+	} {
+		if _, err := idempotency.DecodeStrict[job]([]byte(payload)); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want an error naming %s", payload, err, want)
+		}
+	}
+}
