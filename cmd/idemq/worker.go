@@ -150,10 +150,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		s.Handle(tasks.TypeCharge, unguarded.Leased(tasks.TypeCharge, tasks.DecodeCharge, charge))
 		s.Handle(tasks.TypeDebit, unguarded.Transactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
 		s.Handle(tasks.TypeCheckout, unguarded.Leased(tasks.TypeCheckout, tasks.DecodeCheckout, unguarded.Checkout(charger, pool)))
+		s.Handle(tasks.TypeSettle, unguarded.Transactional(pool, tasks.TypeSettle, tasks.DecodeSettle, handlers.Settle))
 	} else {
 		server.HandleLeased(s, tasks.TypeCharge, charge, server.WithDecoder(tasks.DecodeCharge))
 		server.HandleTx(s, tasks.TypeDebit, debit, server.WithDecoder(tasks.DecodeDebit))
 		server.HandleLeased(s, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
+		server.HandleTx(s, tasks.TypeSettle, handlers.Settle, server.WithDecoder(tasks.DecodeSettle))
 	}
 
 	runCtx, cancel := context.WithCancel(ctx)

@@ -63,6 +63,23 @@ type Ledger struct {
 	Log
 }
 
+// Scheduler configures `idemq scheduler`.
+type Scheduler struct {
+	Redis
+	Database
+	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); unset, the replica schedules from the table as other replicas wrote it"`
+	Retention    time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"the ledger's retention (as the workers'): every entry's catch_up_window must be shorter"`
+	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9094" desc:"address serving /metrics, /healthz and /readyz; empty disables"`
+	Log
+}
+
+// Schedule configures `idemq schedule`.
+type Schedule struct {
+	Redis
+	Database
+	Log
+}
+
 // Worker configures `idemq worker`.
 type Worker struct {
 	Redis
