@@ -103,14 +103,30 @@ func Schedules() []Schedule {
 // Run runs every case under each of its schedules, as parallel subtests named
 // case/schedule. A schedule that breaks exactly-once fails its subtest with the
 // counter's value and the deliveries in order.
+//
+// When Case.Schedules is nil, Run also runs the step schedules of a handler that records
+// steps (idempotency.Step and StepTx), as the parallel subtests case/steps/schedule: the
+// first schedule that runs the handler to success tells which steps it calls, and
+// StepSchedules gives three schedules per step. A handler that calls no step has none,
+// and its case takes no longer.
 func Run(t *testing.T, cfg Config, cases ...Case) {
 	t.Helper()
 	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
+			d := &discovery{found: make(chan struct{})}
 			for _, s := range c.schedules() {
 				t.Run(string(s), func(t *testing.T) {
+					d.start()
+					var rep *Report
+					defer func() { d.end(rep) }()
 					t.Parallel()
-					Check(t, cfg, c, s)
+					rep = check(t, cfg, c, s)
+				})
+			}
+			if c.Schedules == nil {
+				t.Run("steps", func(t *testing.T) {
+					t.Parallel()
+					runSteps(t, cfg, c, d)
 				})
 			}
 		})
@@ -121,6 +137,11 @@ func Run(t *testing.T, cfg Config, cases ...Case) {
 // exactly-once. A harness that cannot set up (the database unreachable) fails with
 // tb.Fatalf.
 func Check(tb testing.TB, cfg Config, c Case, s Schedule) {
+	tb.Helper()
+	check(tb, cfg, c, s)
+}
+
+func check(tb testing.TB, cfg Config, c Case, s Schedule) *Report {
 	tb.Helper()
 	rep, err := Verify(context.Background(), cfg, c, s)
 	if err != nil {
@@ -133,6 +154,7 @@ func Check(tb testing.TB, cfg Config, c Case, s Schedule) {
 	if len(rep.Problems) > 0 {
 		tb.Errorf("%s/%s: effects counted: %d; deliveries in order:\n%s", c.Name, s, rep.Effects, rep.Deliveries())
 	}
+	return rep
 }
 
 // Report is what one schedule saw.
@@ -148,6 +170,12 @@ type Report struct {
 	MaxBatch int
 	// Took is how long the schedule ran.
 	Took time.Duration
+	// Steps are the steps (idempotency.Step and StepTx) the handler called, in order, on
+	// the schedule's first delivery that ran it to success; none for a handler without
+	// steps, or when no delivery did.
+	Steps []string
+
+	stepsKnown bool // a delivery ran the handler to success
 }
 
 // Failed reports whether the schedule broke exactly-once.
@@ -161,7 +189,8 @@ type Delivery struct {
 	Fence   int64 // the claim the handler ran under (0: the handler did not run)
 	// Outcome is "ok", "cached (fence N)", "error: …", "crashed before the effect",
 	// "crashed after the effect", "frozen", "running" (still running when the schedule
-	// ended).
+	// ended); under a step schedule also "crashed after step "name"'s effect, before its
+	// record" and "frozen after step "name" past its lease, then resumed".
 	Outcome string
 	Result  string // the answered result, for deliveries that succeeded
 }

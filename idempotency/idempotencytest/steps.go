@@ -1,0 +1,461 @@
+package idempotencytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemq/idemq/idempotency"
+)
+
+// The step schedules' names: a prefix, then the step's name.
+const (
+	crashAfterStepPrefix = "crash-after-step:"
+	staleAfterStepPrefix = "stale-owner-after-step:"
+	dupAfterStepPrefix   = "duplicate-after-step:"
+)
+
+// CrashAfterStep is the schedule that kills the worker process inside the job's step
+// name, after its effect and before its record: for an idempotency.Step, fn returned and
+// the record is never written; for a StepTx, its transaction never commits (the server
+// rolls it back). Another process delivers the job again: it finds the steps before name
+// recorded and runs name again. A Step's external effect then happens twice unless its
+// provider honours the step key, which the case's counter shows.
+func CrashAfterStep(name string) Schedule { return Schedule(crashAfterStepPrefix + name) }
+
+// StaleOwnerAfterStep is the schedule that freezes the worker process just after the job's
+// step name was recorded, past its lease; another process takes the job over and completes
+// it; then the first resumes. Its next step must be refused (idempotency.ErrLeaseLost, or
+// its context ended by the lease's loss) and record nothing.
+func StaleOwnerAfterStep(name string) Schedule { return Schedule(staleAfterStepPrefix + name) }
+
+// DuplicateAfterStep is the schedule that holds the first delivery just after the job's
+// step name was recorded (its process alive, its lease heartbeated) while a second
+// delivery of the job, under another TaskID, arrives on another process; once that one
+// was answered, the first goes on. The duplicate must run no step's effect while the
+// first holds the job, and both must answer the same result.
+func DuplicateAfterStep(name string) Schedule { return Schedule(dupAfterStepPrefix + name) }
+
+// StepSchedules returns the step schedules of a handler that calls the given steps, in
+// order: for each step, CrashAfterStep, StaleOwnerAfterStep and DuplicateAfterStep.
+func StepSchedules(steps ...string) []Schedule {
+	var out []Schedule
+	for _, s := range steps {
+		out = append(out, CrashAfterStep(s), StaleOwnerAfterStep(s), DuplicateAfterStep(s))
+	}
+	return out
+}
+
+// stepAction is what a step schedule does at its step.
+type stepAction int
+
+const (
+	stepCrash stepAction = iota + 1 // crash after the effect, before the record
+	stepStale                       // freeze after the record, past the lease
+	stepPause                       // hold the delivery after the record while a duplicate arrives
+)
+
+// stepPlan is a step schedule's plan: what to do, at which step, once.
+type stepPlan struct {
+	action stepAction
+	step   string
+	taken  bool
+}
+
+// parseStepSchedule returns the plan of a step schedule, or nil for another schedule.
+func parseStepSchedule(s Schedule) *stepPlan {
+	for prefix, a := range map[string]stepAction{crashAfterStepPrefix: stepCrash, staleAfterStepPrefix: stepStale, dupAfterStepPrefix: stepPause} {
+		if name, ok := strings.CutPrefix(string(s), prefix); ok {
+			return &stepPlan{action: a, step: name}
+		}
+	}
+	return nil
+}
+
+// describe names the schedule's fault and its step, as its problems begin.
+func (p *stepPlan) describe() string {
+	switch p.action {
+	case stepCrash:
+		return fmt.Sprintf("crash after step %q effect, before its record", p.step)
+	case stepStale:
+		return fmt.Sprintf("stale owner after step %q", p.step)
+	default:
+		return fmt.Sprintf("duplicate delivery after step %q", p.step)
+	}
+}
+
+// mark is the case's counter at one point of the first delivery of a step schedule.
+type mark struct {
+	at   string // "begin", "effected", "done" or "end" (the handler returned)
+	step string // the step's name; "" at the end
+	tx   bool   // the step is a StepTx
+	n    int
+}
+
+// stepCall is one step call a delivery made, as its hook saw it.
+type stepCall struct {
+	name     string
+	recorded bool
+	err      error
+}
+
+// Begin notes the step call, and counts the effects on the first delivery of a step
+// schedule.
+func (h *hook) Begin(ctx context.Context, name string, tx bool) {
+	h.r.mu.Lock()
+	h.d.steps = append(h.d.steps, name)
+	h.r.mu.Unlock()
+	h.r.markEffects(h.d, "begin", name, tx)
+}
+
+// Effected runs the crash of CrashAfterStep, after the step's effect and before its record.
+func (h *hook) Effected(ctx context.Context, name string, tx bool) {
+	h.r.markEffects(h.d, "effected", name, tx)
+	h.r.mu.Lock()
+	if h.r.held != nil && h.r.held != h.d {
+		h.r.problems = append(h.r.problems, fmt.Sprintf("a duplicate delivery (%s task %s) ran step %q's effect while the job's first delivery held it between steps", h.d.Process, h.d.TaskID, name))
+	}
+	h.r.mu.Unlock()
+	if h.r.takeStep(name, stepCrash) {
+		h.setOutcome(fmt.Sprintf("crashed after step %q's effect, before its record", name))
+		h.p.crash()
+	}
+}
+
+// Done notes how the step call ended, and runs the freeze of StaleOwnerAfterStep or the
+// hold of DuplicateAfterStep once the step was recorded.
+func (h *hook) Done(ctx context.Context, name string, tx, recorded, cached bool, err error) {
+	h.r.markEffects(h.d, "done", name, tx)
+	h.r.mu.Lock()
+	if h.d.frozenAt != "" && h.d.afterFreeze == nil {
+		h.d.afterFreeze = &stepCall{name: name, recorded: recorded, err: err}
+	}
+	h.r.mu.Unlock()
+	if !recorded {
+		return
+	}
+	switch {
+	case h.r.takeStep(name, stepStale):
+		h.r.mu.Lock()
+		h.d.frozenAt = name
+		h.r.mu.Unlock()
+		h.setOutcome(fmt.Sprintf("frozen after step %q past its lease, then resumed", name))
+		h.p.freeze()
+	case h.r.takeStep(name, stepPause):
+		h.r.mu.Lock()
+		h.r.held = h.d
+		h.r.mu.Unlock()
+		h.r.signal(h.p, "held")
+		<-h.r.release
+		h.r.mu.Lock()
+		h.r.held = nil
+		h.r.mu.Unlock()
+	}
+}
+
+// takeStep reports, once, whether the run's step plan does a at step name.
+func (r *run) takeStep(name string, a stepAction) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	p := r.step
+	if p == nil || p.taken || p.action != a || p.step != name {
+		return false
+	}
+	p.taken = true
+	return true
+}
+
+// releaseHeld lets a held delivery go on; it is safe to call more than once.
+func (r *run) releaseHeld() { r.releaseOnce.Do(func() { close(r.release) }) }
+
+// markEffects counts the case's effects at a point of the first delivery of a step
+// schedule, to tell which step (or no step) an effect that happened twice belongs to.
+func (r *run) markEffects(d *delivery, at, step string, tx bool) {
+	r.mu.Lock()
+	// Past the plan's freeze or hold, other deliveries' effects would show in the marks.
+	first := r.step != nil && (!r.step.taken || r.step.action == stepCrash) && len(r.log) > 0 && r.log[0] == d
+	r.mu.Unlock()
+	if !first {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Timeout)
+	defer cancel()
+	n, err := r.c.Effects(ctx, r.id)
+	if err != nil {
+		r.problem("counting effects at step %q: %v", step, err)
+		return
+	}
+	r.mu.Lock()
+	r.marks = append(r.marks, mark{at: at, step: step, tx: tx, n: n})
+	r.mu.Unlock()
+}
+
+// attribute says where the first delivery's effect happened, from its marks: in which
+// step, or outside every step, and what that means for an effect that happened twice. It
+// returns "" when the marks do not show it. The caller holds r.mu.
+func (r *run) attribute() string {
+	prev, last := 0, ""
+	for _, m := range r.marks {
+		if m.n > prev {
+			switch {
+			case m.at == "begin" && last == "":
+				return fmt.Sprintf("the effect happened outside any step, before step %q: a delivery that resumes the job runs it again — do it in a Step (an external effect, under its step key) or a StepTx (a database effect)", m.step)
+			case m.at == "begin" || m.at == "end":
+				return fmt.Sprintf("the effect happened outside any step, after step %q: a delivery that resumes the job runs it again — do it in a Step (an external effect, under its step key) or a StepTx (a database effect)", last)
+			case m.tx && m.at == "effected":
+				return fmt.Sprintf("the effect of StepTx %q was visible before its transaction committed: it is written outside the transaction StepTx gives (through the pool?) or is external I/O, which no rollback undoes", m.step)
+			case m.tx:
+				return fmt.Sprintf("the effect is StepTx %q's, committed with its record", m.step)
+			default:
+				return fmt.Sprintf("the effect is Step %q's: a Step's effect runs again after a crash between its effect and its record, so exactly-once rests on the provider honouring the step key — pass the stepKey Step's fn gets (never a fresh or random one) as the provider's idempotency key, and use a provider that honours it; a database effect belongs in StepTx, whose record commits with it", m.step)
+			}
+		}
+		prev, last = m.n, m.step
+	}
+	return ""
+}
+
+// stepVerdict is the verdict's count check on a step schedule. The caller holds r.mu.
+func (r *run) stepVerdict(n int) {
+	if n == 1 {
+		return
+	}
+	msg := fmt.Sprintf("effect %q happened %d times, want exactly 1", r.c.Name, n)
+	if a := r.attribute(); a != "" && n > 1 {
+		msg += "; " + a
+	}
+	r.problems = append(r.problems, msg)
+}
+
+// crashAfterStep kills the process of the first delivery after the step's effect, before
+// its record; another process delivers the job again.
+func (r *run) crashAfterStep(ctx context.Context) error {
+	if _, err := r.startProcess(2); err != nil {
+		return err
+	}
+	if err := r.enqueue(ctx, r.tid(1)); err != nil {
+		return err
+	}
+	if _, err := r.waitStep(ctx, "crashed"); err != nil {
+		return err
+	}
+	if _, err := r.startProcess(2); err != nil {
+		return err
+	}
+	return r.waitFor(ctx, "the job to succeed after the crash", func() bool { return r.succeeded(r.tid(1)) })
+}
+
+// staleAfterStep freezes the process of the first delivery after the step was recorded;
+// another process takes the job over and completes it; then the first resumes and must be
+// refused at its next step, recording nothing.
+func (r *run) staleAfterStep(ctx context.Context) error {
+	p1, err := r.startProcess(2)
+	if err != nil {
+		return err
+	}
+	if err := r.enqueue(ctx, r.tid(1)); err != nil {
+		return err
+	}
+	if _, err := r.waitStep(ctx, "frozen"); err != nil {
+		return err
+	}
+	p2, err := r.startProcess(2)
+	if err != nil {
+		return err
+	}
+	if err := r.deliverAndWait(ctx, r.tid(2)); err != nil {
+		p1.gate.resume()
+		return err
+	}
+	p1.gate.resume()
+	err = r.waitFor(ctx, "the frozen delivery to end and its task to succeed", func() bool {
+		for _, d := range r.log {
+			if d.Process == p1.name && !d.done {
+				return false
+			}
+		}
+		return r.succeeded(r.tid(1))
+	})
+	if err != nil {
+		return err
+	}
+	r.checkStale(ctx, p2)
+	return nil
+}
+
+// checkStale checks that the resumed stale owner was refused at its next step and that
+// the ledger holds no step recorded under its fence after the freeze.
+func (r *run) checkStale(ctx context.Context, live *process) {
+	r.mu.Lock()
+	var stale *delivery
+	for _, d := range r.log {
+		if d.frozenAt != "" {
+			stale = d
+		}
+	}
+	key := r.key
+	r.mu.Unlock()
+	if stale == nil {
+		return
+	}
+	if c := stale.afterFreeze; c != nil {
+		switch {
+		case c.recorded:
+			r.problem("the stale owner (fence %d) recorded step %q after its lease was taken over", stale.Fence, c.name)
+		case c.err == nil:
+			r.problem("the stale owner (fence %d) was not refused at step %q after its lease was taken over", stale.Fence, c.name)
+		case !errors.Is(c.err, idempotency.ErrLeaseLost) && !errors.Is(c.err, context.Canceled) && !errors.Is(c.err, context.DeadlineExceeded):
+			r.problem("the stale owner (fence %d) was refused at step %q with %v, want idempotency.ErrLeaseLost", stale.Fence, c.name, c.err)
+		}
+	}
+	recs, err := live.ledger.Steps(ctx, key)
+	if err != nil {
+		r.problem("reading the recorded steps of %s: %v", key, err)
+		return
+	}
+	before := map[string]bool{}
+	for _, name := range stale.steps {
+		before[name] = true
+		if name == stale.frozenAt {
+			break
+		}
+	}
+	for _, rec := range recs {
+		if rec.Fence == stale.Fence && !before[rec.Name] {
+			r.problem("step %q is recorded under the stale owner's fence %d, after its lease was taken over", rec.Name, stale.Fence)
+		}
+	}
+}
+
+// dupAfterStep holds the first delivery after the step was recorded while a duplicate
+// arrives on another process and is answered; then the first goes on.
+func (r *run) dupAfterStep(ctx context.Context) error {
+	if _, err := r.startProcess(2); err != nil {
+		return err
+	}
+	if err := r.enqueue(ctx, r.tid(1)); err != nil {
+		return err
+	}
+	if _, err := r.waitStep(ctx, "held"); err != nil {
+		return err
+	}
+	if _, err := r.startProcess(2); err != nil {
+		r.releaseHeld()
+		return err
+	}
+	if err := r.enqueue(ctx, r.tid(2)); err != nil {
+		r.releaseHeld()
+		return err
+	}
+	err := r.waitFor(ctx, "the duplicate's first delivery to be answered", func() bool {
+		for _, d := range r.log {
+			if d.TaskID == r.tid(2) && d.done {
+				return true
+			}
+		}
+		return false
+	})
+	r.releaseHeld()
+	if err != nil {
+		return err
+	}
+	return r.waitFor(ctx, "both deliveries to succeed", func() bool { return r.succeeded(r.tid(1)) && r.succeeded(r.tid(2)) })
+}
+
+// waitStep waits for the step plan's event; it fails when the job succeeded first, its
+// handler never having called the plan's step.
+func (r *run) waitStep(ctx context.Context, what string) (event, error) {
+	for {
+		select {
+		case e := <-r.events:
+			if e.what != what {
+				return e, fmt.Errorf("wanted the worker %s, it %s", what, e.what)
+			}
+			return e, nil
+		case <-ctx.Done():
+			return event{}, fmt.Errorf("timed out waiting for a delivery to be %s at step %q", what, r.step.step)
+		case <-time.After(20 * time.Millisecond):
+		}
+		r.mu.Lock()
+		ok, steps := r.succeeded(r.tid(1)), r.steps
+		r.mu.Unlock()
+		if ok {
+			return event{}, fmt.Errorf("the job succeeded without a step %q (the steps its handler called: %q)", r.step.step, steps)
+		}
+	}
+}
+
+// discovery hands the steps a case's handler calls, seen by its first schedule whose
+// delivery ran the handler to success, to the case's step schedules.
+type discovery struct {
+	mu      sync.Mutex
+	pending int // schedules running that may still find them
+	known   bool
+	steps   []string
+	found   chan struct{} // closed once known, or once no schedule is left to find them
+}
+
+func (d *discovery) start() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.pending++
+}
+
+// end records what one schedule's report saw (rep nil: it could not run).
+func (d *discovery) end(rep *Report) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.pending--
+	if d.known {
+		return
+	}
+	if rep != nil && rep.stepsKnown {
+		d.known, d.steps = true, rep.Steps
+		close(d.found)
+	} else if d.pending == 0 {
+		close(d.found)
+	}
+}
+
+// runSteps runs the case's step schedules, one per step its handler calls, as parallel
+// subtests. When no other schedule of the case ran (a -run filter), it runs the handler
+// once to find its steps. A handler that calls no step has no step schedule.
+func runSteps(t *testing.T, cfg Config, c Case, d *discovery) {
+	d.mu.Lock()
+	alone := d.pending == 0 && !d.known
+	d.mu.Unlock()
+	var steps []string
+	if alone {
+		rep, err := Verify(context.Background(), cfg, c, SequentialDuplicate)
+		if err != nil {
+			t.Fatalf("idempotencytest %s: finding the handler's steps: %v", c.Name, err)
+		}
+		if !rep.stepsKnown {
+			t.Fatalf("idempotencytest %s: finding the handler's steps: no delivery ran the handler to success; deliveries in order:\n%s", c.Name, rep.Deliveries())
+		}
+		steps = rep.Steps
+	} else {
+		<-d.found
+		d.mu.Lock()
+		known, s := d.known, d.steps
+		d.mu.Unlock()
+		if !known {
+			t.Skipf("%s: no schedule ran the handler to success, so its steps are not known", c.Name)
+		}
+		steps = s
+	}
+	if len(steps) == 0 {
+		return
+	}
+	t.Logf("%s: the handler calls steps %q", c.Name, steps)
+	for _, s := range StepSchedules(steps...) {
+		t.Run(string(s), func(t *testing.T) {
+			t.Parallel()
+			Check(t, cfg, c, s)
+		})
+	}
+}
