@@ -307,3 +307,31 @@ func TestCatchesADatabaseEffectInStep(t *testing.T) {
 	mustCatch(t, cfg, checkoutCase(pool, "checkout-order", countOrders), idempotencytest.CrashAfterStep("record"),
 		`crash after step "record" effect, before its record: effect "checkout-order" happened 2 times`, `the effect is Step "record"'s`, "belongs in StepTx")
 }
+
+// A checkout whose order row is a Step's database effect, run on a context that outlives
+// the lease (context.WithoutCancel): a stale owner that wakes after a takeover writes the
+// row again before its record is refused.
+func TestCatchesAStaleOwnerThatOutlivesItsLease(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, key, c)
+		})
+		if err != nil {
+			return nil, err
+		}
+		row, err := idempotency.Step(context.WithoutCancel(ctx), "record", func(ctx context.Context, _ string) (int64, error) {
+			var row int64
+			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+				row, err = handlers.RecordOrder(ctx, tx, c, charge.ChargeID)
+				return err
+			})
+			return row, err
+		})
+		return json.RawMessage(fmt.Sprintf(`{"order_row":%d}`, row)), err
+	})
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-order", countOrders), idempotencytest.StaleOwnerAfterStep("charge"),
+		`stale owner after step "charge": effect "checkout-order" happened 2 times`, `ran step "record"'s effect after its lease was taken over`)
+}

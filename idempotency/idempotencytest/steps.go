@@ -119,6 +119,9 @@ func (h *hook) Effected(ctx context.Context, name string, tx bool) {
 	if h.r.held != nil && h.r.held != h.d {
 		h.r.problems = append(h.r.problems, fmt.Sprintf("a duplicate delivery (%s task %s) ran step %q's effect while the job's first delivery held it between steps", h.d.Process, h.d.TaskID, name))
 	}
+	if h.d.frozenAt != "" {
+		h.r.problems = append(h.r.problems, fmt.Sprintf("the stale owner (fence %d) ran step %q's effect after its lease was taken over: the step ran on a context that outlives the lease (context.WithoutCancel?); give Step and StepTx the handler's context, which ends with the lease", h.d.Fence, name))
+	}
 	h.r.mu.Unlock()
 	if h.r.takeStep(name, stepCrash) {
 		h.setOutcome(fmt.Sprintf("crashed after step %q's effect, before its record", name))
