@@ -335,3 +335,25 @@ func TestCatchesAStaleOwnerThatOutlivesItsLease(t *testing.T) {
 	mustCatch(t, cfg, checkoutCase(pool, "checkout-order", countOrders), idempotencytest.StaleOwnerAfterStep("charge"),
 		`stale owner after step "charge": effect "checkout-order" happened 2 times`, `ran step "record"'s effect after its lease was taken over`)
 }
+
+// A checkout that charges the provider inside a StepTx: external I/O that no rollback
+// undoes. The provider honours the step key, so the count stays 1, and the harness still
+// names the step.
+func TestCatchesExternalIOInAStepTx(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		key, _, _ := idempotency.FromContext(ctx)
+		stepKey, err := idempotency.StepKey(key, "charge")
+		if err != nil {
+			return nil, err
+		}
+		charge, err := idempotency.StepTx(ctx, "charge", func(ctx context.Context, _ pgx.Tx) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, stepKey, c)
+		})
+		return json.RawMessage(fmt.Sprintf(`{"charge_id":%q}`, charge.ChargeID)), err
+	})
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-charge", countCharges), idempotencytest.CrashAfterStep("charge"),
+		`crash after step "charge" effect, before its record: the effect of StepTx "charge" was visible before its transaction committed`)
+}

@@ -199,39 +199,43 @@ func (r *run) markEffects(d *delivery, at, step string, tx bool) {
 
 // attribute says where the first delivery's effect happened, from its marks: in which
 // step, or outside every step, and what that means for an effect that happened twice. It
-// returns "" when the marks do not show it. The caller holds r.mu.
-func (r *run) attribute() string {
+// returns "" when the marks do not show it; uncommitted reports an effect of a StepTx
+// visible before its transaction committed. The caller holds r.mu.
+func (r *run) attribute() (why string, uncommitted bool) {
 	prev, last := 0, ""
 	for _, m := range r.marks {
 		if m.n > prev {
 			switch {
 			case m.at == "begin" && last == "":
-				return fmt.Sprintf("the effect happened outside any step, before step %q: a delivery that resumes the job runs it again — do it in a Step (an external effect, under its step key) or a StepTx (a database effect)", m.step)
+				return fmt.Sprintf("the effect happened outside any step, before step %q: a delivery that resumes the job runs it again — do it in a Step (an external effect, under its step key) or a StepTx (a database effect)", m.step), false
 			case m.at == "begin" || m.at == "end":
-				return fmt.Sprintf("the effect happened outside any step, after step %q: a delivery that resumes the job runs it again — do it in a Step (an external effect, under its step key) or a StepTx (a database effect)", last)
+				return fmt.Sprintf("the effect happened outside any step, after step %q: a delivery that resumes the job runs it again — do it in a Step (an external effect, under its step key) or a StepTx (a database effect)", last), false
 			case m.tx && m.at == "effected":
-				return fmt.Sprintf("the effect of StepTx %q was visible before its transaction committed: it is written outside the transaction StepTx gives (through the pool?) or is external I/O, which no rollback undoes", m.step)
+				return fmt.Sprintf("the effect of StepTx %q was visible before its transaction committed: it is written outside the transaction StepTx gives (through the pool?) or is external I/O, which no rollback undoes", m.step), true
 			case m.tx:
-				return fmt.Sprintf("the effect is StepTx %q's, committed with its record", m.step)
+				return fmt.Sprintf("the effect is StepTx %q's, committed with its record", m.step), false
 			default:
-				return fmt.Sprintf("the effect is Step %q's: a Step's effect runs again after a crash between its effect and its record, so exactly-once rests on the provider honouring the step key — pass the stepKey Step's fn gets (never a fresh or random one) as the provider's idempotency key, and use a provider that honours it; a database effect belongs in StepTx, whose record commits with it", m.step)
+				return fmt.Sprintf("the effect is Step %q's: a Step's effect runs again after a crash between its effect and its record, so exactly-once rests on the provider honouring the step key — pass the stepKey Step's fn gets (never a fresh or random one) as the provider's idempotency key, and use a provider that honours it; a database effect belongs in StepTx, whose record commits with it", m.step), false
 			}
 		}
 		prev, last = m.n, m.step
 	}
-	return ""
+	return "", false
 }
 
-// stepVerdict is the verdict's count check on a step schedule. The caller holds r.mu.
+// stepVerdict is the verdict's count check on a step schedule. A StepTx whose effect is
+// visible before its commit is a problem even when a provider's key kept the count at 1:
+// StepTx's fn must do no external I/O. The caller holds r.mu.
 func (r *run) stepVerdict(n int) {
-	if n == 1 {
-		return
+	why, uncommitted := r.attribute()
+	switch {
+	case n == 1 && uncommitted:
+		r.problems = append(r.problems, why)
+	case n > 1 && why != "":
+		r.problems = append(r.problems, fmt.Sprintf("effect %q happened %d times, want exactly 1; %s", r.c.Name, n, why))
+	case n != 1:
+		r.problems = append(r.problems, fmt.Sprintf("effect %q happened %d times, want exactly 1", r.c.Name, n))
 	}
-	msg := fmt.Sprintf("effect %q happened %d times, want exactly 1", r.c.Name, n)
-	if a := r.attribute(); a != "" && n > 1 {
-		msg += "; " + a
-	}
-	r.problems = append(r.problems, msg)
 }
 
 // crashAfterStep kills the process of the first delivery after the step's effect, before
@@ -294,15 +298,15 @@ func (r *run) staleAfterStep(ctx context.Context) error {
 // the ledger holds no step recorded under its fence after the freeze.
 func (r *run) checkStale(ctx context.Context, live *process) {
 	r.mu.Lock()
-	var stale *delivery
+	var stale delivery
 	for _, d := range r.log {
 		if d.frozenAt != "" {
-			stale = d
+			stale = *d
 		}
 	}
 	key := r.key
 	r.mu.Unlock()
-	if stale == nil {
+	if stale.frozenAt == "" {
 		return
 	}
 	if c := stale.afterFreeze; c != nil {
