@@ -14,7 +14,7 @@
 // schedule.
 //
 // A handler that records steps (idempotency.Step and StepTx) gets, from Run, three more
-// schedules per step it calls, found from the first schedule that runs it to success:
+// schedules per step it calls, found from SequentialDuplicate, which Run runs first:
 // CrashAfterStep (the process dies after the step's effect, before its record),
 // StaleOwnerAfterStep (a takeover after the step was recorded; the old owner's next step
 // must be refused) and DuplicateAfterStep (a second delivery while the job is between

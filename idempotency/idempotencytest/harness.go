@@ -94,7 +94,9 @@ const (
 	SharedBatch Schedule = "shared-batch"
 )
 
-// Schedules returns every schedule, in the order Run runs them.
+// Schedules returns every schedule, in the order Run starts them, but for
+// SequentialDuplicate, which Run runs first, on its own. It holds no step schedule
+// (StepSchedules).
 func Schedules() []Schedule {
 	return []Schedule{ConcurrentDuplicates, SequentialDuplicate, CrashBeforeEffect, CrashAfterEffect,
 		StaleOwner, ErrorAfterEffect, RedisLoss, SharedBatch}
@@ -105,28 +107,22 @@ func Schedules() []Schedule {
 // counter's value and the deliveries in order.
 //
 // When Case.Schedules is nil, Run also runs the step schedules of a handler that records
-// steps (idempotency.Step and StepTx), as the parallel subtests case/steps/schedule: the
-// first schedule that runs the handler to success tells which steps it calls, and
-// StepSchedules gives three schedules per step. A handler that calls no step has none,
-// and its case takes no longer.
+// steps (idempotency.Step and StepTx), three per step (StepSchedules), as parallel
+// subtests case/crash-after-step:name and so on. It finds the steps from
+// SequentialDuplicate, which it runs first, before the case's other schedules, for that:
+// a handler that calls no step gets no other schedule.
 func Run(t *testing.T, cfg Config, cases ...Case) {
 	t.Helper()
 	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
-			d := &discovery{found: make(chan struct{})}
-			for _, s := range c.schedules() {
-				t.Run(string(s), func(t *testing.T) {
-					d.start()
-					var rep *Report
-					defer func() { d.end(rep) }()
-					t.Parallel()
-					rep = check(t, cfg, c, s)
-				})
-			}
+			schedules := c.schedules()
 			if c.Schedules == nil {
-				t.Run("steps", func(t *testing.T) {
+				schedules = runFindingSteps(t, cfg, c)
+			}
+			for _, s := range schedules {
+				t.Run(string(s), func(t *testing.T) {
 					t.Parallel()
-					runSteps(t, cfg, c, d)
+					Check(t, cfg, c, s)
 				})
 			}
 		})
@@ -141,6 +137,7 @@ func Check(tb testing.TB, cfg Config, c Case, s Schedule) {
 	check(tb, cfg, c, s)
 }
 
+// check is Check; it returns the report, nil when the schedule could not run.
 func check(tb testing.TB, cfg Config, c Case, s Schedule) *Report {
 	tb.Helper()
 	rep, err := Verify(context.Background(), cfg, c, s)

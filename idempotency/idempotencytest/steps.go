@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -396,73 +395,29 @@ func (r *run) waitStep(ctx context.Context, what string) (event, error) {
 	}
 }
 
-// discovery hands the steps a case's handler calls, seen by its first schedule whose
-// delivery ran the handler to success, to the case's step schedules.
-type discovery struct {
-	mu      sync.Mutex
-	pending int // schedules running that may still find them
-	known   bool
-	steps   []string
-	found   chan struct{} // closed once known, or once no schedule is left to find them
-}
-
-func (d *discovery) start() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.pending++
-}
-
-// end records what one schedule's report saw (rep nil: it could not run).
-func (d *discovery) end(rep *Report) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.pending--
-	if d.known {
-		return
+// runFindingSteps runs SequentialDuplicate as c's first subtest and returns the case's
+// other schedules, with the step schedules of the steps that schedule saw the handler
+// call. When a -run filter leaves SequentialDuplicate out, it runs the handler once, outside
+// any subtest, to find them.
+func runFindingSteps(t *testing.T, cfg Config, c Case) []Schedule {
+	t.Helper()
+	var rep *Report
+	t.Run(string(SequentialDuplicate), func(t *testing.T) { rep = check(t, cfg, c, SequentialDuplicate) })
+	if rep == nil {
+		rep, _ = Verify(context.Background(), cfg, c, SequentialDuplicate)
 	}
-	if rep != nil && rep.stepsKnown {
-		d.known, d.steps = true, rep.Steps
-		close(d.found)
-	} else if d.pending == 0 {
-		close(d.found)
-	}
-}
-
-// runSteps runs the case's step schedules, one per step its handler calls, as parallel
-// subtests. When no other schedule of the case ran (a -run filter), it runs the handler
-// once to find its steps. A handler that calls no step has no step schedule.
-func runSteps(t *testing.T, cfg Config, c Case, d *discovery) {
-	d.mu.Lock()
-	alone := d.pending == 0 && !d.known
-	d.mu.Unlock()
-	var steps []string
-	if alone {
-		rep, err := Verify(context.Background(), cfg, c, SequentialDuplicate)
-		if err != nil {
-			t.Fatalf("idempotencytest %s: finding the handler's steps: %v", c.Name, err)
+	var out []Schedule
+	for _, s := range Schedules() {
+		if s != SequentialDuplicate {
+			out = append(out, s)
 		}
-		if !rep.stepsKnown {
-			t.Fatalf("idempotencytest %s: finding the handler's steps: no delivery ran the handler to success; deliveries in order:\n%s", c.Name, rep.Deliveries())
-		}
-		steps = rep.Steps
-	} else {
-		<-d.found
-		d.mu.Lock()
-		known, s := d.known, d.steps
-		d.mu.Unlock()
-		if !known {
-			t.Skipf("%s: no schedule ran the handler to success, so its steps are not known", c.Name)
-		}
-		steps = s
 	}
-	if len(steps) == 0 {
-		return
+	switch {
+	case rep == nil || !rep.stepsKnown:
+		t.Logf("%s: no delivery ran the handler to success, so the step schedules do not run", c.Name)
+	case len(rep.Steps) > 0:
+		t.Logf("%s: the handler calls steps %q", c.Name, rep.Steps)
+		out = append(out, StepSchedules(rep.Steps...)...)
 	}
-	t.Logf("%s: the handler calls steps %q", c.Name, steps)
-	for _, s := range StepSchedules(steps...) {
-		t.Run(string(s), func(t *testing.T) {
-			t.Parallel()
-			Check(t, cfg, c, s)
-		})
-	}
+	return out
 }
