@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
+	"github.com/idemq/idemq/idempotency/internal/stephook"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -154,21 +155,38 @@ func validateStepName(name string) error {
 // happened but before it was recorded, a later delivery runs fn again with the same step
 // key; exactly-once then rests on the provider honouring that key. StepTx has no such gap.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts ...StepOption) (T, error) {
+	h := stephook.From(ctx)
+	if h == nil {
+		v, _, err := step(ctx, name, fn, opts, nil)
+		return v, err
+	}
+	h.Begin(ctx, name, false)
+	v, cached, err := step(ctx, name, fn, opts, h)
+	h.Done(ctx, name, false, err == nil && !cached, cached, err)
+	return v, err
+}
+
+// step is Step; cached reports a step that an earlier delivery recorded.
+func step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts []StepOption, h stephook.Hook) (_ T, cached bool, _ error) {
 	var zero T
 	run, call, done, err := beginStep(ctx, name, opts)
 	if err != nil || done != nil {
-		return decodeStep[T](run, name, done, err)
+		v, err := decodeStep[T](run, name, done, err)
+		return v, err == nil, err
 	}
 	if err := context.Cause(ctx); err != nil {
-		return zero, withLeaseLoss(err, ctx)
+		return zero, false, withLeaseLoss(err, ctx)
 	}
 	v, err := fn(ctx, call.stepKey)
 	if err != nil {
-		return zero, err
+		return zero, false, err
 	}
 	b, p, err := run.params(call, v)
 	if err != nil {
-		return zero, err
+		return zero, false, err
+	}
+	if h != nil {
+		h.Effected(ctx, name, false)
 	}
 	// The effect happened: record it even when the delivery is being cancelled (a lost
 	// lease refuses it anyway), bounded by the write timeout.
@@ -176,12 +194,13 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	defer cancel()
 	recorded, err := run.l.writes.RecordStep(wctx, run.l.pool, p)
 	if err != nil {
-		return zero, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
+		return zero, false, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
 	}
 	if !recorded {
-		return zero, run.leaseLost(name)
+		return zero, false, run.leaseLost(name)
 	}
-	return recordedStep[T](run, call, b)
+	v, err = recordedStep[T](run, call, b)
+	return v, false, err
 }
 
 // StepTx runs fn, a database effect, in a transaction of its own on the ledger's pool that
@@ -198,10 +217,24 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 // I/O in fn, and no step calls (they are refused: their records would wait for that row
 // lock). Unlike Step, StepTx has no gap between effect and record.
 func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (T, error) {
+	h := stephook.From(ctx)
+	if h == nil {
+		v, _, err := stepTx(ctx, name, fn, opts, nil)
+		return v, err
+	}
+	h.Begin(ctx, name, true)
+	v, cached, err := stepTx(ctx, name, fn, opts, h)
+	h.Done(ctx, name, true, err == nil && !cached, cached, err)
+	return v, err
+}
+
+// stepTx is StepTx; cached reports a step that an earlier delivery recorded.
+func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts []StepOption, h stephook.Hook) (_ T, cached bool, _ error) {
 	var zero T
 	run, call, done, err := beginStep(ctx, name, opts)
 	if err != nil || done != nil {
-		return decodeStep[T](run, name, done, err)
+		v, err := decodeStep[T](run, name, done, err)
+		return v, err == nil, err
 	}
 	var b []byte
 	var fnErr error // fn's error, or its result's: returned as is
@@ -222,15 +255,22 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 			fnErr = err
 			return err
 		}
-		return run.l.writes.InsertStep(ctx, tx, p)
+		if err := run.l.writes.InsertStep(ctx, tx, p); err != nil {
+			return err
+		}
+		if h != nil {
+			h.Effected(ctx, name, true)
+		}
+		return nil
 	})
 	if err != nil {
 		if fnErr == nil && !errors.Is(err, ErrLeaseLost) {
 			err = asUnavailable(ctx, fmt.Errorf("idempotency: step %q of %s: %w", name, run.c.Key, err))
 		}
-		return zero, withLeaseLoss(err, ctx)
+		return zero, false, withLeaseLoss(err, ctx)
 	}
-	return recordedStep[T](run, call, b)
+	v, err := recordedStep[T](run, call, b)
+	return v, false, err
 }
 
 // stepsKey keys a leased delivery's stepRun in its handler's context.

@@ -13,6 +13,17 @@
 // hands the task back; another worker process delivers it again. See Schedule for each
 // schedule.
 //
+// A handler that records steps (idempotency.Step and StepTx) gets, from Run, three more
+// schedules per step it calls, found from SequentialDuplicate, which Run runs first:
+// CrashAfterStep (the process dies after the step's effect, before its record),
+// StaleOwnerAfterStep (a takeover after the step was recorded; the old owner's next step
+// must be refused) and DuplicateAfterStep (a second delivery while the job is between
+// steps). A handler without steps gets none. A failure names the schedule, the step and
+// where the effect happened: in which Step or StepTx, or outside any step. A Step's
+// external effect runs again after a crash between its effect and its record, so the
+// harness expects it keyed: the provider honours the step key, and the counter counts
+// what the provider did, as for a leased job's key.
+//
 // Keys are not prefixed: the ledger key is the provider's idempotency key. Each schedule
 // gives the case a fresh id to build the job (and so its key) from, and refuses a key
 // that another running schedule uses.

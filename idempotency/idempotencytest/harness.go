@@ -94,7 +94,9 @@ const (
 	SharedBatch Schedule = "shared-batch"
 )
 
-// Schedules returns every schedule, in the order Run runs them.
+// Schedules returns every schedule, in the order Run starts them, but for
+// SequentialDuplicate, which Run runs first, on its own. It holds no step schedule
+// (StepSchedules).
 func Schedules() []Schedule {
 	return []Schedule{ConcurrentDuplicates, SequentialDuplicate, CrashBeforeEffect, CrashAfterEffect,
 		StaleOwner, ErrorAfterEffect, RedisLoss, SharedBatch}
@@ -103,11 +105,21 @@ func Schedules() []Schedule {
 // Run runs every case under each of its schedules, as parallel subtests named
 // case/schedule. A schedule that breaks exactly-once fails its subtest with the
 // counter's value and the deliveries in order.
+//
+// When Case.Schedules is nil, Run also runs the step schedules of a handler that records
+// steps (idempotency.Step and StepTx), three per step (StepSchedules), as parallel
+// subtests case/crash-after-step:name and so on. It finds the steps from
+// SequentialDuplicate, which it runs first, before the case's other schedules, for that:
+// a handler that calls no step gets no other schedule.
 func Run(t *testing.T, cfg Config, cases ...Case) {
 	t.Helper()
 	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
-			for _, s := range c.schedules() {
+			schedules := c.schedules()
+			if c.Schedules == nil {
+				schedules = runFindingSteps(t, cfg, c)
+			}
+			for _, s := range schedules {
 				t.Run(string(s), func(t *testing.T) {
 					t.Parallel()
 					Check(t, cfg, c, s)
@@ -122,6 +134,12 @@ func Run(t *testing.T, cfg Config, cases ...Case) {
 // tb.Fatalf.
 func Check(tb testing.TB, cfg Config, c Case, s Schedule) {
 	tb.Helper()
+	check(tb, cfg, c, s)
+}
+
+// check is Check; it returns the report, nil when the schedule could not run.
+func check(tb testing.TB, cfg Config, c Case, s Schedule) *Report {
+	tb.Helper()
 	rep, err := Verify(context.Background(), cfg, c, s)
 	if err != nil {
 		tb.Fatalf("idempotencytest %s/%s: %v", c.Name, s, err)
@@ -133,6 +151,7 @@ func Check(tb testing.TB, cfg Config, c Case, s Schedule) {
 	if len(rep.Problems) > 0 {
 		tb.Errorf("%s/%s: effects counted: %d; deliveries in order:\n%s", c.Name, s, rep.Effects, rep.Deliveries())
 	}
+	return rep
 }
 
 // Report is what one schedule saw.
@@ -148,6 +167,12 @@ type Report struct {
 	MaxBatch int
 	// Took is how long the schedule ran.
 	Took time.Duration
+	// Steps are the steps (idempotency.Step and StepTx) the handler called, in order, on
+	// the schedule's first delivery that ran it to success; none for a handler without
+	// steps, or when no delivery did.
+	Steps []string
+
+	stepsKnown bool // a delivery ran the handler to success
 }
 
 // Failed reports whether the schedule broke exactly-once.
@@ -161,7 +186,8 @@ type Delivery struct {
 	Fence   int64 // the claim the handler ran under (0: the handler did not run)
 	// Outcome is "ok", "cached (fence N)", "error: …", "crashed before the effect",
 	// "crashed after the effect", "frozen", "running" (still running when the schedule
-	// ended).
+	// ended); under a step schedule also "crashed after step "name"'s effect, before its
+	// record" and "frozen after step "name" past its lease, then resumed".
 	Outcome string
 	Result  string // the answered result, for deliveries that succeeded
 }

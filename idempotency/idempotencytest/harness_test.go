@@ -15,6 +15,7 @@ import (
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
@@ -194,19 +195,165 @@ func TestCheckoutStepsTakeEffectOnce(t *testing.T) {
 	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: func(r server.Registrar) {
 		server.HandleLeased(r, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
 	}}
-	checkout := func(name, count string) idempotencytest.Case {
-		return idempotencytest.Case{
-			Name: name,
-			Task: func(id string) (*asynq.Task, error) {
-				return tasks.NewCheckoutTask(tasks.Checkout{OrderID: "order-" + id, CustomerID: "cust-" + id, AmountCents: 1999, Currency: "EUR", Email: "a@example.com"})
-			},
-			Effects: func(ctx context.Context, id string) (int, error) {
-				var n int
-				err := pool.QueryRow(ctx, count, "order-"+id).Scan(&n)
-				return n, err
-			},
-		}
+	idempotencytest.Run(t, cfg, checkoutCase(pool, "checkout-charge", countCharges), checkoutCase(pool, "checkout-order", countOrders))
+}
+
+// Counters of a checkout's effects, by order.
+const (
+	countCharges = `SELECT count(*) FROM fakepay_charges WHERE order_id = $1`
+	countOrders  = `SELECT count(*) FROM orders WHERE order_id = $1`
+	countEmails  = `SELECT count(*) FROM fakepay_emails WHERE order_id = $1`
+)
+
+// checkoutCase is an order:checkout whose effect is counted by count, a query on the order.
+func checkoutCase(pool *pgxpool.Pool, name, count string) idempotencytest.Case {
+	return idempotencytest.Case{
+		Name: name,
+		Task: func(id string) (*asynq.Task, error) {
+			return tasks.NewCheckoutTask(tasks.Checkout{OrderID: "order-" + id, CustomerID: "cust-" + id, AmountCents: 1999, Currency: "EUR", Email: "a@example.com"})
+		},
+		Effects: func(ctx context.Context, id string) (int, error) {
+			var n int
+			err := pool.QueryRow(ctx, count, "order-"+id).Scan(&n)
+			return n, err
+		},
 	}
-	idempotencytest.Run(t, cfg, checkout("checkout-charge", `SELECT count(*) FROM fakepay_charges WHERE order_id = $1`),
-		checkout("checkout-order", `SELECT count(*) FROM orders WHERE order_id = $1`))
+}
+
+// checkoutConfig registers fn as the order:checkout handler.
+func checkoutConfig(pool *pgxpool.Pool, rdb *redis.Client, fn func(context.Context, tasks.Checkout) (json.RawMessage, error)) idempotencytest.Config {
+	return idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: func(r server.Registrar) {
+		server.HandleLeased(r, tasks.TypeCheckout, fn, server.WithDecoder(tasks.DecodeCheckout))
+	}}
+}
+
+// The harness finds a checkout's steps by running it, and refuses a step schedule for a
+// step the handler never calls.
+func TestStepsAreFound(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	ctx := testenv.Context(t, time.Minute)
+	cfg := checkoutConfig(pool, rdb, charger.Checkout)
+	rep, err := idempotencytest.Verify(ctx, cfg, checkoutCase(pool, "checkout-charge", countCharges), idempotencytest.SequentialDuplicate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := fmt.Sprint(rep.Steps), "[charge record receipt]"; got != want || rep.Failed() {
+		t.Fatalf("checkout's steps: got %s (problems %q), want %s", got, rep.Problems, want)
+	}
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-charge", countCharges), idempotencytest.CrashAfterStep("refund"),
+		`crash after step "refund" effect, before its record`, `without a step "refund"`, `["charge" "record" "receipt"]`)
+}
+
+// A checkout's receipt goes to a provider that honours no key: a crash between its effect
+// and its record sends it twice, and the harness names the step.
+func TestCatchesAStepWhoseProviderIgnoresKeys(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	mustCatch(t, checkoutConfig(pool, rdb, charger.Checkout), checkoutCase(pool, "checkout-email", countEmails), idempotencytest.CrashAfterStep("receipt"),
+		`crash after step "receipt" effect, before its record: effect "checkout-email" happened 2 times`, `the effect is Step "receipt"'s`, "honouring the step key")
+}
+
+// A checkout that emails its receipt outside any step, between its charge and its order.
+func TestCatchesAnEffectOutsideAnyStep(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, key, c)
+		})
+		if err != nil {
+			return nil, err
+		}
+		key, _, _ := idempotency.FromContext(ctx)
+		if _, err := charger.SendReceipt(ctx, key, c); err != nil {
+			return nil, err
+		}
+		row, err := idempotency.StepTx(ctx, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return handlers.RecordOrder(ctx, tx, c, charge.ChargeID)
+		})
+		return json.RawMessage(fmt.Sprintf(`{"order_row":%d}`, row)), err
+	})
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-email", countEmails), idempotencytest.CrashAfterStep("record"),
+		`crash after step "record" effect, before its record: effect "checkout-email" happened 2 times`, `outside any step, after step "charge"`)
+}
+
+// A checkout that writes its order row in a Step (through the pool) instead of a StepTx:
+// a crash between the row and the step's record writes it again.
+func TestCatchesADatabaseEffectInStep(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, key, c)
+		})
+		if err != nil {
+			return nil, err
+		}
+		row, err := idempotency.Step(ctx, "record", func(ctx context.Context, _ string) (int64, error) {
+			var row int64
+			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+				row, err = handlers.RecordOrder(ctx, tx, c, charge.ChargeID)
+				return err
+			})
+			return row, err
+		})
+		return json.RawMessage(fmt.Sprintf(`{"order_row":%d}`, row)), err
+	})
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-order", countOrders), idempotencytest.CrashAfterStep("record"),
+		`crash after step "record" effect, before its record: effect "checkout-order" happened 2 times`, `the effect is Step "record"'s`, "belongs in StepTx")
+}
+
+// A checkout whose order row is a Step's database effect, run on a context that outlives
+// the lease (context.WithoutCancel): a stale owner that wakes after a takeover writes the
+// row again before its record is refused.
+func TestCatchesAStaleOwnerThatOutlivesItsLease(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, key, c)
+		})
+		if err != nil {
+			return nil, err
+		}
+		row, err := idempotency.Step(context.WithoutCancel(ctx), "record", func(ctx context.Context, _ string) (int64, error) {
+			var row int64
+			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+				row, err = handlers.RecordOrder(ctx, tx, c, charge.ChargeID)
+				return err
+			})
+			return row, err
+		})
+		return json.RawMessage(fmt.Sprintf(`{"order_row":%d}`, row)), err
+	})
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-order", countOrders), idempotencytest.StaleOwnerAfterStep("charge"),
+		`stale owner after step "charge": effect "checkout-order" happened 2 times`, `ran step "record"'s effect after its lease was taken over`)
+}
+
+// A checkout that charges the provider inside a StepTx: external I/O that no rollback
+// undoes. The provider honours the step key, so the count stays 1, and the harness still
+// names the step.
+func TestCatchesExternalIOInAStepTx(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		key, _, _ := idempotency.FromContext(ctx)
+		stepKey, err := idempotency.StepKey(key, "charge")
+		if err != nil {
+			return nil, err
+		}
+		charge, err := idempotency.StepTx(ctx, "charge", func(ctx context.Context, _ pgx.Tx) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, stepKey, c)
+		})
+		return json.RawMessage(fmt.Sprintf(`{"charge_id":%q}`, charge.ChargeID)), err
+	})
+	mustCatch(t, cfg, checkoutCase(pool, "checkout-charge", countCharges), idempotencytest.CrashAfterStep("charge"),
+		`crash after step "charge" effect, before its record: the effect of StepTx "charge" was visible before its transaction committed`)
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
+	"github.com/idemq/idemq/idempotency/internal/stephook"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
 )
 
@@ -62,6 +63,17 @@ type run struct {
 
 	fillers   int             // fillers enqueued (shared-batch)
 	fillersOK map[string]bool // fillers that succeeded, by TaskID
+
+	key        string   // the job's key, as its first claim saw it
+	steps      []string // the steps the handler called on its first run that succeeded
+	stepsKnown bool     // a delivery ran the handler to success: steps holds its steps
+
+	// step is a step schedule's plan; nil for the other schedules.
+	step        *stepPlan
+	marks       []mark        // the counter at the step points of the first delivery
+	held        *delivery     // the delivery DuplicateAfterStep holds between steps
+	release     chan struct{} // closed to let the held delivery go on
+	releaseOnce sync.Once
 }
 
 type event struct {
@@ -79,6 +91,10 @@ type delivery struct {
 	result   json.RawMessage
 	resFence int64 // the fence of the claim that completed the answered result
 	tx       bool  // the handler ran in a DoTx transaction
+
+	steps       []string  // the steps it called, in order
+	frozenAt    string    // the step StaleOwnerAfterStep froze it after
+	afterFreeze *stepCall // its first step call after it resumed
 }
 
 func (r *run) problem(format string, args ...any) {
@@ -115,7 +131,8 @@ func (r *run) deliver(ctx context.Context, p *process, mux *asynq.ServeMux, t *a
 		r.mu.Lock()
 		r.log = append(r.log, d)
 		r.mu.Unlock()
-		ctx = testhook.With(ctx, &hook{r: r, p: p, d: d})
+		h := &hook{r: r, p: p, d: d}
+		ctx = stephook.With(testhook.With(ctx, h), h)
 	}
 	err := mux.ProcessTask(ctx, t)
 	r.mu.Lock()
@@ -156,6 +173,9 @@ func (h *hook) BeforeEffect(ctx context.Context, tx pgx.Tx) {
 	key, fence, _ := idempotency.FromContext(ctx)
 	h.r.mu.Lock()
 	h.d.Fence, h.d.tx = fence, tx != nil
+	if h.r.key == "" {
+		h.r.key = key
+	}
 	h.r.mu.Unlock()
 	if other, ok := claimKey(key, h.r.id); !ok {
 		h.r.problem("the key %q is used by another running schedule (%s): build the job's key from the id Case.Task gets", key, other)
@@ -173,6 +193,14 @@ func (h *hook) BeforeEffect(ctx context.Context, tx pgx.Tx) {
 func (h *hook) AfterEffect(ctx context.Context, tx pgx.Tx, out json.RawMessage, err error) (json.RawMessage, error) {
 	if tx != nil && err == nil {
 		h.r.checkUncommitted()
+	}
+	if err == nil {
+		h.r.mu.Lock()
+		if !h.r.stepsKnown {
+			h.r.steps, h.r.stepsKnown = append([]string(nil), h.d.steps...), true
+		}
+		h.r.mu.Unlock()
+		h.r.markEffects(h.d, "end", "", false)
 	}
 	switch h.r.take(afterEffect) {
 	case crash:
@@ -287,7 +315,9 @@ func (r *run) verdict(ctx context.Context, rep *Report) {
 	rep.Effects = n
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if err == nil && n != 1 {
+	if err == nil && r.step != nil {
+		r.stepVerdict(n)
+	} else if err == nil && n != 1 {
 		msg := fmt.Sprintf("the effect happened %d times, want exactly 1", n)
 		if n > 1 && !r.anyTx() && (r.s == CrashAfterEffect || r.s == ErrorAfterEffect || r.s == StaleOwner || r.s == RedisLoss) {
 			msg += "; a leased handler's effect ran again after its run was cut short: exactly-once then rests on the provider honouring the job's key — pass the key from idempotency.FromContext (never a fresh or random one) as the provider's idempotency key, and use a provider that honours it"
@@ -313,7 +343,13 @@ func (r *run) verdict(ctx context.Context, rep *Report) {
 		rep.Log = append(rep.Log, d.Delivery)
 	}
 	rep.Problems = append(rep.Problems, r.problems...)
+	if r.step != nil {
+		for i, p := range rep.Problems {
+			rep.Problems[i] = r.step.describe() + ": " + p
+		}
+	}
 	rep.MaxBatch = r.maxBatch
+	rep.Steps, rep.stepsKnown = r.steps, r.stepsKnown
 }
 
 func (r *run) anyTx() bool {
@@ -338,6 +374,7 @@ func sameJSON(a, b json.RawMessage) bool {
 
 // cleanup ends the run's processes and deletes its queue and lock keys.
 func (r *run) cleanup() {
+	r.releaseHeld()
 	r.mu.Lock()
 	procs := r.procs
 	r.mu.Unlock()

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/idemq/idemq/idempotency"
 )
 
 // Verify runs c under schedule s and returns what it saw. The error is for a harness
@@ -14,7 +16,12 @@ func Verify(ctx context.Context, cfg Config, c Case, s Schedule) (*Report, error
 	if cfg.Pool == nil || cfg.Redis == nil || cfg.Handlers == nil && cfg.Register == nil || c.Task == nil || c.Effects == nil {
 		return nil, fmt.Errorf("Config.Pool, Config.Redis, Config.Handlers (or Register), Case.Task and Case.Effects are required")
 	}
-	r := &run{cfg: cfg, c: c, s: s, id: newID(), plan: map[point]action{}, events: make(chan event, 4)}
+	r := &run{cfg: cfg, c: c, s: s, id: newID(), plan: map[point]action{}, events: make(chan event, 4), release: make(chan struct{})}
+	if r.step = parseStepSchedule(s); r.step != nil {
+		if _, err := idempotency.StepKey("k", r.step.step); err != nil {
+			return nil, fmt.Errorf("schedule %q: %w", s, err)
+		}
+	}
 	r.queue = "idemqtest-" + r.id
 	r.lockPrefix = "idemqtest:" + r.id + ":"
 	task, err := c.Task(r.id)
@@ -57,6 +64,16 @@ func (r *run) schedule(ctx context.Context) error {
 		return r.errorAfterEffect(ctx)
 	case SharedBatch:
 		return r.sharedBatch(ctx)
+	}
+	if r.step != nil {
+		switch r.step.action {
+		case stepCrash:
+			return r.crashAfterStep(ctx)
+		case stepStale:
+			return r.staleAfterStep(ctx)
+		case stepPause:
+			return r.dupAfterStep(ctx)
+		}
 	}
 	return fmt.Errorf("unknown schedule %q", r.s)
 }
