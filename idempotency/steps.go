@@ -151,22 +151,26 @@ func validateStepName(name string) error {
 // Honest limit, as for Do: if the process dies (or the record fails) after fn's effect
 // happened but before it was recorded, a later delivery runs fn again with the same step
 // key; exactly-once then rests on the provider honouring that key. StepTx has no such gap.
-func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts ...StepOption) (T, error) {
-	var zero T
-	run, call, done, err := beginStep(ctx, name, opts)
+func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts ...StepOption) (v T, err error) {
+	run, err := stepRunOf(ctx, name)
+	if err != nil {
+		return v, err
+	}
+	call, done, err := run.begin(ctx, name, opts)
+	defer func() { run.end(call, done != nil, err) }()
 	if err != nil || done != nil {
 		return decodeStep[T](run, name, done, err)
 	}
 	if err := context.Cause(ctx); err != nil {
-		return zero, withLeaseLoss(err, ctx)
+		return v, withLeaseLoss(err, ctx)
 	}
-	v, err := fn(ctx, call.stepKey)
+	res, err := fn(ctx, call.stepKey)
 	if err != nil {
-		return zero, err
+		return v, err
 	}
-	b, p, err := run.params(call, v)
+	b, p, err := run.params(call, res)
 	if err != nil {
-		return zero, err
+		return v, err
 	}
 	// The effect happened: record it even when the delivery is being cancelled (a lost
 	// lease refuses it anyway), bounded by the write timeout.
@@ -174,10 +178,10 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	defer cancel()
 	recorded, err := run.l.writes.RecordStep(wctx, run.l.pool, p)
 	if err != nil {
-		return zero, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
+		return v, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
 	}
 	if !recorded {
-		return zero, run.leaseLost(name)
+		return v, run.leaseLost(name)
 	}
 	return recordedStep[T](run, call, b)
 }
@@ -195,9 +199,13 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 // also delays the handler's heartbeats: keep it short, well inside the lease. No external
 // I/O in fn, and no step calls (they are refused: their records would wait for that row
 // lock). Unlike Step, StepTx has no gap between effect and record.
-func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (T, error) {
-	var zero T
-	run, call, done, err := beginStep(ctx, name, opts)
+func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (v T, err error) {
+	run, err := stepRunOf(ctx, name)
+	if err != nil {
+		return v, err
+	}
+	call, done, err := run.begin(ctx, name, opts)
+	defer func() { run.end(call, done != nil, err) }()
 	if err != nil || done != nil {
 		return decodeStep[T](run, name, done, err)
 	}
@@ -226,7 +234,7 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 		if fnErr == nil && !errors.Is(err, ErrLeaseLost) {
 			err = asUnavailable(ctx, fmt.Errorf("idempotency: step %q of %s: %w", name, run.c.Key, err))
 		}
-		return zero, withLeaseLoss(err, ctx)
+		return v, withLeaseLoss(err, ctx)
 	}
 	return recordedStep[T](run, call, b)
 }
@@ -260,30 +268,40 @@ type stepCall struct {
 	input         []byte
 }
 
-// beginStep checks a step call and gives it its position in the run. done is the step's
-// record when an earlier delivery recorded it (then fn must not run).
-func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRun, call stepCall, done *store.StepRow, err error) {
+// stepRunOf returns the step run of ctx's leased delivery, or why a step named name cannot
+// be recorded there.
+func stepRunOf(ctx context.Context, name string) (*stepRun, error) {
 	if claimctx.InTx(ctx) {
-		return nil, call, nil, Permanent(fmt.Errorf("%w (step %q)", ErrStepInTx, name))
+		return nil, Permanent(fmt.Errorf("%w (step %q)", ErrStepInTx, name))
 	}
 	if outer, ok := ctx.Value(inStepTxKey{}).(string); ok {
 		// Its record would wait for the row lock the outer StepTx holds until fn returns.
-		return nil, call, nil, Permanent(fmt.Errorf("idempotency: step %q called inside StepTx %q: steps do not nest in a StepTx", name, outer))
+		return nil, Permanent(fmt.Errorf("idempotency: step %q called inside StepTx %q: steps do not nest in a StepTx", name, outer))
 	}
 	run, ok := ctx.Value(stepsKey{}).(*stepRun)
 	if !ok {
-		return nil, call, nil, Permanent(fmt.Errorf("%w: step %q must run inside a leased handler (Ledger.Do)", ErrNoClaim, name))
+		return nil, Permanent(fmt.Errorf("%w: step %q must run inside a leased handler (Ledger.Do)", ErrNoClaim, name))
+	}
+	return run, nil
+}
+
+// begin checks a step call and gives it its position in the run. done is the step's
+// record when an earlier delivery recorded it (then fn must not run). call.name is ""
+// when name is not a valid step name.
+func (run *stepRun) begin(ctx context.Context, name string, opts []StepOption) (call stepCall, done *store.StepRow, err error) {
+	if err := validateStepName(name); err != nil {
+		return call, nil, Permanent(err)
 	}
 	call.name = name
 	if call.stepKey, err = StepKey(run.c.Key, name); err != nil {
-		return nil, call, nil, Permanent(err)
+		return call, nil, Permanent(err)
 	}
 	var o stepOptions
 	for _, opt := range opts {
 		opt(&o)
 	}
 	if o.err != nil {
-		return nil, call, nil, Permanent(fmt.Errorf("step %q: %w", name, o.err))
+		return call, nil, Permanent(fmt.Errorf("step %q: %w", name, o.err))
 	}
 	call.input = o.input
 
@@ -294,7 +312,7 @@ func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRu
 	if !run.loaded {
 		rows, err := store.ReadSteps(ctx, run.l.pool, run.c.Key, int32(run.c.Generation))
 		if err != nil {
-			return nil, call, nil, asUnavailable(ctx, fmt.Errorf("idempotency: read steps of %s: %w", run.c.Key, err))
+			return call, nil, asUnavailable(ctx, fmt.Errorf("idempotency: read steps of %s: %w", run.c.Key, err))
 		}
 		run.steps = make(map[string]store.StepRow, len(rows))
 		for _, r := range rows {
@@ -305,13 +323,38 @@ func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRu
 	r, ok := run.steps[name]
 	switch {
 	case !ok:
-		return run, call, nil, nil
+		return call, nil, nil
 	case int(r.Seq) != call.seq:
-		return nil, call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Order: true, Seq: call.seq, RecordedSeq: int(r.Seq)})
+		return call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Order: true, Seq: call.seq, RecordedSeq: int(r.Seq)})
 	case r.InputFingerprint != nil && call.input != nil && string(r.InputFingerprint) != string(call.input):
-		return nil, call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Seq: call.seq, RecordedSeq: int(r.Seq)})
+		return call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Seq: call.seq, RecordedSeq: int(r.Seq)})
 	}
-	return run, call, &r, nil
+	return call, &r, nil
+}
+
+// end reports how a step call ended (Config.ObserveStep): cached when an earlier delivery
+// had recorded it, else told by err. A call whose name was not valid is not reported.
+func (run *stepRun) end(call stepCall, cached bool, err error) {
+	if call.name == "" || run.l.cfg.ObserveStep == nil {
+		return
+	}
+	run.l.cfg.ObserveStep(run.c.TaskType, call.name, stepOutcome(cached, err))
+}
+
+// stepOutcome tells how a step call ended from whether it found a record and its error.
+func stepOutcome(cached bool, err error) StepOutcome {
+	switch {
+	case err == nil && cached:
+		return StepCached
+	case err == nil:
+		return StepRan
+	case errors.Is(err, ErrLeaseLost):
+		return StepLeaseLost
+	case errors.Is(err, ErrStepMismatch):
+		return StepMismatch
+	default:
+		return StepError
+	}
 }
 
 // decodeStep is a step call's answer when it did not run: its error, or the recorded

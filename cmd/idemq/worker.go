@@ -109,6 +109,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 				m.ObserveLedger(string(ev), taskType)
 			},
 			ObserveBatch: m.ObserveBatch,
+			ObserveStep: func(taskType, step string, outcome idempotency.StepOutcome) {
+				m.ObserveStep(taskType, step, string(outcome))
+			},
 		},
 		Worker: &asynqmw.Config{
 			LockTTL: cfg.LockTTL,
