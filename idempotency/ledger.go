@@ -82,7 +82,7 @@ type Config struct {
 	// configuration, closed by Ledger.Close.
 	HeartbeatPool *pgxpool.Pool
 	// TracerProvider makes Do's spans (idemq.claim, idemq.handler, idemq.complete, under
-	// the caller's span). Default: the global one (otel.GetTracerProvider), a no-op unless
+	// the caller's span, and idemq.step for each Step and StepTx call, under the handler's). Default: the global one (otel.GetTracerProvider), a no-op unless
 	// the program installed one.
 	TracerProvider trace.TracerProvider
 	// ClaimLockTimeout bounds how long a claim waits for another session's row lock

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
@@ -156,8 +157,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if err != nil {
 		return v, err
 	}
+	ctx, span := run.l.startSpan(ctx, "idemq.step", run.c.Key)
 	call, done, err := run.begin(ctx, name, opts)
-	defer func() { run.end(call, done != nil, err) }()
+	defer func() { run.end(span, name, call, done, err) }()
 	if err != nil || done != nil {
 		return decodeStep[T](run, name, done, err)
 	}
@@ -204,8 +206,9 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 	if err != nil {
 		return v, err
 	}
+	ctx, span := run.l.startSpan(ctx, "idemq.step", run.c.Key)
 	call, done, err := run.begin(ctx, name, opts)
-	defer func() { run.end(call, done != nil, err) }()
+	defer func() { run.end(span, name, call, done, err) }()
 	if err != nil || done != nil {
 		return decodeStep[T](run, name, done, err)
 	}
@@ -332,13 +335,15 @@ func (run *stepRun) begin(ctx context.Context, name string, opts []StepOption) (
 	return call, &r, nil
 }
 
-// end reports how a step call ended (Config.ObserveStep): cached when an earlier delivery
-// had recorded it, else told by err. A call whose name was not valid is not reported.
-func (run *stepRun) end(call stepCall, cached bool, err error) {
-	if call.name == "" || run.l.cfg.ObserveStep == nil {
-		return
+// end reports how the step call named name ended: to Config.ObserveStep (unless the name
+// was not valid) and on its span. It is cached when done, an earlier delivery's record,
+// answered it, else told by err.
+func (run *stepRun) end(span trace.Span, name string, call stepCall, done *store.StepRow, err error) {
+	outcome := stepOutcome(done != nil, err)
+	if call.name != "" && run.l.cfg.ObserveStep != nil {
+		run.l.cfg.ObserveStep(run.c.TaskType, call.name, outcome)
 	}
-	run.l.cfg.ObserveStep(run.c.TaskType, call.name, stepOutcome(cached, err))
+	endStepSpan(span, run.c, name, call, done, outcome, err)
 }
 
 // stepOutcome tells how a step call ended from whether it found a record and its error.
