@@ -152,10 +152,11 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		log.Warn("IDEMQ_UNSAFE_NO_GUARDS is set: no lock, no ledger; duplicate deliveries take effect twice")
 		s.Handle(tasks.TypeCharge, unguarded.Leased(tasks.TypeCharge, tasks.DecodeCharge, charge))
 		s.Handle(tasks.TypeDebit, unguarded.Transactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
+		// The same three effects without step records: a redelivery records and emails again.
+		s.Handle(tasks.TypeCheckout, unguarded.Leased(tasks.TypeCheckout, tasks.DecodeCheckout, unguarded.Checkout(charger, pool)))
 	} else {
 		server.HandleLeased(s, tasks.TypeCharge, charge, server.WithDecoder(tasks.DecodeCharge))
 		server.HandleTx(s, tasks.TypeDebit, debit, server.WithDecoder(tasks.DecodeDebit))
-		// Its steps are recorded in the ledger: there is no unguarded checkout.
 		server.HandleLeased(s, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
 	}
 
