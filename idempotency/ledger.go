@@ -52,6 +52,19 @@ const (
 	EventLineStalled    Event = sharedtx.EventLineStalled // a DoTx delivery waited 30 s in its Request.Scope's line (it keeps waiting)
 )
 
+// StepOutcome names how a Step or StepTx call ended, for counters (see
+// Config.ObserveStep) and as its span's idemq.outcome.
+type StepOutcome string
+
+// Step outcomes passed to Config.ObserveStep.
+const (
+	StepRan       StepOutcome = "ran"        // fn ran and its result was recorded
+	StepCached    StepOutcome = "cached"     // an earlier delivery recorded the step: fn did not run
+	StepLeaseLost StepOutcome = "lease_lost" // the claim no longer holds the key: nothing recorded
+	StepMismatch  StepOutcome = "mismatch"   // recorded with another input or at another position (ErrStepMismatch)
+	StepError     StepOutcome = "error"      // fn failed, or its result or record could not be stored
+)
+
 // Kinds of shared commit passed to Config.ObserveBatch.
 const (
 	BatchClaim    = "claim"    // leased claims (Do)
@@ -69,7 +82,7 @@ type Config struct {
 	// configuration, closed by Ledger.Close.
 	HeartbeatPool *pgxpool.Pool
 	// TracerProvider makes Do's spans (idemq.claim, idemq.handler, idemq.complete, under
-	// the caller's span). Default: the global one (otel.GetTracerProvider), a no-op unless
+	// the caller's span, and idemq.step for each Step and StepTx call, under the handler's). Default: the global one (otel.GetTracerProvider), a no-op unless
 	// the program installed one.
 	TracerProvider trace.TracerProvider
 	// ClaimLockTimeout bounds how long a claim waits for another session's row lock
@@ -120,6 +133,11 @@ type Config struct {
 	// Observe, if set, is called for each Event with the request's task type, for
 	// metrics. It must be fast and safe for concurrent use.
 	Observe func(ev Event, taskType string)
+	// ObserveStep, if set, is called once for each Step and StepTx call with the job's
+	// task type, the step's name and how the call ended, for metrics. Calls refused before
+	// they name a valid step of a leased claim (ErrNoClaim, ErrStepInTx, a nested StepTx, a
+	// bad name) are not reported. It must be fast and safe for concurrent use.
+	ObserveStep func(taskType, step string, outcome StepOutcome)
 }
 
 // Ledger records, per idempotency key, whether a piece of work is claimed, completed or

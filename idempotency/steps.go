@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
@@ -167,23 +168,28 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 }
 
 // step is Step; cached reports a step that an earlier delivery recorded.
-func step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts []StepOption, h stephook.Hook) (_ T, cached bool, _ error) {
-	var zero T
-	run, call, done, err := beginStep(ctx, name, opts)
+func step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts []StepOption, h stephook.Hook) (v T, cached bool, err error) {
+	run, err := stepRunOf(ctx, name)
+	if err != nil {
+		return v, false, err
+	}
+	ctx, span := run.l.startSpan(ctx, "idemq.step", run.c.Key)
+	call, done, err := run.begin(ctx, name, opts)
+	defer func() { run.end(span, name, call, done, err) }()
 	if err != nil || done != nil {
-		v, err := decodeStep[T](run, name, done, err)
+		v, err = decodeStep[T](run, name, done, err)
 		return v, err == nil, err
 	}
 	if err := context.Cause(ctx); err != nil {
-		return zero, false, withLeaseLoss(err, ctx)
+		return v, false, withLeaseLoss(err, ctx)
 	}
-	v, err := fn(ctx, call.stepKey)
+	res, err := fn(ctx, call.stepKey)
 	if err != nil {
-		return zero, false, err
+		return v, false, err
 	}
-	b, p, err := run.params(call, v)
+	b, p, err := run.params(call, res)
 	if err != nil {
-		return zero, false, err
+		return v, false, err
 	}
 	if h != nil {
 		h.Effected(ctx, name, false)
@@ -194,10 +200,10 @@ func step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	defer cancel()
 	recorded, err := run.l.writes.RecordStep(wctx, run.l.pool, p)
 	if err != nil {
-		return zero, false, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
+		return v, false, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
 	}
 	if !recorded {
-		return zero, false, run.leaseLost(name)
+		return v, false, run.leaseLost(name)
 	}
 	v, err = recordedStep[T](run, call, b)
 	return v, false, err
@@ -229,11 +235,16 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 }
 
 // stepTx is StepTx; cached reports a step that an earlier delivery recorded.
-func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts []StepOption, h stephook.Hook) (_ T, cached bool, _ error) {
-	var zero T
-	run, call, done, err := beginStep(ctx, name, opts)
+func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts []StepOption, h stephook.Hook) (v T, cached bool, err error) {
+	run, err := stepRunOf(ctx, name)
+	if err != nil {
+		return v, false, err
+	}
+	ctx, span := run.l.startSpan(ctx, "idemq.step", run.c.Key)
+	call, done, err := run.begin(ctx, name, opts)
+	defer func() { run.end(span, name, call, done, err) }()
 	if err != nil || done != nil {
-		v, err := decodeStep[T](run, name, done, err)
+		v, err = decodeStep[T](run, name, done, err)
 		return v, err == nil, err
 	}
 	var b []byte
@@ -267,9 +278,9 @@ func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 		if fnErr == nil && !errors.Is(err, ErrLeaseLost) {
 			err = asUnavailable(ctx, fmt.Errorf("idempotency: step %q of %s: %w", name, run.c.Key, err))
 		}
-		return zero, false, withLeaseLoss(err, ctx)
+		return v, false, withLeaseLoss(err, ctx)
 	}
-	v, err := recordedStep[T](run, call, b)
+	v, err = recordedStep[T](run, call, b)
 	return v, false, err
 }
 
@@ -302,30 +313,40 @@ type stepCall struct {
 	input         []byte
 }
 
-// beginStep checks a step call and gives it its position in the run. done is the step's
-// record when an earlier delivery recorded it (then fn must not run).
-func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRun, call stepCall, done *store.StepRow, err error) {
+// stepRunOf returns the step run of ctx's leased delivery, or why a step named name cannot
+// be recorded there.
+func stepRunOf(ctx context.Context, name string) (*stepRun, error) {
 	if claimctx.InTx(ctx) {
-		return nil, call, nil, Permanent(fmt.Errorf("%w (step %q)", ErrStepInTx, name))
+		return nil, Permanent(fmt.Errorf("%w (step %q)", ErrStepInTx, name))
 	}
 	if outer, ok := ctx.Value(inStepTxKey{}).(string); ok {
 		// Its record would wait for the row lock the outer StepTx holds until fn returns.
-		return nil, call, nil, Permanent(fmt.Errorf("idempotency: step %q called inside StepTx %q: steps do not nest in a StepTx", name, outer))
+		return nil, Permanent(fmt.Errorf("idempotency: step %q called inside StepTx %q: steps do not nest in a StepTx", name, outer))
 	}
 	run, ok := ctx.Value(stepsKey{}).(*stepRun)
 	if !ok {
-		return nil, call, nil, Permanent(fmt.Errorf("%w: step %q must run inside a leased handler (Ledger.Do)", ErrNoClaim, name))
+		return nil, Permanent(fmt.Errorf("%w: step %q must run inside a leased handler (Ledger.Do)", ErrNoClaim, name))
+	}
+	return run, nil
+}
+
+// begin checks a step call and gives it its position in the run. done is the step's
+// record when an earlier delivery recorded it (then fn must not run). call.name is ""
+// when name is not a valid step name.
+func (run *stepRun) begin(ctx context.Context, name string, opts []StepOption) (call stepCall, done *store.StepRow, err error) {
+	if err := validateStepName(name); err != nil {
+		return call, nil, Permanent(err)
 	}
 	call.name = name
 	if call.stepKey, err = StepKey(run.c.Key, name); err != nil {
-		return nil, call, nil, Permanent(err)
+		return call, nil, Permanent(err)
 	}
 	var o stepOptions
 	for _, opt := range opts {
 		opt(&o)
 	}
 	if o.err != nil {
-		return nil, call, nil, Permanent(fmt.Errorf("step %q: %w", name, o.err))
+		return call, nil, Permanent(fmt.Errorf("step %q: %w", name, o.err))
 	}
 	call.input = o.input
 
@@ -340,7 +361,7 @@ func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRu
 		var rows []store.StepRow
 		if run.c.Attempt > 1 {
 			if rows, err = store.ReadSteps(ctx, run.l.pool, run.c.Key, int32(run.c.Generation)); err != nil {
-				return nil, call, nil, asUnavailable(ctx, fmt.Errorf("idempotency: read steps of %s: %w", run.c.Key, err))
+				return call, nil, asUnavailable(ctx, fmt.Errorf("idempotency: read steps of %s: %w", run.c.Key, err))
 			}
 		}
 		run.steps = make(map[string]store.StepRow, len(rows))
@@ -352,13 +373,40 @@ func beginStep(ctx context.Context, name string, opts []StepOption) (run *stepRu
 	r, ok := run.steps[name]
 	switch {
 	case !ok:
-		return run, call, nil, nil
+		return call, nil, nil
 	case int(r.Seq) != call.seq:
-		return nil, call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Order: true, Seq: call.seq, RecordedSeq: int(r.Seq)})
+		return call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Order: true, Seq: call.seq, RecordedSeq: int(r.Seq)})
 	case r.InputFingerprint != nil && call.input != nil && string(r.InputFingerprint) != string(call.input):
-		return nil, call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Seq: call.seq, RecordedSeq: int(r.Seq)})
+		return call, nil, Permanent(&StepMismatchError{Key: run.c.Key, Step: name, Seq: call.seq, RecordedSeq: int(r.Seq)})
 	}
-	return run, call, &r, nil
+	return call, &r, nil
+}
+
+// end reports how the step call named name ended: to Config.ObserveStep (unless the name
+// was not valid) and on its span. It is cached when done, an earlier delivery's record,
+// answered it, else told by err.
+func (run *stepRun) end(span trace.Span, name string, call stepCall, done *store.StepRow, err error) {
+	outcome := stepOutcome(done != nil, err)
+	if call.name != "" && run.l.cfg.ObserveStep != nil {
+		run.l.cfg.ObserveStep(run.c.TaskType, call.name, outcome)
+	}
+	endStepSpan(span, run.c, name, call, done, outcome, err)
+}
+
+// stepOutcome tells how a step call ended from whether it found a record and its error.
+func stepOutcome(cached bool, err error) StepOutcome {
+	switch {
+	case err == nil && cached:
+		return StepCached
+	case err == nil:
+		return StepRan
+	case errors.Is(err, ErrLeaseLost):
+		return StepLeaseLost
+	case errors.Is(err, ErrStepMismatch):
+		return StepMismatch
+	default:
+		return StepError
+	}
 }
 
 // decodeStep is a step call's answer when it did not run: its error, or the recorded

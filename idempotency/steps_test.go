@@ -5,7 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/idempotency"
+	"github.com/idemq/idemq/internal/metrics"
 	"github.com/idemq/idemq/internal/testenv"
 )
 
@@ -620,5 +625,115 @@ func TestStepsShowsTheCurrentGeneration(t *testing.T) {
 		if steps, err := l.Steps(ctx, key); err != nil || len(steps) != 0 {
 			t.Errorf("Steps(%s): %+v, %v; want none", key, steps, err)
 		}
+	}
+}
+
+// TestStepOutcomesAreCounted: every Step and StepTx call is reported once to
+// Config.ObserveStep, here the worker's idemq_steps_total, with its task type, name and
+// outcome: ran, cached (a later delivery), error (fn failed), lease_lost (a newer claim
+// holds the key) and mismatch (another input). A call refused for its bad name is not.
+func TestStepOutcomesAreCounted(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	m := metrics.New()
+	l, pool := newLedger(t, &idempotency.Config{Lease: time.Hour, ObserveStep: func(taskType, step string, o idempotency.StepOutcome) {
+		m.ObserveStep(taskType, step, string(o))
+	}})
+	mustExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
+	errDown := errors.New("provider down")
+	noop := func(context.Context, string) (int, error) { return 1, nil }
+	record := func(ctx context.Context, tx pgx.Tx) (int, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ('k')`)
+		return 1, err
+	}
+	// Three steps, the last failing on the first delivery and running on the second.
+	var deliveries atomic.Int64
+	handler := func(ctx context.Context) (json.RawMessage, error) {
+		n := deliveries.Add(1)
+		if _, err := idempotency.Step(ctx, "charge", noop); err != nil {
+			return nil, err
+		}
+		if _, err := idempotency.StepTx(ctx, "record", record); err != nil {
+			return nil, err
+		}
+		_, err := idempotency.Step(ctx, "receipt", func(context.Context, string) (int, error) {
+			if n == 1 {
+				return 0, errDown
+			}
+			return 1, nil
+		})
+		return nil, err
+	}
+	if _, err := l.Do(ctx, req("k"), handler); !errors.Is(err, errDown) {
+		t.Fatalf("first delivery: %v, want %v", err, errDown)
+	}
+	if _, err := l.Do(ctx, req("k"), handler); err != nil {
+		t.Fatalf("second delivery: %v", err)
+	}
+	// A newer claim (here: another fence) holds the key: neither step is recorded.
+	_, err := l.Do(ctx, req("lost"), func(ctx context.Context) (json.RawMessage, error) {
+		mustExec(t, pool, `UPDATE processed_jobs SET fence = fence + 1000 WHERE idempotency_key = 'lost'`)
+		_, err := idempotency.Step(ctx, "charge", noop)
+		if !errors.Is(err, idempotency.ErrLeaseLost) {
+			t.Errorf("Step after a takeover: %v, want ErrLeaseLost", err)
+		}
+		_, err = idempotency.StepTx(ctx, "record", record)
+		if !errors.Is(err, idempotency.ErrLeaseLost) {
+			t.Errorf("StepTx after a takeover: %v, want ErrLeaseLost", err)
+		}
+		_, err = idempotency.Step(ctx, "Bad Name", noop)
+		return nil, err
+	})
+	if !errors.Is(err, idempotency.ErrInvalidRequest) {
+		t.Fatalf("lost delivery: %v, want ErrInvalidRequest", err)
+	}
+	// Another input on the second delivery.
+	for i, want := range []error{errLater, idempotency.ErrStepMismatch} {
+		_, err := l.Do(ctx, req("mm"), func(ctx context.Context) (json.RawMessage, error) {
+			if _, err := idempotency.Step(ctx, "charge", noop, idempotency.StepInput(i)); err != nil {
+				return nil, err
+			}
+			return nil, errLater
+		})
+		if !errors.Is(err, want) {
+			t.Fatalf("delivery %d of mm: %v, want %v", i+1, err, want)
+		}
+	}
+
+	srv := httptest.NewServer(m.Handler(nil, nil))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	var got []string
+	for _, line := range strings.Split(string(body), "\n") {
+		if strings.HasPrefix(line, "idemq_steps_total{") {
+			got = append(got, line)
+		}
+	}
+	series := func(step, outcome string, n int) string {
+		return fmt.Sprintf(`idemq_steps_total{outcome=%q,step=%q,task_type="test:task"} %d`, outcome, step, n)
+	}
+	want := []string{
+		series("charge", "cached", 1),
+		series("charge", "lease_lost", 1),
+		series("charge", "mismatch", 1),
+		series("charge", "ran", 2),
+		series("receipt", "error", 1),
+		series("receipt", "ran", 1),
+		series("record", "cached", 1),
+		series("record", "lease_lost", 1),
+		series("record", "ran", 1),
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("idemq_steps_total:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects`); n != 1 {
+		t.Errorf("%d effect rows, want 1", n)
 	}
 }

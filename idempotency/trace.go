@@ -8,14 +8,18 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // The span attributes idemq sets, on the ledger's spans and on asynqmw's delivery spans.
 const (
-	AttrKey     = attribute.Key("idemq.key")     // the job's idempotency key
-	AttrFence   = attribute.Key("idemq.fence")   // the claim's fence (of the run that did the work, when cached)
-	AttrAttempt = attribute.Key("idemq.attempt") // the ledger's claim count; asynq's delivery attempt on a delivery
-	AttrOutcome = attribute.Key("idemq.outcome") // what the span's step decided
+	AttrKey     = attribute.Key("idemq.key")      // the job's idempotency key
+	AttrFence   = attribute.Key("idemq.fence")    // the claim's fence (of the run that did the work, when cached)
+	AttrAttempt = attribute.Key("idemq.attempt")  // the ledger's claim count; asynq's delivery attempt on a delivery
+	AttrOutcome = attribute.Key("idemq.outcome")  // what the span's step decided
+	AttrStep    = attribute.Key("idemq.step")     // a recorded step's name (Step, StepTx)
+	AttrStepKey = attribute.Key("idemq.step_key") // a recorded step's key, <job key>#s/<name>
 )
 
 // TraceParent returns the W3C traceparent of ctx's span when it is valid and sampled, else
@@ -50,7 +54,8 @@ const (
 	outcomeError          = "error"
 )
 
-// startSpan starts one of Do's spans ("idemq.claim", "idemq.handler", "idemq.complete")
+// startSpan starts one of Do's spans ("idemq.claim", "idemq.handler", "idemq.complete",
+// and "idemq.step" under the handler's)
 // for key, under ctx's span (a delivery's).
 func (l *Ledger) startSpan(ctx context.Context, name, key string) (context.Context, trace.Span) {
 	ctx, span := l.tracer.Start(ctx, name)
@@ -127,6 +132,30 @@ func endFinishSpan(span trace.Span, c *Claim, handlerErr, err, cause error) {
 		span.SetAttributes(AttrOutcome.String("failed"))
 	default:
 		span.SetAttributes(AttrOutcome.String("completed"))
+	}
+	span.End()
+}
+
+// endStepSpan records how a step call named name ended: its name and key, its outcome
+// (ran, cached, lease_lost, mismatch, error) and the fence of the claim that recorded it,
+// this delivery's or, when cached, the earlier one's; a failed call's error is the span's
+// status.
+func endStepSpan(span trace.Span, c *Claim, name string, call stepCall, done *store.StepRow, outcome StepOutcome, err error) {
+	if !span.IsRecording() {
+		span.End()
+		return
+	}
+	fence := c.Fence
+	if done != nil && err == nil {
+		fence = done.Fence
+	}
+	span.SetAttributes(AttrStep.String(name), AttrOutcome.String(string(outcome)), AttrFence.Int64(fence))
+	if call.stepKey != "" {
+		span.SetAttributes(AttrStepKey.String(call.stepKey))
+	}
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
 	}
 	span.End()
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -142,6 +143,106 @@ func TestDoSpanTrees(t *testing.T) {
 		t.Errorf("stale owner: span tree\n%s\nwant claim outcome=claimed, handler, complete outcome=lease_lost", got)
 	}
 	t.Logf("stale owner:\n%s", got)
+}
+
+// Each Step and StepTx call is an idemq.step span under the handler's, with the step's
+// name, its key and its outcome, and the step's own work (fn's spans) under it: on the
+// first delivery the charge and the record run and the receipt fails (its error on the
+// span); on the next the charge and the record come from their records, with the fence
+// that recorded them, and the receipt runs.
+func TestStepSpans(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	l, _ := newLedger(t, &idempotency.Config{TracerProvider: tp})
+	ctx := testenv.Context(t, time.Minute)
+	errDown := errors.New("provider down")
+	var deliveries atomic.Int64
+	handler := func(hctx context.Context) (json.RawMessage, error) {
+		n := deliveries.Add(1)
+		_, err := idempotency.Step(hctx, "charge", func(ctx context.Context, stepKey string) (string, error) {
+			_, span := tp.Tracer("test").Start(ctx, "provider call")
+			span.End()
+			return "ch_1", nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		if _, err := idempotency.StepTx(hctx, "record", func(ctx context.Context, tx pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return nil, err
+		}
+		_, err = idempotency.Step(hctx, "receipt", func(ctx context.Context, stepKey string) (int, error) {
+			if n == 1 {
+				return 0, errDown
+			}
+			return 1, nil
+		})
+		return nil, err
+	}
+	delivery := func() (trace.SpanContext, error) {
+		dctx, span := tp.Tracer("test").Start(ctx, "delivery")
+		_, err := l.Do(dctx, req("checkout:1"), handler)
+		span.End()
+		return span.SpanContext(), err
+	}
+	first, err := delivery()
+	if !errors.Is(err, errDown) {
+		t.Fatalf("first delivery: %v, want %v", err, errDown)
+	}
+	second, err := delivery()
+	if err != nil {
+		t.Fatalf("second delivery: %v", err)
+	}
+	f1 := strings.Fields(tree(rec, first))[2] // "fence=N"
+	f2 := strings.Fields(tree(rec, second))[2]
+	if f1 == f2 {
+		t.Fatalf("both deliveries claimed with %s", f1)
+	}
+	for _, tc := range []struct {
+		name string
+		sc   trace.SpanContext
+		want string
+	}{
+		{"first delivery", first, "idemq.claim outcome=claimed F1 attempt=1\nidemq.handler\n" +
+			"  idemq.step outcome=ran F1\n    provider call\n" +
+			"  idemq.step outcome=ran F1\n" +
+			"  idemq.step outcome=error F1\n" +
+			"idemq.complete F1 outcome=failed\n"},
+		{"second delivery", second, "idemq.claim outcome=takeover F2 attempt=2\nidemq.handler\n" +
+			"  idemq.step outcome=cached F1\n" +
+			"  idemq.step outcome=cached F1\n" +
+			"  idemq.step outcome=ran F2\n" +
+			"idemq.complete F2 outcome=completed\n"},
+	} {
+		want := strings.NewReplacer("F1", f1, "F2", f2).Replace(tc.want)
+		if got := tree(rec, tc.sc); got != want {
+			t.Errorf("%s: span tree\n%s\nwant\n%s", tc.name, got, want)
+		}
+	}
+
+	// Each step span's name and key; the failed one's error.
+	var steps []string
+	for _, s := range rec.Ended() {
+		if s.Name() != "idemq.step" {
+			continue
+		}
+		a := map[string]string{}
+		for _, kv := range s.Attributes() {
+			a[string(kv.Key)] = kv.Value.Emit()
+		}
+		steps = append(steps, fmt.Sprintf("%s %s %s %s %q", a["idemq.key"], a["idemq.step"], a["idemq.step_key"], s.Status().Code, s.Status().Description))
+	}
+	want := []string{
+		`checkout:1 charge checkout:1#s/charge Unset ""`,
+		`checkout:1 record checkout:1#s/record Unset ""`,
+		`checkout:1 receipt checkout:1#s/receipt Error "provider down"`,
+		`checkout:1 charge checkout:1#s/charge Unset ""`,
+		`checkout:1 record checkout:1#s/record Unset ""`,
+		`checkout:1 receipt checkout:1#s/receipt Unset ""`,
+	}
+	if strings.Join(steps, "\n") != strings.Join(want, "\n") {
+		t.Errorf("idemq.step spans (key, step, step key, status):\n%s\nwant\n%s", strings.Join(steps, "\n"), strings.Join(want, "\n"))
+	}
 }
 
 // Transactional deliveries that share a transaction: each one's idemq.tx span and the

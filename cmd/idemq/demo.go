@@ -40,7 +40,7 @@ import (
 func demoCommand() command {
 	return command{
 		name:    "demo",
-		usage:   "demo [--charges N] [--debits N] [--duplicates F] [--workers N] [--keep]",
+		usage:   "demo [--charges N] [--debits N] [--checkouts N] [--duplicates F] [--workers N] [--keep]",
 		summary: "the whole story on one machine: API, workers, provider, duplicates and a killed worker — then the same without guards",
 		run: func(ctx context.Context, _ any, args []string, stdout, stderr io.Writer) error {
 			fs := flag.NewFlagSet("demo", flag.ContinueOnError)
@@ -48,6 +48,7 @@ func demoCommand() command {
 			o := demoOptions{}
 			fs.IntVar(&o.charges, "charges", 200, "payment:charge jobs (orders)")
 			fs.IntVar(&o.debits, "debits", 200, "wallet:debit jobs (references)")
+			fs.IntVar(&o.checkouts, "checkouts", 100, "order:checkout jobs (orders charged, recorded and emailed a receipt)")
 			fs.Float64Var(&o.dups, "duplicates", 0.5, "share of jobs sent again: a repeated API request, plus a duplicate delivery straight to asynq")
 			fs.IntVar(&o.workers, "workers", 3, "worker processes")
 			fs.BoolVar(&o.keep, "keep", false, "keep the demo's Postgres schemas and leave the stack running until Ctrl-C")
@@ -55,8 +56,8 @@ func demoCommand() command {
 			if err := fs.Parse(args); err != nil {
 				return err
 			}
-			if o.charges < 0 || o.debits < 0 || o.charges+o.debits == 0 || o.workers < 2 || o.dups < 0 || o.dups > 1 {
-				return errors.New("demo: want --charges/--debits ≥ 0 (not both 0), --workers ≥ 2, 0 ≤ --duplicates ≤ 1")
+			if o.charges < 0 || o.debits < 0 || o.checkouts < 0 || o.charges+o.debits+o.checkouts == 0 || o.workers < 2 || o.dups < 0 || o.dups > 1 {
+				return errors.New("demo: want --charges/--debits/--checkouts ≥ 0 (not all 0), --workers ≥ 2, 0 ≤ --duplicates ≤ 1")
 			}
 			return runDemo(ctx, o, stdout)
 		},
@@ -64,9 +65,9 @@ func demoCommand() command {
 }
 
 type demoOptions struct {
-	charges, debits, workers int
-	dups                     float64
-	keep, skipUnguarded      bool
+	charges, debits, checkouts, workers int
+	dups                                float64
+	keep, skipUnguarded                 bool
 }
 
 // demoRun is what one phase of the demo measured.
@@ -80,9 +81,15 @@ type demoRun struct {
 	providerRequests, providerReplays        int
 	charges, chargeMax, entries, entryMax    int
 	chargeOrders, entryRefs                  int
-	incomplete                               int
-	killed                                   bool
-	elapsed                                  time.Duration
+	// Checkouts: their charges, order rows and receipt emails, each by order; resent are
+	// the emails sent by a claim that did not record its receipt step (with guards: one
+	// that died or lost its lease between the email and its record).
+	checkoutCharges, checkoutChargeMax int
+	orderRows, orderRowMax, checkouts  int
+	emails, emailMax, emailed, resent  int
+	incomplete                         int
+	killed                             bool
+	elapsed                            time.Duration
 }
 
 func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
@@ -96,8 +103,8 @@ func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
 	}
 	defer cleanup()
 
-	fmt.Fprintf(out, "idemq demo: %d charges and %d debits, %.0f%% sent twice, %d workers; worker 1 is SIGKILLed once a quarter of the jobs are done\n",
-		o.charges, o.debits, o.dups*100, o.workers)
+	fmt.Fprintf(out, "idemq demo: %d charges, %d debits and %d checkouts, %.0f%% sent twice, %d workers; worker 1 is SIGKILLed once a quarter of the jobs are done\n",
+		o.charges, o.debits, o.checkouts, o.dups*100, o.workers)
 	guarded, err := demoPhase(ctx, o, exe, redisURL, dbURL, true, out)
 	if err != nil {
 		return err
@@ -114,7 +121,9 @@ func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
 	fmt.Fprintln(out)
 	printDemoTable(out, runs)
 	if guarded.incomplete > 0 || guarded.chargeMax != 1 && o.charges > 0 || guarded.entryMax != 1 && o.debits > 0 ||
-		guarded.chargeOrders != o.charges || guarded.entryRefs != o.debits {
+		guarded.chargeOrders != o.charges || guarded.entryRefs != o.debits ||
+		o.checkouts > 0 && (guarded.checkoutChargeMax != 1 || guarded.orderRowMax != 1 || guarded.checkouts != o.checkouts ||
+			guarded.emailed != o.checkouts || guarded.emails != o.checkouts+guarded.resent) {
 		return fmt.Errorf("demo: with guards, some effect did not happen exactly once (see the table)")
 	}
 	fmt.Fprintln(out)
@@ -130,15 +139,23 @@ func demoVerdict(runs []*demoRun) string {
 	if g.killed {
 		through += " and a SIGKILLed worker"
 	}
-	line := fmt.Sprintf("With guards: %d orders charged once each and %d debits written once each, %s.", g.chargeOrders, g.entryRefs, through)
+	line := fmt.Sprintf("With guards: %d orders charged once each and %d debits written once each", g.chargeOrders, g.entryRefs)
+	if g.checkouts > 0 {
+		line = fmt.Sprintf("With guards: %d orders charged once each, %d debits written once each and %d checkouts charged, recorded and emailed once each", g.chargeOrders, g.entryRefs, g.checkouts)
+	}
+	line += ", " + through + "."
+	if g.resent > 0 {
+		line += fmt.Sprintf("\nBut %d receipts were emailed again: the delivery that sent each stopped (its worker killed, or its lease lost) before it recorded the step, so the next one sent it again, with the same step key, which this provider does not honour.", g.resent)
+	}
 	if len(runs) < 2 {
 		return line
 	}
 	u := runs[1]
 	extraEntries := u.entries - u.entryRefs
-	prevented := extraEntries + max(u.providerReplays-g.providerReplays, 0)
-	return fmt.Sprintf("%s\nWithout guards: %d debits written twice and %d charges sent to the provider again, which only its key kept single. The guards prevented %d duplicates.",
-		line, extraEntries, u.providerReplays, prevented)
+	extraOrders, extraEmails := u.orderRows-u.checkouts, u.emails-u.emailed
+	prevented := extraEntries + extraOrders + max(extraEmails-g.resent, 0) + max(u.providerReplays-g.providerReplays, 0)
+	return fmt.Sprintf("%s\nWithout guards: %d debits written twice, %d order rows and %d receipt emails too many, and %d charges sent to the provider again, which only its key kept single. The guards prevented %d duplicates.",
+		line, extraEntries, extraOrders, extraEmails, u.providerReplays, prevented)
 }
 
 // demoServers returns a Redis and a Postgres to use: REDIS_URL/DATABASE_URL (or their
@@ -223,7 +240,7 @@ func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, 
 	var jobs []job
 	var specs []outbox.Spec
 	tag := randomHex(3)
-	for i := range max(o.charges, o.debits) {
+	for i := range max(o.charges, o.debits, o.checkouts) {
 		if i < o.charges {
 			c := tasks.Charge{OrderID: fmt.Sprintf("%s-%d", tag, i), CustomerID: fmt.Sprintf("cust-%d", i%17), AmountCents: int64(500 + i), Currency: "EUR"}
 			spec, _ := tasks.ChargeSpec(c)
@@ -234,6 +251,13 @@ func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, 
 			d := tasks.Debit{AccountID: fmt.Sprintf("acct-%d", i%13), AmountCents: int64(100 + i), Reference: fmt.Sprintf("%s-%d", tag, i)}
 			spec, _ := tasks.DebitSpec(d)
 			jobs = append(jobs, job{"/v1/wallet/debits", string(spec.Payload), spec})
+			specs = append(specs, spec)
+		}
+		if i < o.checkouts {
+			c := tasks.Checkout{OrderID: fmt.Sprintf("%s-co-%d", tag, i), CustomerID: fmt.Sprintf("cust-%d", i%17), AmountCents: int64(900 + i), Currency: "EUR",
+				Email: fmt.Sprintf("buyer-%d@example.com", i)}
+			spec, _ := tasks.CheckoutSpec(c)
+			jobs = append(jobs, job{"/v1/checkouts", string(spec.Payload), spec})
 			specs = append(specs, spec)
 		}
 	}
@@ -572,13 +596,14 @@ func (st *demoStack) counter(name string) float64 {
 }
 
 // finished counts the jobs that are done: completed in the ledger (guarded), or with their
-// effect present (unguarded: there is no ledger).
+// effect present (unguarded: there is no ledger; a checkout's last effect is its receipt).
 func (st *demoStack) finished(ctx context.Context, guarded bool, keys []string) (int, error) {
 	var n int
 	q := `SELECT count(*) FROM processed_jobs WHERE status = 'completed' AND idempotency_key = ANY($1)`
 	if !guarded {
 		q = `SELECT (SELECT count(DISTINCT order_id) FROM fakepay_charges WHERE 'charge:' || order_id = ANY($1))
-		          + (SELECT count(DISTINCT reference) FROM wallet_entries WHERE 'debit:' || reference = ANY($1))`
+		          + (SELECT count(DISTINCT reference) FROM wallet_entries WHERE 'debit:' || reference = ANY($1))
+		          + (SELECT count(DISTINCT order_id) FROM fakepay_emails WHERE 'checkout:' || order_id = ANY($1))`
 	}
 	err := st.pool.QueryRow(ctx, q, keys).Scan(&n)
 	return n, err
@@ -610,7 +635,8 @@ func (st *demoStack) nudge(ctx context.Context, client *asynq.Client, guarded bo
 	if !guarded {
 		q = `SELECT idempotency_key FROM job_intents i WHERE i.created_at < now() - interval '3 seconds'
 		  AND NOT EXISTS (SELECT 1 FROM fakepay_charges c WHERE 'charge:' || c.order_id = i.idempotency_key)
-		  AND NOT EXISTS (SELECT 1 FROM wallet_entries w WHERE 'debit:' || w.reference = i.idempotency_key)`
+		  AND NOT EXISTS (SELECT 1 FROM wallet_entries w WHERE 'debit:' || w.reference = i.idempotency_key)
+		  AND NOT EXISTS (SELECT 1 FROM fakepay_emails e WHERE 'checkout:' || e.order_id = i.idempotency_key)`
 	}
 	rows, err := st.pool.Query(ctx, q)
 	if err != nil {
@@ -643,17 +669,35 @@ func (st *demoStack) measure(ctx context.Context, run *demoRun) error {
 	if info, err := asynq.NewInspectorFromRedisClient(st.rdb).GetQueueInfo(tasks.Queue); err == nil {
 		run.deliveries = info.ProcessedTotal
 	}
+	// A checkout's charge is a provider charge too, under its step key
+	// (checkout:<order>#s/charge); the charges rows count payment:charge's alone.
+	// An email is re-sent when a claim sent it but did not record the receipt step: its
+	// fence is not the one the step's record holds (without guards nothing is recorded).
 	return st.pool.QueryRow(ctx, `SELECT
 		(SELECT count(*) FROM fakepay_requests),
 		(SELECT count(*) FROM fakepay_requests WHERE replayed),
-		(SELECT count(*) FROM fakepay_charges),
-		(SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM fakepay_charges GROUP BY order_id) x),
-		(SELECT count(DISTINCT order_id) FROM fakepay_charges),
+		(SELECT count(*) FROM fakepay_charges WHERE idempotency_key LIKE 'charge:%'),
+		(SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM fakepay_charges WHERE idempotency_key LIKE 'charge:%' GROUP BY order_id) x),
+		(SELECT count(DISTINCT order_id) FROM fakepay_charges WHERE idempotency_key LIKE 'charge:%'),
 		(SELECT count(*) FROM wallet_entries),
 		(SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM wallet_entries GROUP BY reference) x),
-		(SELECT count(DISTINCT reference) FROM wallet_entries)`).Scan(
+		(SELECT count(DISTINCT reference) FROM wallet_entries),
+		(SELECT count(*) FROM fakepay_charges WHERE idempotency_key LIKE 'checkout:%'),
+		(SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM fakepay_charges WHERE idempotency_key LIKE 'checkout:%' GROUP BY order_id) x),
+		(SELECT count(*) FROM orders),
+		(SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM orders GROUP BY order_id) x),
+		(SELECT count(DISTINCT order_id) FROM orders),
+		(SELECT count(*) FROM fakepay_emails),
+		(SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM fakepay_emails GROUP BY order_id) x),
+		(SELECT count(DISTINCT order_id) FROM fakepay_emails),
+		(SELECT count(*) FROM fakepay_emails e WHERE EXISTS (SELECT 1 FROM processed_job_steps s
+			WHERE s.idempotency_key = 'checkout:' || e.order_id AND s.step = 'receipt')
+			AND NOT EXISTS (SELECT 1 FROM processed_job_steps s
+			WHERE s.idempotency_key = 'checkout:' || e.order_id AND s.step = 'receipt' AND s.fence = e.fence))`).Scan(
 		&run.providerRequests, &run.providerReplays, &run.charges, &run.chargeMax, &run.chargeOrders,
-		&run.entries, &run.entryMax, &run.entryRefs)
+		&run.entries, &run.entryMax, &run.entryRefs,
+		&run.checkoutCharges, &run.checkoutChargeMax, &run.orderRows, &run.orderRowMax, &run.checkouts,
+		&run.emails, &run.emailMax, &run.emailed, &run.resent)
 }
 
 func printDemoTable(out io.Writer, runs []*demoRun) {
@@ -687,6 +731,13 @@ func printDemoTable(out io.Writer, runs []*demoRun) {
 	row("  most charges for one order", func(r *demoRun) string { return num(float64(r.chargeMax)) })
 	row("wallet entries / references", func(r *demoRun) string { return fmt.Sprintf("%d / %d", r.entries, r.entryRefs) })
 	row("  most entries for one reference", func(r *demoRun) string { return num(float64(r.entryMax)) })
+	row("checkout charges / checkouts", func(r *demoRun) string { return fmt.Sprintf("%d / %d", r.checkoutCharges, r.checkouts) })
+	row("  most charges for one checkout", func(r *demoRun) string { return num(float64(r.checkoutChargeMax)) })
+	row("order rows / checkouts", func(r *demoRun) string { return fmt.Sprintf("%d / %d", r.orderRows, r.checkouts) })
+	row("  most order rows for one checkout", func(r *demoRun) string { return num(float64(r.orderRowMax)) })
+	row("receipt emails / checkouts", func(r *demoRun) string { return fmt.Sprintf("%d / %d", r.emails, r.emailed) })
+	row("  most emails for one checkout", func(r *demoRun) string { return num(float64(r.emailMax)) })
+	row("  re-sent (the sender stopped before its record)", func(r *demoRun) string { return guardedOnly(r, num(float64(r.resent))) })
 	row("jobs never finished", func(r *demoRun) string { return num(float64(r.incomplete)) })
 	row("worker SIGKILLed mid-flight", func(r *demoRun) string { return fmt.Sprint(r.killed) })
 	row("elapsed", func(r *demoRun) string { return r.elapsed.Round(100 * time.Millisecond).String() })

@@ -467,14 +467,28 @@ func TestDemo(t *testing.T) {
 		}
 	}
 	takeStackSlot(t)
-	out, stderr, err := idemq(t, env, "demo", "--charges", "25", "--debits", "25")
+	out, stderr, err := idemq(t, env, "demo", "--charges", "25", "--debits", "25", "--checkouts", "25")
 	if err != nil {
 		t.Fatalf("idemq demo: %v\n%s\n%s", err, out, stderr)
 	}
 	for _, want := range []string{"most charges for one order            1", "most entries for one reference            1",
-		"jobs never finished            0", "orders charged once each", "The guards prevented"} {
+		"most charges for one checkout            1", "most order rows for one checkout            1",
+		"jobs never finished            0", "orders charged once each", "25 checkouts charged, recorded and emailed once each",
+		"The guards prevented"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("demo output lacks %q:\n%s", want, out)
+		}
+	}
+	// With guards, one receipt per checkout, and any more are the re-sent ones the table
+	// and the verdict attribute to a delivery that stopped before its record.
+	emails := regexp.MustCompile(`receipt emails / checkouts\s+(\d+) / (\d+)`).FindStringSubmatch(out)
+	resent := regexp.MustCompile(`re-sent \(the sender stopped before its record\)\s+(\d+)`).FindStringSubmatch(out)
+	if emails == nil || resent == nil || emails[2] != "25" || atoi(t, emails[1]) != 25+atoi(t, resent[1]) {
+		t.Errorf("with guards, receipt emails %q and re-sent %q: want 25 checkouts emailed, 25 emails plus the re-sent ones:\n%s", emails, resent, out)
+	}
+	if resent != nil {
+		if n := atoi(t, resent[1]); n > 0 != strings.Contains(out, fmt.Sprintf("But %d receipts were emailed again", n)) {
+			t.Errorf("the verdict does not account for the %d re-sent receipts:\n%s", n, out)
 		}
 	}
 	// What the log says happened, the table and the last line say too.
@@ -492,6 +506,15 @@ func TestDemo(t *testing.T) {
 		}
 	}
 	t.Logf("idemq demo:\n%s", out)
+}
+
+func atoi(t *testing.T, s string) int {
+	t.Helper()
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
 
 func TestWorkerDrainsOnSIGTERM(t *testing.T) {

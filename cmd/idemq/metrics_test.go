@@ -64,6 +64,10 @@ func (p *gatedProvider) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if r.URL.Path == "/v1/emails" { // a checkout's receipt
+		fmt.Fprint(w, `{"id":1}`)
+		return
+	}
 	fmt.Fprintf(w, `{"id":"ch_%s","amount_cents":%d,"currency":%q}`, c.OrderID, c.AmountCents, c.Currency)
 }
 
@@ -145,7 +149,8 @@ func handled(typ, outcome string) string {
 }
 
 // TestWorkerMetrics runs a worker in process and drives each ledger and lock outcome
-// once, then checks the counters and the handler histograms on its /metrics.
+// once, and a checkout's steps, then checks the counters and the handler histograms on
+// its /metrics.
 func TestWorkerMetrics(t *testing.T) {
 	t.Parallel()
 	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
@@ -266,6 +271,20 @@ func TestWorkerMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitMetric(t, metricsURL, lockEvent("lost", C), atLeast(1))
+
+	// A checkout runs and records its three steps, once each.
+	co, err := tasks.CheckoutSpec(tasks.Checkout{OrderID: "o-steps", CustomerID: "c-steps", AmountCents: 1999, Currency: "EUR", Email: "buyer@example.com"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	enqueue(co, co.Key)
+	waitMetric(t, metricsURL, handled(tasks.TypeCheckout, asynqmw.OutcomeCompleted), atLeast(1))
+	for _, step := range tasks.CheckoutSteps {
+		series := fmt.Sprintf(`idemq_steps_total{outcome="ran",step=%q,task_type=%q}`, step, tasks.TypeCheckout)
+		if v := scrape(t, metricsURL, series); v != 1 {
+			t.Errorf("%s = %v, want 1", series, v)
+		}
+	}
 
 	// The values, now that every outcome happened.
 	for _, tc := range []struct {

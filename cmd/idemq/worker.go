@@ -109,6 +109,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 				m.ObserveLedger(string(ev), taskType)
 			},
 			ObserveBatch: m.ObserveBatch,
+			ObserveStep: func(taskType, step string, outcome idempotency.StepOutcome) {
+				m.ObserveStep(taskType, step, string(outcome))
+			},
 		},
 		Worker: &asynqmw.Config{
 			LockTTL: cfg.LockTTL,
@@ -149,6 +152,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		log.Warn("IDEMQ_UNSAFE_NO_GUARDS is set: no lock, no ledger, no step records; duplicate deliveries take effect twice")
 		s.Handle(tasks.TypeCharge, unguarded.Leased(tasks.TypeCharge, tasks.DecodeCharge, charge))
 		s.Handle(tasks.TypeDebit, unguarded.Transactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
+		// The same three effects without step records: a redelivery records and emails again.
 		s.Handle(tasks.TypeCheckout, unguarded.Leased(tasks.TypeCheckout, tasks.DecodeCheckout, unguarded.Checkout(charger, pool)))
 		s.Handle(tasks.TypeSettle, unguarded.Transactional(pool, tasks.TypeSettle, tasks.DecodeSettle, handlers.Settle))
 	} else {

@@ -46,3 +46,11 @@ func BenchmarkCountLedgerEventParallel(b *testing.B) {
 		}
 	})
 }
+
+func BenchmarkCountStep(b *testing.B) {
+	m := New()
+	b.ReportAllocs()
+	for b.Loop() {
+		m.ObserveStep("order:checkout", "receipt", "ran")
+	}
+}

@@ -5,7 +5,7 @@ import (
 	"sync/atomic"
 )
 
-// bound keeps the children of a vector by their label values (one or two), so that a hot
+// bound keeps the children of a vector by their label values (one to three), so that a hot
 // path finds a child with one lookup in a map that is never written, instead of
 // WithLabelValues's validating and hashing under the vector's lock. Adding a child copies
 // the map: label values come from small fixed sets (task types, events, outcomes), so
@@ -15,33 +15,41 @@ import (
 type bound[M any] struct {
 	with func(values ...string) M // the vector's WithLabelValues
 	mu   sync.Mutex               // serializes adding a child
-	m    atomic.Pointer[map[[2]string]M]
+	m    atomic.Pointer[map[[3]string]M]
 }
 
 func newBound[M any](with func(values ...string) M) *bound[M] {
 	b := &bound[M]{with: with}
-	b.m.Store(&map[[2]string]M{})
+	b.m.Store(&map[[3]string]M{})
 	return b
 }
 
 // get returns the child of a vector with two labels, values a and b.
 func (b *bound[M]) get(a, c string) M {
-	if child, ok := (*b.m.Load())[[2]string{a, c}]; ok {
+	if child, ok := (*b.m.Load())[[3]string{a, c}]; ok {
 		return child
 	}
-	return b.add([2]string{a, c}, 2)
+	return b.add([3]string{a, c}, 2)
 }
 
 // get1 returns the child of a vector with one label, value a.
 func (b *bound[M]) get1(a string) M {
-	if child, ok := (*b.m.Load())[[2]string{a}]; ok {
+	if child, ok := (*b.m.Load())[[3]string{a}]; ok {
 		return child
 	}
-	return b.add([2]string{a}, 1)
+	return b.add([3]string{a}, 1)
+}
+
+// get3 returns the child of a vector with three labels, values a, c and d.
+func (b *bound[M]) get3(a, c, d string) M {
+	if child, ok := (*b.m.Load())[[3]string{a, c, d}]; ok {
+		return child
+	}
+	return b.add([3]string{a, c, d}, 3)
 }
 
 // add makes the child of the first n values of key, unless another call just did.
-func (b *bound[M]) add(key [2]string, n int) M {
+func (b *bound[M]) add(key [3]string, n int) M {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	old := *b.m.Load()
@@ -49,7 +57,7 @@ func (b *bound[M]) add(key [2]string, n int) M {
 		return child
 	}
 	child := b.with(key[:n]...)
-	m := make(map[[2]string]M, len(old)+1)
+	m := make(map[[3]string]M, len(old)+1)
 	for k, v := range old {
 		m[k] = v
 	}

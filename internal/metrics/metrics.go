@@ -39,10 +39,13 @@ type Metrics struct {
 	// outbox intent is dead, by reason (mismatch, failed, needs_attention, invalid; archived
 	// when the reconciler found the task archived) and task type.
 	IntentsDead *prometheus.CounterVec
+	// Steps counts recorded-step calls (idempotency.Step, StepTx) by task type, step name
+	// and outcome (ran, cached, lease_lost, mismatch, error).
+	Steps *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
-	ledgerEvents, lockEvents, outboxEvents *bound[prometheus.Counter]
-	handlerDuration, commitRequests        *bound[prometheus.Observer]
+	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
+	handlerDuration, commitRequests               *bound[prometheus.Observer]
 }
 
 // New returns a registry with the Go runtime and process collectors and idemq's own.
@@ -79,17 +82,22 @@ func New() *Metrics {
 			Name: "idemq_intents_dead_total",
 			Help: "Accepted jobs whose own task was refused, their intent dead, by reason (mismatch, failed, needs_attention, invalid, archived) and task type.",
 		}, []string{"reason", "task_type"}),
+		Steps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_steps_total",
+			Help: "Recorded-step calls by task type, step name and outcome (ran, cached, lease_lost, mismatch, error).",
+		}, []string{"task_type", "step", "outcome"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
 	m.outboxEvents = newBound(m.OutboxEvents.WithLabelValues)
 	m.handlerDuration = newBound(m.HandlerDuration.WithLabelValues)
 	m.commitRequests = newBound(m.CommitRequests.WithLabelValues)
+	m.steps = newBound(m.Steps.WithLabelValues)
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests, m.IntentsDead,
+		m.CommitRequests, m.IntentsDead, m.Steps,
 	)
 	return m
 }
@@ -109,6 +117,12 @@ func (m *Metrics) ObserveHandler(ctx context.Context, taskType, outcome string, 
 // (idempotency.Config.Observe).
 func (m *Metrics) ObserveLedger(event, taskType string) {
 	m.ledgerEvents.get(event, taskType).Inc()
+}
+
+// ObserveStep counts a step call's outcome in Steps (idempotency.Config.ObserveStep).
+// Step names come from handler code, so the series stay few.
+func (m *Metrics) ObserveStep(taskType, step, outcome string) {
+	m.steps.get3(taskType, step, outcome).Inc()
 }
 
 // ObserveBatch records how many requests a shared commit of a kind carried in
