@@ -44,6 +44,8 @@ func commands() []command {
 		migrateCommand(),
 		workerCommand(),
 		apiCommand(),
+		schedulerCommand(),
+		scheduleCommand(),
 		demoCommand(),
 		enqueueCommand(),
 		ledgerCommand(),

@@ -68,8 +68,8 @@ type Scheduler struct {
 	Redis
 	Database
 	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); unset, the replica schedules from the table as other replicas wrote it"`
-	Retention    time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"the ledger's retention (as the workers'): every entry's catch_up_window must be shorter"`
-	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9094" desc:"address serving /metrics, /healthz and /readyz; empty disables"`
+	Retention    time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
+	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
 	Log
 }
 
@@ -92,7 +92,7 @@ type Worker struct {
 	ShutdownTimeout time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
 	MetricsAddr     string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
 	FakepayURL      string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
-	Retention       time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept"`
+	Retention       time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
 	MaxAge          time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
 	ReconcileGrace  time.Duration `envconfig:"IDEMQ_RECONCILE_GRACE" default:"3m" desc:"how long an accepted job may be missing from Redis before it is republished (above asynq's 60-120 s recovery)"`
 	LogLevel        string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`

@@ -42,6 +42,9 @@ type Metrics struct {
 	// Steps counts recorded-step calls (idempotency.Step, StepTx) by task type, step name
 	// and outcome (ran, cached, lease_lost, mismatch, error).
 	Steps *prometheus.CounterVec
+	// ScheduleTicks counts what became of periodic ticks (schedule.Event: enqueued,
+	// duplicate, caught_up, skipped, mismatch) by schedule entry.
+	ScheduleTicks *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -86,6 +89,10 @@ func New() *Metrics {
 			Name: "idemq_steps_total",
 			Help: "Recorded-step calls by task type, step name and outcome (ran, cached, lease_lost, mismatch, error).",
 		}, []string{"task_type", "step", "outcome"}),
+		ScheduleTicks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_schedule_ticks_total",
+			Help: "Periodic ticks by schedule entry and event (enqueued, duplicate: already enqueued by another replica, caught_up, skipped, mismatch).",
+		}, []string{"entry", "event"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -97,7 +104,7 @@ func New() *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests, m.IntentsDead, m.Steps,
+		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks,
 	)
 	return m
 }
