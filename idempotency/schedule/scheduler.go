@@ -175,10 +175,20 @@ func (s *Scheduler) Sync(ctx context.Context) error {
 // ticks missed while no replica ran (each entry's CatchUp policy), until ctx ends. It
 // reads the table at each tick and every Config.Poll. A failed round (Postgres out of
 // reach) is logged and tried again: the ticks it missed are enqueued late, not lost.
-// It returns nil when ctx ends, or Sync's error.
+// A Sync that fails (Postgres out of reach) is logged and tried again every Config.Poll:
+// until it succeeds, this replica schedules nothing. It returns nil when ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
-	if err := s.Sync(ctx); err != nil {
-		return err
+	for {
+		err := s.Sync(ctx)
+		if err == nil {
+			break
+		}
+		s.log.WarnContext(ctx, "schedule: cannot sync this replica's entries; trying again", "err", err)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(s.cfg.Poll):
+		}
 	}
 	for {
 		if _, err := s.Tick(ctx); err != nil && ctx.Err() == nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/idempotency/schedule"
 	"github.com/idemq/idemq/lock"
 )
 
@@ -119,6 +120,16 @@ type Config struct {
 	// plus the Server's logger and error handler), to change any asynq setting: what it
 	// sets wins.
 	Asynq func(*asynq.Config)
+
+	// Schedule, when not nil, makes Run also run a scheduler replica (package schedule)
+	// with these periodic entries: upserted into schedule_entries at start, each tick one
+	// job through the outbox. Register the entries' task types like any other. An empty,
+	// non-nil slice empties the schedule. New checks the entries (errors name the entry
+	// and the field) and their catch-up windows against Retention.
+	Schedule []schedule.Entry
+	// Scheduler configures the scheduler replica (schedule.New); its Retention is the
+	// Server's and its Logger defaults to Logger above.
+	Scheduler *schedule.Config
 }
 
 // Server runs asynq deliveries through the Redis lock and the ledger, and the outbox's
@@ -135,6 +146,8 @@ type Server struct {
 	outbox *outbox.Client
 	lockTTL,
 	busyBudget time.Duration
+
+	sched  *schedule.Scheduler // nil without Config.Schedule
 
 	mu      sync.Mutex
 	mux     *asynq.ServeMux
@@ -206,6 +219,23 @@ func New(cfg Config) (*Server, error) {
 	s.locker = lock.New(cfg.Redis, &kcfg)
 	s.worker = asynqmw.NewWorker(s.ledger, s.locker, &wcfg)
 	s.outbox = outbox.NewClient(cfg.Postgres, cfg.Redis, &ocfg)
+
+	if cfg.Schedule != nil {
+		scfg := schedule.Config{}
+		if cfg.Scheduler != nil {
+			scfg = *cfg.Scheduler
+		}
+		scfg.Retention = cfg.Retention
+		if scfg.Logger == nil {
+			scfg.Logger = s.log.With("component", "schedule")
+		}
+		sched, err := schedule.New(cfg.Postgres, s.outbox, cfg.Schedule, &scfg)
+		if err != nil {
+			s.ledger.Close()
+			return nil, fmt.Errorf("server: Config.Schedule: %w", err)
+		}
+		s.sched = sched
+	}
 
 	s.acfg = AsynqConfig(cfg.Concurrency, cfg.Queues, cfg.ShutdownTimeout)
 	s.acfg.Logger = asynqLogger{s.log.With("component", "asynq")}
@@ -332,6 +362,13 @@ func (s *Server) Run(ctx context.Context) error {
 	// Every replica runs the outbox relay and reconciler: they take disjoint batches.
 	wg.Go(func() { s.outbox.RunRelay(ctx) })
 	wg.Go(func() { s.outbox.RunReconciler(ctx) })
+	if s.sched != nil {
+		wg.Go(func() {
+			if err := s.sched.Run(ctx); err != nil {
+				s.log.Error("scheduler stopped: its entries are not scheduled by this replica", "err", err)
+			}
+		})
+	}
 
 	<-ctx.Done()
 	s.log.Info("draining", "shutdown_timeout", s.acfg.ShutdownTimeout)

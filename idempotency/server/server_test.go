@@ -19,6 +19,7 @@ import (
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/outbox"
+	"github.com/idemq/idemq/idempotency/schedule"
 	"github.com/idemq/idemq/idempotency/server"
 	"github.com/idemq/idemq/internal/testenv"
 )
@@ -436,5 +437,55 @@ func TestDecoders(t *testing.T) {
 	waitCompleted(t, s, "transfer:raw", 30*time.Second)
 	if decoded.Load() == 0 {
 		t.Fatal("the custom decoder was not called")
+	}
+}
+
+// tick is a periodic job's payload: the scheduler's fields and the entry's.
+type tick struct {
+	schedule.Tick
+	Label string `json:"label"`
+}
+
+// A Server given Config.Schedule runs a scheduler replica: two Servers, each ticks once,
+// the jobs of an @every 1s entry run, each tick once; a bad entry is refused by New.
+func TestRunSchedulesPeriodicJobs(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	testenv.Exec(t, e.pool, `CREATE TABLE ticks (key text NOT NULL)`)
+	entries := []schedule.Entry{{Name: "every-second", Schedule: "@every 1s", TaskType: "report:tick", Payload: json.RawMessage(`{"label":"x"}`)}}
+	if _, err := server.New(server.Config{Postgres: e.pool, Redis: e.rdb,
+		Schedule: []schedule.Entry{{Name: "bad", Schedule: "@every 1s"}}}); err == nil || !strings.Contains(err.Error(), `entry "bad": task_type`) {
+		t.Fatalf("New with an entry without a task type: %v, want an error naming it", err)
+	}
+	var stops []func() error
+	for range 2 {
+		s, err := server.New(server.Config{Postgres: e.pool, Redis: e.rdb, Concurrency: 4, ShutdownTimeout: 5 * time.Second,
+			Schedule: entries, Scheduler: &schedule.Config{Poll: 200 * time.Millisecond}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		server.HandleTx(s, "report:tick", func(ctx context.Context, tx pgx.Tx, j tick) (json.RawMessage, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO ticks VALUES ($1)`, j.Key())
+			return nil, err
+		})
+		stops = append(stops, run(t, s))
+	}
+	time.Sleep(4 * time.Second)
+	for _, stop := range stops {
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keys := testenv.Strings(t, e.pool, `SELECT key FROM ticks ORDER BY key`)
+	if len(keys) < 2 {
+		t.Fatalf("%d ticks ran in 4 s of @every 1s, want at least 2: %v", len(keys), keys)
+	}
+	for i := 1; i < len(keys); i++ {
+		if keys[i] == keys[i-1] {
+			t.Errorf("tick %s ran twice", keys[i])
+		}
+	}
+	if n := testenv.Count(t, e.pool, `SELECT count(*) FROM job_intents WHERE idempotency_key LIKE 'cron:every-second:%'`); n < len(keys) {
+		t.Errorf("%d intents for %d ticks run", n, len(keys))
 	}
 }
