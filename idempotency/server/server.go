@@ -147,7 +147,7 @@ type Server struct {
 	lockTTL,
 	busyBudget time.Duration
 
-	sched  *schedule.Scheduler // nil without Config.Schedule
+	sched *schedule.Scheduler // nil without Config.Schedule
 
 	mu      sync.Mutex
 	mux     *asynq.ServeMux
