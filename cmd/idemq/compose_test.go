@@ -10,6 +10,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/idemq/idemq/idempotency/schedule"
 	"github.com/idemq/idemq/internal/config"
 )
 
@@ -55,7 +56,7 @@ func TestComposeFile(t *testing.T) {
 		names = append(names, name)
 	}
 	slices.Sort(names)
-	if want := []string{"api", "fakepay", "migrate", "postgres", "redis", "worker"}; !slices.Equal(names, want) {
+	if want := []string{"api", "fakepay", "migrate", "postgres", "redis", "scheduler", "worker"}; !slices.Equal(names, want) {
 		t.Fatalf("services %v, want %v", names, want)
 	}
 
@@ -66,7 +67,7 @@ func TestComposeFile(t *testing.T) {
 			t.Errorf("redis command %q lacks %q", cmd, want)
 		}
 	}
-	for _, name := range []string{"redis", "postgres", "fakepay", "worker", "api"} {
+	for _, name := range []string{"redis", "postgres", "fakepay", "worker", "api", "scheduler"} {
 		if c.Services[name].Healthcheck == nil || len(c.Services[name].Healthcheck.Test) == 0 {
 			t.Errorf("%s has no healthcheck", name)
 		}
@@ -83,7 +84,8 @@ func TestComposeFile(t *testing.T) {
 
 	// The idemq services: each runs a subcommand, after the migration, with variables that
 	// subcommand reads.
-	specs := map[string]any{"worker": config.Worker{}, "api": config.API{}, "fakepay": config.Fakepay{}, "migrate": config.Migrate{}}
+	specs := map[string]any{"worker": config.Worker{}, "api": config.API{}, "fakepay": config.Fakepay{}, "migrate": config.Migrate{},
+		"scheduler": config.Scheduler{}}
 	for name, spec := range specs {
 		s := c.Services[name]
 		if len(s.Command) == 0 {
@@ -113,7 +115,7 @@ func TestComposeFile(t *testing.T) {
 			}
 		}
 	}
-	for _, name := range []string{"worker", "api"} {
+	for _, name := range []string{"worker", "api", "scheduler"} {
 		if dep := c.Services[name].DependsOn["redis"].Condition; dep != "service_healthy" {
 			t.Errorf("%s waits for redis with %q, want service_healthy", name, dep)
 		}
@@ -122,6 +124,16 @@ func TestComposeFile(t *testing.T) {
 	w := c.Services["worker"]
 	if w.Deploy.Replicas != 3 {
 		t.Errorf("worker replicas %d, want 3", w.Deploy.Replicas)
+	}
+	// Two schedulers, to show that replicas do not enqueue a tick twice; their file is
+	// the example's, mounted where IDEMQ_SCHEDULE_FILE says.
+	sc := c.Services["scheduler"]
+	file := sc.Environment["IDEMQ_SCHEDULE_FILE"]
+	if sc.Deploy.Replicas != 2 || file == "" || !slices.Contains(sc.Volumes, "./tasks/schedule.yaml:"+file+":ro") {
+		t.Errorf("scheduler: replicas %d, IDEMQ_SCHEDULE_FILE %q, volumes %v: want 2 replicas reading the mounted tasks/schedule.yaml", sc.Deploy.Replicas, file, sc.Volumes)
+	}
+	if _, err := schedule.ReadFile("../../tasks/schedule.yaml"); err != nil {
+		t.Errorf("the example schedule: %v", err)
 	}
 	// docker stop sends SIGTERM, then SIGKILL after the grace period: it must outlast the
 	// drain (IDEMQ_SHUTDOWN_TIMEOUT) of the worker and of the api.
