@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
+	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/pgtext"
 	"github.com/idemq/idemq/idempotency/internal/stephook"
 	"github.com/idemq/idemq/idempotency/internal/store"
@@ -198,7 +199,7 @@ func step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	// lease refuses it anyway), bounded by the write timeout.
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), run.l.cfg.WriteTimeout)
 	defer cancel()
-	recorded, err := run.l.writes.RecordStep(wctx, run.l.pool, p)
+	recorded, err := run.record(wctx, p)
 	if err != nil {
 		return v, false, asUnavailable(wctx, fmt.Errorf("idempotency: record step %q of %s: %w", name, run.c.Key, err))
 	}
@@ -422,6 +423,52 @@ func decodeStep[T any](run *stepRun, name string, done *store.StepRow, err error
 		}
 	}
 	return v, nil
+}
+
+// record writes an external step's record (RecordStep) after its effect happened. A
+// failure that leaves the database out of reach (pgcode.Unavailable: Postgres restarting,
+// a connection lost or refused) is tried again, every 50 ms doubling up to 1 s, until ctx
+// ends or the handler's self-fence deadline (LeaseDeadline) is near: an effect whose
+// record is lost is an effect the next delivery repeats. A record whose commit answer was
+// lost may have committed: the retry then finds the step's row (a unique violation),
+// and the row tells whether it is this claim's.
+func (run *stepRun) record(ctx context.Context, p store.StepParams) (bool, error) {
+	deadline, fenced := LeaseDeadline(ctx)
+	wait := 50 * time.Millisecond
+	for retried := false; ; retried = true {
+		recorded, err := run.l.writes.RecordStep(ctx, run.l.pool, p)
+		switch {
+		case err == nil:
+			return recorded, nil
+		case retried && pgcode.Is(err, pgcode.UniqueViolation):
+			return run.recordedBefore(ctx, p, err)
+		case !pgcode.Unavailable(err), fenced && time.Now().Add(wait).After(deadline):
+			return false, err
+		}
+		run.l.log.WarnContext(ctx, "idempotency: a step's record failed after its effect; trying again",
+			"key", p.Key, "step", p.Step, "fence", p.Fence, "err", err)
+		select {
+		case <-ctx.Done():
+			return false, err
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// recordedBefore decides a retried record that found the step's row: recorded when the
+// row is this claim's (an earlier try committed, its answer lost), else err.
+func (run *stepRun) recordedBefore(ctx context.Context, p store.StepParams, err error) (bool, error) {
+	rows, rerr := store.ReadSteps(ctx, run.l.pool, p.Key, p.Generation)
+	if rerr != nil {
+		return false, fmt.Errorf("%w (then reading the step: %v)", err, rerr)
+	}
+	for _, r := range rows {
+		if r.Step == p.Step && r.Fence == p.Fence && r.Seq == p.Seq {
+			return true, nil
+		}
+	}
+	return false, err
 }
 
 // holdParams are the parameters that identify run's claim for a step's fenced update.

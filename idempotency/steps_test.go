@@ -737,3 +737,47 @@ func TestStepOutcomesAreCounted(t *testing.T) {
 		t.Errorf("%d effect rows, want 1", n)
 	}
 }
+
+// TestStepRecordOutlastsAPostgresRestart: Postgres stops right after a step's effect and
+// comes back 1.5 s later, inside the lease: the step's record is tried again until it
+// lands, so the next step and the completion follow and the effect is not repeated.
+func TestStepRecordOutlastsAPostgresRestart(t *testing.T) {
+	t.Parallel()
+	pg := testenv.StartPostgres(t)
+	ctx := testenv.Context(t, 2*time.Minute)
+	if err := testenv.Migrate(ctx, pg.URL); err != nil {
+		t.Fatal(err)
+	}
+	pool := testenv.Pool(t, pg.URL)
+	l := idempotency.New(pool, &idempotency.Config{Lease: 20 * time.Second, HeartbeatPool: pool})
+	t.Cleanup(l.Close)
+	var effects atomic.Int64
+	restarted := make(chan error, 1)
+	res, err := l.Do(ctx, req("outage:1"), func(ctx context.Context) (json.RawMessage, error) {
+		sent, err := idempotency.Step(ctx, "send", func(context.Context, string) (int64, error) {
+			n := effects.Add(1)
+			if err := pg.StopImmediate(); err != nil {
+				return 0, err
+			}
+			go func() { time.Sleep(1500 * time.Millisecond); restarted <- pg.Start() }()
+			return n, nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		return json.Marshal(sent)
+	})
+	if err := <-restarted; err != nil {
+		t.Fatal(err)
+	}
+	if err != nil {
+		t.Fatalf("Do across the restart: %v, want the step recorded once Postgres was back", err)
+	}
+	if n := effects.Load(); n != 1 || string(res.Result) != "1" {
+		t.Fatalf("effect ran %d times, result %s; want once, 1", n, res.Result)
+	}
+	r := get(t, l, "outage:1")
+	if n := count(t, pool, `SELECT count(*) FROM processed_job_steps WHERE idempotency_key = 'outage:1' AND step = 'send' AND fence = $1`, r.Fence); n != 1 {
+		t.Errorf("the step is not recorded under the claim's fence %d", r.Fence)
+	}
+}
