@@ -23,8 +23,8 @@
 //
 // A leased handler with several effects records them as steps: Step (an external effect,
 // handed the step key <job key>#s/<name> for its provider) and StepTx (a database effect in
-// a transaction of its own). Each step's result is recorded together with a fenced update
-// of the job's row, in processed_job_steps, so a later delivery of the job gets it back
+// a transaction of its own). Each step's result is recorded under a fenced row lock
+// (FOR SHARE) of the job's row, in processed_job_steps, so a later delivery of the job gets it back
 // without running the step again, and a stale owner can record nothing.
 //
 // Concurrent requests of one Ledger share commits (Config.DisableGroupCommit turns this

@@ -211,7 +211,7 @@ func step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 }
 
 // StepTx runs fn, a database effect, in a transaction of its own on the ledger's pool that
-// also records the step: the transaction begins with a fenced update of the job's row
+// also records the step: the transaction begins with a fenced row lock of the job's row
 // (so a takeover of the key waits for it, or it fails because a takeover came first),
 // runs fn, writes the step's record and commits. A claim that no longer holds the key
 // writes nothing (an error wrapping ErrLeaseLost); an error of fn, or the end of ctx
@@ -471,7 +471,7 @@ func (run *stepRun) recordedBefore(ctx context.Context, p store.StepParams, err 
 	return false, err
 }
 
-// holdParams are the parameters that identify run's claim for a step's fenced update.
+// holdParams are the parameters that identify run's claim for a step's fenced row lock.
 func (run *stepRun) holdParams(call stepCall) store.StepParams {
 	return store.StepParams{
 		Key: run.c.Key, Fence: run.c.Fence, Owner: run.c.owner, Generation: int32(run.c.Generation),

@@ -781,3 +781,59 @@ func TestStepRecordOutlastsAPostgresRestart(t *testing.T) {
 		t.Errorf("the step is not recorded under the claim's fence %d", r.Fence)
 	}
 }
+
+// TestStepTxHoldsTheJobsRow: while a StepTx runs, no other transaction can update the
+// job's row (a takeover's claim, a release, another worker's heartbeat): an update with a
+// short lock_timeout gives up on the row lock, and one without waits until the StepTx
+// ends. A plain read of the fence would let the update through.
+func TestStepTxHoldsTheJobsRow(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	l, pool := newLedger(t, &idempotency.Config{Lease: time.Hour})
+	entered, proceed := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := l.Do(ctx, req("held:1"), func(ctx context.Context) (json.RawMessage, error) {
+			_, err := idempotency.StepTx(ctx, "record", func(ctx context.Context, tx pgx.Tx) (int, error) {
+				close(entered)
+				<-proceed
+				return 1, nil
+			})
+			return nil, err
+		})
+		done <- err
+	}()
+	<-entered
+	var once sync.Once
+	release := func() { once.Do(func() { close(proceed) }) }
+	defer release() // a failing check must not leave the StepTx waiting
+	update := func(timeout string) error {
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, timeout); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `UPDATE processed_jobs SET locked_until = now() - interval '1 second' WHERE idempotency_key = 'held:1'`)
+			return err
+		})
+	}
+	if err := update("200ms"); !idempotency.IsLockTimeout(err) {
+		t.Fatalf("an update of the job's row during its StepTx: %v, want a lock timeout", err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- update("0") }()
+	select {
+	case err := <-waited:
+		t.Fatalf("an update without a lock timeout finished during the StepTx: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	release()
+	if err := <-waited; err != nil {
+		t.Fatalf("the waiting update, once the StepTx ended: %v", err)
+	}
+	if err := <-done; err != nil && !errors.Is(err, idempotency.ErrLeaseLost) {
+		t.Fatalf("Do: %v", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM processed_job_steps WHERE idempotency_key = 'held:1'`); n != 1 {
+		t.Errorf("%d step rows, want 1: the StepTx committed before the update went through", n)
+	}
+}

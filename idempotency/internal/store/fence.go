@@ -43,8 +43,8 @@ type Writes struct {
 	HoldKeyWait string     // a lone DoTx transaction's key, waited for
 	FinishTx    string     // the rows of a DoTx transaction, written
 
-	RecordStepSQL string // a step's row with its fenced update, one statement
-	HoldStepSQL   string // the fenced update that opens a StepTx transaction
+	RecordStepSQL string // a step's row under its fenced row lock, one statement
+	HoldStepSQL   string // the fenced row lock that opens a StepTx transaction
 	InsertStepSQL string // a StepTx's step row
 }
 

@@ -10,7 +10,7 @@ import (
 )
 
 // The recorded steps of leased jobs (processed_job_steps): one row per key, generation
-// and step, written only together with a fenced update of the key's processed_jobs row.
+// and step, written only under a fenced row lock (FOR SHARE) of the key's processed_jobs row.
 
 // StepParams is one step to record under a claim (key, fence, owner, generation).
 type StepParams struct {
@@ -36,25 +36,28 @@ type StepRow struct {
 	CreatedAt        time.Time // when it was recorded, on the database clock
 }
 
-// holdStepSQL is the fenced update that makes a step's transaction its claim's: only a
-// claim that still holds the key (and its generation) touches the row, and the row lock
-// it takes keeps a takeover's claim waiting until the transaction ends. The step's
-// commit is durable (synchronous_commit on) before it is reported.
+// holdStepSQL is the fenced row lock that makes a step's transaction its claim's: only a
+// claim that still holds the key (and its generation) locks the row, and FOR SHARE
+// conflicts with the UPDATE of any claim, heartbeat or finish, so a takeover waits until
+// the transaction ends, or, having committed first, leaves a newer row version that the
+// lock re-checks under READ COMMITTED and finds no longer this claim's. Unlike an
+// UPDATE, it writes no new row version (no constraint checks, no index entries). The
+// step's commit is durable (synchronous_commit on) before it is reported.
 func holdStepSQL(f fenceChecks) string {
 	return `
-UPDATE processed_jobs SET updated_at = now()
+SELECT set_config('synchronous_commit', 'on', true) FROM processed_jobs
 WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress' AND generation = $4
-RETURNING set_config('synchronous_commit', 'on', true)`
+FOR SHARE`
 }
 
-// recordStepSQL records a step in one statement (its own transaction): the fenced update
-// of holdStepSQL and, only if it matched, the step's row. It writes one row or none.
+// recordStepSQL records a step in one statement (its own transaction): the fenced row
+// lock of holdStepSQL and, only if it matched, the step's row. It writes one row or none.
 func recordStepSQL(f fenceChecks) string {
 	return `
 WITH u AS (
-	UPDATE processed_jobs SET updated_at = now()
+	SELECT idempotency_key, generation, fence FROM processed_jobs
 	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress' AND generation = $4
-	RETURNING idempotency_key, generation, fence
+	FOR SHARE
 )
 INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, input_fingerprint, result)
 SELECT u.idempotency_key, u.generation, $5, $6, u.fence, $7, $8::text::jsonb
@@ -125,7 +128,7 @@ func (w *Writes) RecordStep(ctx context.Context, q interface {
 	return tag.RowsAffected() == 1, nil
 }
 
-// HoldStep runs the fenced update that opens a step's transaction tx: held is false when
+// HoldStep takes the fenced row lock that opens a step's transaction tx: held is false when
 // p's claim no longer holds the key (then roll tx back).
 func (w *Writes) HoldStep(ctx context.Context, tx pgx.Tx, p StepParams) (held bool, err error) {
 	tag, err := tx.Exec(ctx, w.HoldStepSQL, p.Key, p.Fence, p.Owner, p.Generation)
