@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/idempotency/schedule"
+	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
@@ -188,39 +189,7 @@ func scheduleCommand() command {
 // printSchedule prints entries as a table, or as JSON.
 func printSchedule(w io.Writer, list []schedule.Status, asJSON bool) error {
 	if asJSON {
-		type entry struct {
-			Name      string          `json:"name"`
-			Schedule  string          `json:"schedule,omitempty"`
-			TimeZone  string          `json:"time_zone,omitempty"`
-			TaskType  string          `json:"task_type,omitempty"`
-			Payload   json.RawMessage `json:"payload,omitempty"`
-			Revision  int64           `json:"revision"`
-			Paused    bool            `json:"paused"`
-			CatchUp   string          `json:"catch_up,omitempty"`
-			Overlap   string          `json:"overlap,omitempty"`
-			LastTick  *time.Time      `json:"last_tick,omitempty"`
-			LastKey   string          `json:"last_key,omitempty"`
-			LastState string          `json:"last_state,omitempty"`
-			Next      *time.Time      `json:"next_tick,omitempty"`
-			Error     string          `json:"error,omitempty"`
-		}
-		out := make([]entry, 0, len(list))
-		for _, s := range list {
-			e := entry{Name: s.Name, Schedule: s.Schedule, TimeZone: s.TimeZone, TaskType: s.TaskType, Payload: s.Payload,
-				Revision: s.Revision, Paused: s.Paused, CatchUp: string(s.CatchUp), Overlap: string(s.Overlap),
-				LastKey: s.LastKey, LastState: s.LastState}
-			if !s.LastTick.IsZero() {
-				e.LastTick = &s.LastTick
-			}
-			if !s.Next.IsZero() {
-				e.Next = &s.Next
-			}
-			if s.Err != nil {
-				e.Error = s.Err.Error()
-			}
-			out = append(out, e)
-		}
-		return json.NewEncoder(w).Encode(out)
+		return json.NewEncoder(w).Encode(api.NewScheduleEntries(list))
 	}
 	if len(list) == 0 {
 		_, err := fmt.Fprintln(w, "no entries: start `idemq scheduler` with IDEMQ_SCHEDULE_FILE")

@@ -49,9 +49,10 @@ type Options struct {
 	// RedisConnOpt is the Redis that asynqmon, the dashboard, inspects. Nil: no dashboard
 	// at /monitoring/ (404).
 	RedisConnOpt asynq.RedisConnOpt
-	// DashboardUser and DashboardPassword protect /monitoring/ and /ledger/ with basic
-	// auth when DashboardPassword is not empty (PlaceholderPassword counts as empty).
-	// Default: no password, and then they answer 403 unless ListenAddr is loopback.
+	// DashboardUser and DashboardPassword protect /monitoring/, /ledger/ and /schedule/
+	// with basic auth when DashboardPassword is not empty (PlaceholderPassword counts as
+	// empty). Default: no password, and then they answer 403 unless ListenAddr is
+	// loopback.
 	DashboardUser     string
 	DashboardPassword string
 	// APITokens are the bearer tokens /v1/ admits (IDEMQ_API_TOKEN, split at its
@@ -61,7 +62,7 @@ type Options struct {
 	// loopback.
 	APITokens []string
 	// ListenAddr is the address the server listens on (IDEMQ_HTTP_ADDR). Without a
-	// DashboardPassword, /monitoring/ and /ledger/ are served only when it is a loopback
+	// DashboardPassword, /monitoring/, /ledger/ and /schedule/ are served only when it is a loopback
 	// address (127.0.0.1:8080, [::1]:8080, localhost:8080), and then only to requests whose
 	// Host is localhost or a loopback address (421 otherwise); without APITokens, so is
 	// /v1/. Default "": not loopback.
@@ -150,10 +151,12 @@ func New(deps Deps, opts *Options) *Server {
 	s.mux.Handle("POST /v1/wallet/debits", v1(http.HandlerFunc(s.postDebit)))
 	s.mux.Handle("POST /v1/checkouts", v1(http.HandlerFunc(s.postCheckout)))
 	s.mux.Handle("GET /v1/jobs/{key...}", v1(http.HandlerFunc(s.getJob)))
+	s.mux.Handle("GET /v1/schedule", v1(http.HandlerFunc(s.getSchedule)))
 	s.mux.Handle("/v1/charges", v1(allow("POST")))
 	s.mux.Handle("/v1/wallet/debits", v1(allow("POST")))
 	s.mux.Handle("/v1/checkouts", v1(allow("POST")))
 	s.mux.Handle("/v1/jobs/{key...}", v1(allow("GET, HEAD")))
+	s.mux.Handle("/v1/schedule", v1(allow("GET, HEAD")))
 	s.mux.Handle("/v1/", v1(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no route "+r.Method+" "+r.URL.Path)
 	})))
@@ -161,6 +164,9 @@ func New(deps Deps, opts *Options) *Server {
 	s.mux.Handle("GET /ledger/{$}", s.page(ledgerCSP, http.HandlerFunc(s.ledgerList)))
 	s.mux.Handle("GET /ledger/{key...}", s.page(ledgerCSP, http.HandlerFunc(s.ledgerRow)))
 	s.mux.Handle("GET /ledger", http.RedirectHandler("/ledger/", http.StatusMovedPermanently))
+	// The schedule has a root of its own: any /ledger/ path but the list is a key's page.
+	s.mux.Handle("GET /schedule/{$}", s.page(ledgerCSP, http.HandlerFunc(s.schedulePage)))
+	s.mux.Handle("GET /schedule", http.RedirectHandler("/schedule/", http.StatusMovedPermanently))
 
 	if s.opts.RedisConnOpt != nil {
 		s.monitor = asynqmon.New(asynqmon.Options{

@@ -71,11 +71,12 @@ func tail(s string, n int) string {
 	return s
 }
 
-// TestBrowserRendersDashboardAndLedger loads the asynqmon SPA and the ledger page in
-// headless Chromium under their Content-Security-Policy and finds the queue, the tasks
-// and the keys in the rendered DOM (data the pages fetched), with nothing written to the
-// console (no violation, no error), then takes a screenshot of each (into
-// IDEMQ_SCREENSHOT_DIR when set, as `make screenshots` does for docs/).
+// TestBrowserRendersDashboardAndLedger loads the asynqmon SPA, the ledger page and the
+// schedule page in headless Chromium under their Content-Security-Policy and finds the
+// queue, the tasks, the keys and the entries in the rendered DOM (data the pages
+// fetched), with nothing written to the console (no violation, no error), then takes a
+// screenshot of the dashboard and the ledger page (into IDEMQ_SCREENSHOT_DIR when set, as
+// `make screenshots` does for docs/).
 func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 	bin := chromium(t)
 	a := newTestAPI(t, nil)
@@ -127,6 +128,16 @@ func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 		st, err := os.Stat(file)
 		if err != nil || st.Size() < 10<<10 {
 			t.Fatalf("screenshot %s: %v (size %d), want a PNG of some substance", file, err, sizeOf(st))
+		}
+	}
+
+	// The schedule page, under the ledger page's policy (after the screenshots, which
+	// would show the periodic job among the ledger's).
+	a.schedule(t, testEntries...)
+	dom = browse(t, bin, a.URL+"/schedule/", "--dump-dom")
+	for _, want := range []string{"every-minute", "cron:every-minute:", "Europe/Berlin", "paused"} {
+		if !strings.Contains(dom, want) {
+			t.Fatalf("the schedule page's DOM does not contain %q:\n%s", want, tail(dom, 3000))
 		}
 	}
 }

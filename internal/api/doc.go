@@ -1,6 +1,7 @@
 // Package api is idemq's web side: the enqueue API (POST /v1/charges, POST
-// /v1/wallet/debits, POST /v1/checkouts, GET /v1/jobs/{key}), the asynqmon dashboard at /monitoring/, a
-// server-rendered ledger page at /ledger/, and /metrics, /healthz and /readyz. The
+// /v1/wallet/debits, POST /v1/checkouts, GET /v1/jobs/{key}, GET /v1/schedule), the
+// asynqmon dashboard at /monitoring/, a server-rendered ledger page at /ledger/ with the
+// schedule of periodic jobs at /schedule/, and /metrics, /healthz and /readyz. The
 // dashboard and the ledger page show every payload: they ask for Options.DashboardPassword,
 // or, without one, answer 403 unless Options.ListenAddr is loopback; they refuse
 // cross-origin writes and send a Content-Security-Policy and X-Frame-Options: DENY. The

@@ -14,8 +14,8 @@ import (
 const PlaceholderPassword = "change-me"
 
 // Access is how a group of routes is guarded: the dashboard (/monitoring/) and the ledger
-// page (/ledger/), which show every payload and result, or the API (/v1/), which accepts
-// jobs and hands out their results.
+// page (/ledger/, /schedule/), which show every payload and result, or the API (/v1/),
+// which accepts jobs and hands out their results.
 type Access int
 
 const (

@@ -25,10 +25,11 @@ import (
 var templateFS embed.FS
 
 var pages = template.Must(template.New("").Funcs(template.FuncMap{
-	"stamp":    stamp,
-	"taskLink": taskLink,
-	"rowLink":  func(key string) string { return "/ledger/" + url.PathEscape(key) },
-	"jobLink":  func(key string) string { return "/v1/jobs/" + url.PathEscape(key) },
+	"stamp":        stamp,
+	"taskLink":     taskLink,
+	"rowLink":      func(key string) string { return "/ledger/" + url.PathEscape(key) },
+	"jobLink":      func(key string) string { return "/v1/jobs/" + url.PathEscape(key) },
+	"scheduleLink": scheduleLink,
 	"short": func(b []byte) string {
 		s := string(b)
 		if len(s) > 80 {
@@ -120,6 +121,7 @@ type rowPage struct {
 	Queue     string                   // where the task is, else the queue its intent recorded, else ""
 	Traces    []traceLink              // the job's traces, when IDEMQ_TRACE_URL_TEMPLATE is set
 	Steps     []idempotency.StepRecord // the steps of the row's current generation, in seq order
+	Entry     string                   // the schedule entry whose job it is (a cron:<entry>:... key), else ""
 }
 
 // traceLink is one trace a ledger row links to: ID's page in the tracing UI, and whose
@@ -164,7 +166,7 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 		s.render(w, http.StatusNotFound, "list.html", listPage{Statuses: statuses, Limit: 50, Key: key, Invalid: invalidReason(err)})
 		return
 	}
-	p := rowPage{Key: key}
+	p := rowPage{Key: key, Entry: scheduleEntryOf(key)}
 	rec, err := s.deps.Ledger.Get(r.Context(), key)
 	if err != nil && !errors.Is(err, idempotency.ErrNotFound) {
 		s.internal(w, r, "read the ledger", err)
