@@ -18,7 +18,6 @@ import (
 	"github.com/idemq/idemq/internal/api"
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
-	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
 )
 
@@ -84,22 +83,17 @@ func runScheduler(ctx context.Context, cfg *config.Scheduler, log *slog.Logger) 
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	done := make(chan error, 3)
+	done := make(chan error, 2)
 	go func() { done <- s.Run(runCtx) }()
 	// The ticks' jobs are published by any relay (the workers', the API's); this
 	// process's own publishes them even when none runs.
 	go func() { done <- client.RunRelay(runCtx) }()
-	if metricsLn != nil {
-		h := m.Handler(map[string]metrics.Check{
-			"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
-			"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
-		}, log)
-		go func() {
-			done <- httpserver.Serve(runCtx, cfg.MetricsAddr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second, Listener: metricsLn})
-		}()
-	}
+	httpErr := serveMetrics(runCtx, m, metricsLn, cfg.MetricsAddr, rdb, pool, log)
 	log.Info("scheduler started", "entries", len(entries), "file", cfg.ScheduleFile)
-	err = <-done
+	select {
+	case err = <-done:
+	case err = <-httpErr:
+	}
 	cancel()
 	if ctx.Err() != nil {
 		return nil

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
@@ -164,16 +166,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	httpErr := make(chan error, 1)
-	if metricsLn != nil {
-		h := m.Handler(map[string]metrics.Check{
-			"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
-			"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
-		}, log)
-		go func() {
-			httpErr <- httpserver.Serve(runCtx, cfg.MetricsAddr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second, Listener: metricsLn})
-		}()
-	}
+	httpErr := serveMetrics(runCtx, m, metricsLn, cfg.MetricsAddr, rdb, pool, log)
 	runErr := make(chan error, 1)
 	go func() { runErr <- s.Run(runCtx) }()
 	select {
@@ -189,4 +182,22 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		}
 		return fmt.Errorf("metrics server: %w", err)
 	}
+}
+
+// serveMetrics serves m's /metrics, /healthz and /readyz (Redis and Postgres answer) on ln
+// until ctx ends, and sends the server's end on the channel it returns; with no ln
+// (IDEMQ_METRICS_ADDR empty) it serves nothing and the channel never receives.
+func serveMetrics(ctx context.Context, m *metrics.Metrics, ln net.Listener, addr string, rdb redis.UniversalClient, pool *pgxpool.Pool, log *slog.Logger) <-chan error {
+	done := make(chan error, 1)
+	if ln == nil {
+		return done
+	}
+	h := m.Handler(map[string]metrics.Check{
+		"redis":    func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
+		"postgres": func(ctx context.Context) error { return pool.Ping(ctx) },
+	}, log)
+	go func() {
+		done <- httpserver.Serve(ctx, addr, h, log, &httpserver.Options{ShutdownTimeout: 5 * time.Second, Listener: ln})
+	}()
+	return done
 }
