@@ -251,12 +251,15 @@ type clusterConfig struct {
 	schedulerEnv []string
 }
 
-// scheduleFile is the schedulers' schedule: one cheap entry, a settlement every 2 s.
+// scheduleFile is the schedulers' schedule: one cheap entry, a settlement every 2 s. It
+// sets max_retry: an entry's default is 0, no retry, and a delivery that meets Postgres
+// down (stop_postgres) then archives its tick's job for good, a tick lost.
 const scheduleFile = `entries:
   - name: settle-2s
     schedule: "@every 2s"
     task_type: wallet:settle
     payload: {period: 2s}
+    max_retry: 5
 `
 
 const (
