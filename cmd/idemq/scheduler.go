@@ -72,8 +72,12 @@ func runScheduler(ctx context.Context, cfg *config.Scheduler, log *slog.Logger) 
 	m := metrics.New()
 	client := outbox.NewClient(pool, rdb, &outbox.Config{Logger: log,
 		Observe: func(ev outbox.Event, taskType string) { m.ObserveOutbox(string(ev), taskType) }})
+	if cfg.UnsafeWallClock {
+		log.Warn("IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK is set: ticks are keyed by this replica's clock, not by their scheduled instant; replicas will enqueue a tick twice or not at all (tests only)")
+	}
 	s, err := schedule.New(pool, client, entries, &schedule.Config{Retention: cfg.Retention, Logger: log,
-		Observe: func(ev schedule.Event, entry string) { m.ScheduleTicks.WithLabelValues(entry, string(ev)).Inc() }})
+		UnsafeWallClockKeys: cfg.UnsafeWallClock,
+		Observe:             func(ev schedule.Event, entry string) { m.ScheduleTicks.WithLabelValues(entry, string(ev)).Inc() }})
 	if err != nil {
 		return fmt.Errorf("IDEMQ_SCHEDULE_FILE: %w", err)
 	}

@@ -328,3 +328,49 @@ func TestNewRefusesAWindowPastRetention(t *testing.T) {
 		t.Fatalf("a 48h window with a 24h retention: %v, want an error on catch_up_window naming the retention", err)
 	}
 }
+
+// TestUnsafeWallClockKeysNameATickTwice is the knob of the fault suite's negative
+// control: two replicas whose clocks are 700 ms apart, keying ticks by their clock
+// readings, record two jobs for one tick; keyed by the scheduled instant, one.
+func TestUnsafeWallClockKeysNameATickTwice(t *testing.T) {
+	t.Parallel()
+	for _, wall := range []bool{false, true} {
+		f := newFleet(t)
+		name := "wall"
+		entries := []schedule.Entry{{Name: name, Schedule: "@every 2s", TaskType: "wallet:settle", CatchUp: schedule.CatchUpNone}}
+		var replicas []*schedule.Scheduler
+		for _, offset := range []time.Duration{0, 700 * time.Millisecond} {
+			s, err := schedule.New(f.pool, f.client, entries, &schedule.Config{Logger: quiet, UnsafeWallClockKeys: wall,
+				Now: func() time.Time { return f.clock.now.Add(offset) }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Sync(f.ctx); err != nil {
+				t.Fatal(err)
+			}
+			replicas = append(replicas, s)
+		}
+		tick := f.clock.now.Add(10 * time.Second)
+		for _, s := range replicas {
+			f.clock.now = tick.Add(-1500 * time.Millisecond) // a first look: nothing caught up
+			f.tick(s)
+		}
+		for _, s := range replicas {
+			f.clock.now = tick.Add(500 * time.Millisecond)
+			f.tick(s)
+		}
+		jobs := f.jobs(name)
+		want := []string{schedule.Tick{Entry: name, At: tick}.Key()}
+		if wall {
+			want = append(want, schedule.Tick{Entry: name, At: tick.Add(time.Second)}.Key())
+		}
+		var got []string
+		for k := range jobs {
+			got = append(got, k)
+		}
+		slices.Sort(got)
+		if !slices.Equal(got, want) {
+			t.Errorf("UnsafeWallClockKeys=%t: the tick %s was recorded as %q, want %q", wall, tick.Format(schedule.TickLayout), got, want)
+		}
+	}
+}

@@ -68,6 +68,11 @@ type Config struct {
 	Logger *slog.Logger
 	// Observe, when set, is called once per tick and event, with the entry's name.
 	Observe func(ev Event, entry string)
+	// UnsafeWallClockKeys is for TESTS ONLY (negative control): key each due tick by
+	// this replica's clock reading at enqueue, to the second, instead of the scheduled
+	// instant, so that replicas whose rounds run at different moments name one tick
+	// differently, and ticks caught up together share one key. Default false.
+	UnsafeWallClockKeys bool
 }
 
 // Scheduler turns the entries of the schedule table (schedule_entries) into jobs: each
@@ -326,6 +331,9 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 // enqueue records the jobs of p's ticks in one transaction, with the newest as the
 // entry's last tick, then wakes the relays.
 func (s *Scheduler) enqueue(ctx context.Context, p *plan, ticks []time.Time, catchUp bool, st *TickStats) error {
+	if s.cfg.UnsafeWallClockKeys {
+		ticks = s.wallClockTicks(ticks)
+	}
 	specs := make([]outbox.Spec, len(ticks))
 	for i, t := range ticks {
 		specs[i] = p.spec(Tick{Entry: p.Name, At: t})
@@ -367,6 +375,16 @@ func (s *Scheduler) enqueue(ctx context.Context, p *plan, ticks []time.Time, cat
 			"first", ticks[0].Format(TickLayout), "last", ticks[len(ticks)-1].Format(TickLayout))
 	}
 	return nil
+}
+
+// wallClockTicks is Config.UnsafeWallClockKeys: every due tick becomes this replica's
+// clock reading, to the second; the ticks so named alike are one.
+func (s *Scheduler) wallClockTicks(ticks []time.Time) []time.Time {
+	at := s.cfg.Now().UTC().Truncate(time.Second)
+	for i := range ticks {
+		ticks[i] = at
+	}
+	return ticks[:1]
 }
 
 func (s *Scheduler) count(ev Event, entry string, n int, total *int) {

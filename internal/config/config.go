@@ -70,6 +70,8 @@ type Scheduler struct {
 	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); unset, the replica schedules from the table as other replicas wrote it"`
 	Retention    time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
 	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
+	// UnsafeWallClock is schedule.Config.UnsafeWallClockKeys.
+	UnsafeWallClock bool `envconfig:"IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK" default:"false" desc:"TESTS ONLY (negative control): key each due tick by this replica's clock reading at enqueue, to the second, instead of the scheduled instant, so that replicas name one tick differently"`
 	Log
 }
 

@@ -30,7 +30,7 @@ type verdict struct {
 	// OlderResult counts charges whose stored result names an older charge of the order
 	// than its newest: a stale owner's completion won over the owner that took it over.
 	OlderResult     int            `json:"result_names_older_charge"`
-	StrayLedgerRows int            `json:"stray_ledger_rows"`
+	StrayLedgerRows int            `json:"stray_ledger_rows"`          // of no expected job; periodic jobs are checkTicks'
 	KeyReuses       int            `json:"provider_keys_reused"`       // idempotency keys sent to the provider more than once
 	ReusedRequests  int            `json:"provider_requests_replayed"` // requests the provider answered from an earlier charge
 	ClaimsPerKey    map[string]int `json:"claims_per_key_histogram"`   // ledger attempts per key → keys
@@ -179,7 +179,8 @@ func (c *cluster) check(ctx context.Context) (verdict, error) {
 		}
 	}
 	v.DuplicateEffects = v.DupCharges + v.DupEntries
-	if err := c.pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE idempotency_key NOT IN (SELECT key FROM faults_expected)`).Scan(&v.StrayLedgerRows); err != nil {
+	if err := c.pool.QueryRow(ctx, `SELECT count(*) FROM processed_jobs WHERE idempotency_key NOT IN (SELECT key FROM faults_expected)
+		AND idempotency_key NOT LIKE 'cron:%'`).Scan(&v.StrayLedgerRows); err != nil {
 		return v, err
 	}
 	if err := c.pool.QueryRow(ctx, `SELECT count(*), coalesce(sum(n - 1), 0) FROM
@@ -583,13 +584,18 @@ func (c *cluster) asynqState(ctx context.Context) (leftover []string, badArchive
 	return leftover, badArchived, problems, nil
 }
 
-// settled reports whether the run is over: every expected key completed and no task
-// still due in asynq.
+// settled reports whether the run is over: every expected key and every periodic job
+// completed, and no task still due in asynq.
 func (c *cluster) settled(ctx context.Context) (pending int, leftover int, err error) {
 	if err := c.pool.QueryRow(ctx, `SELECT count(*) FROM faults_expected e LEFT JOIN processed_jobs p ON p.idempotency_key = e.key
 		WHERE p.status IS DISTINCT FROM 'completed'`).Scan(&pending); err != nil {
 		return 0, 0, err
 	}
+	cron, err := c.cronPending(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	pending += cron
 	left, _, _, err := c.asynqState(ctx)
 	return pending, len(left), err
 }

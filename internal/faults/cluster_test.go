@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -112,8 +113,8 @@ func (p *proc) tail(n int) string {
 	return string(b)
 }
 
-// worker is a worker slot with its metrics: the latest scrape of the running process and
-// the sum of the last scrapes of the processes that exited.
+// worker is a worker or scheduler slot with its metrics: the latest scrape of the running
+// process and the sum of the last scrapes of the processes that exited.
 type worker struct {
 	*proc
 	i          int
@@ -126,8 +127,9 @@ type worker struct {
 
 var eventLabel = regexp.MustCompile(`event="([^"]+)"`)
 
-// scrape reads the worker's idemq_ledger_events_total and idemq_lock_events_total, summed
-// over task types, as "ledger:<event>" and "lock:<event>".
+// scrape reads the process's idemq_ledger_events_total and idemq_lock_events_total, summed
+// over task types, as "ledger:<event>" and "lock:<event>", and a scheduler's
+// idemq_schedule_ticks_total, summed over entries, as "schedule:<event>".
 func (w *worker) scrape() {
 	c := http.Client{Timeout: 2 * time.Second}
 	resp, err := c.Get(w.metricsURL)
@@ -146,6 +148,8 @@ func (w *worker) scrape() {
 			prefix = "ledger:"
 		case strings.HasPrefix(line, "idemq_lock_events_total{"):
 			prefix = "lock:"
+		case strings.HasPrefix(line, "idemq_schedule_ticks_total{"):
+			prefix = "schedule:"
 		default:
 			continue
 		}
@@ -211,7 +215,11 @@ type cluster struct {
 	fakepay *proc
 	api     *proc
 	workers []*worker
-	hist    *history
+	// schedulers are the `idemq scheduler` replicas; schedFrom is when they were first
+	// started, schedTo when stopSchedulers stopped them (zero until then).
+	schedulers         []*worker
+	schedFrom, schedTo time.Time
+	hist               *history
 
 	closing   atomic.Bool
 	redisUp   atomic.Bool
@@ -237,7 +245,22 @@ type clusterConfig struct {
 	// workerEnvAt is added after workerEnv for the worker of each index.
 	workerEnvAt map[int][]string
 	startAfter  int // workers with index >= startAfter are not started at first
+	// schedulers is the number of `idemq scheduler` replicas, each running scheduleFile;
+	// schedulerEnv is added after their defaults.
+	schedulers   int
+	schedulerEnv []string
 }
+
+// scheduleFile is the schedulers' schedule: one cheap entry, a settlement every 2 s. It
+// sets max_retry: an entry's default is 0, no retry, and a delivery that meets Postgres
+// down (stop_postgres) then archives its tick's job for good, a tick lost.
+const scheduleFile = `entries:
+  - name: settle-2s
+    schedule: "@every 2s"
+    task_type: wallet:settle
+    payload: {period: 2s}
+    max_retry: 5
+`
 
 const (
 	lease      = 5 * time.Second
@@ -342,6 +365,26 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 			testenv.WaitHTTP(t, strings.TrimSuffix(w.metricsURL, "/metrics")+"/readyz", 30*time.Second)
 		}
 	}
+	if cfg.schedulers > 0 {
+		file := filepath.Join(c.dir, "schedule.yaml")
+		if err := os.WriteFile(file, []byte(scheduleFile), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		c.schedFrom = time.Now()
+		for i := range cfg.schedulers {
+			port, _ := localserver.FreePort()
+			s := &worker{i: i, metricsURL: fmt.Sprintf("http://127.0.0.1:%d/metrics", port), proc: &proc{
+				name: fmt.Sprintf("scheduler%d", i), args: []string{"scheduler"}, log: filepath.Join(c.dir, fmt.Sprintf("scheduler%d.log", i)),
+				env: append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port),
+					"DATABASE_URL=" + withParam(c.dbURL, "application_name=idemq-scheduler"), "REDIS_URL=" + redisURL,
+					"IDEMQ_SCHEDULE_FILE=" + file, "IDEMQ_LOG_LEVEL=info"}, cfg.schedulerEnv...)}}
+			c.schedulers = append(c.schedulers, s)
+			c.startScheduler(s)
+		}
+		for _, s := range c.schedulers {
+			testenv.WaitHTTP(t, strings.TrimSuffix(s.metricsURL, "/metrics")+"/readyz", 30*time.Second)
+		}
+	}
 	c.scrapeWG.Add(1)
 	go c.scrapeLoop()
 	t.Cleanup(func() {
@@ -363,10 +406,76 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 
 func (c *cluster) procs() []*proc {
 	ps := []*proc{c.fakepay, c.api}
-	for _, w := range c.workers {
+	for _, w := range append(slices.Clone(c.workers), c.schedulers...) {
 		ps = append(ps, w.proc)
 	}
 	return ps
+}
+
+// startScheduler starts s and watches it like startWorker: an exit the suite did not
+// cause is recorded (scheduler_exit) and the scheduler is restarted.
+func (c *cluster) startScheduler(s *worker) {
+	if err := s.start(); errors.Is(err, errRunning) {
+		return
+	} else if err != nil {
+		c.t.Errorf("start %s: %v", s.name, err)
+		return
+	}
+	done := s.doneCh()
+	go func() {
+		<-done
+		s.fold()
+		s.mu.Lock()
+		expected := s.expected
+		s.mu.Unlock()
+		if expected || c.closing.Load() {
+			return
+		}
+		c.hist.note("scheduler_exit", s.name, "exited on its own; restarted")
+		time.Sleep(300 * time.Millisecond)
+		if !c.closing.Load() {
+			c.startScheduler(s)
+		}
+	}()
+}
+
+// stopSchedulers scrapes the schedulers, then stops them (SIGTERM; SIGKILL after 10 s)
+// and records when: the end of the ticks the checker expects.
+func (c *cluster) stopSchedulers() {
+	if len(c.schedulers) == 0 {
+		return
+	}
+	var dones []chan struct{}
+	for _, s := range c.schedulers {
+		s.signal(syscall.SIGCONT, false)
+		s.scrape()
+	}
+	c.schedTo = time.Now()
+	for _, s := range c.schedulers {
+		if d := s.signal(syscall.SIGTERM, true); d != nil {
+			dones = append(dones, d)
+		}
+	}
+	for i, d := range dones {
+		select {
+		case <-d:
+		case <-time.After(10 * time.Second):
+			c.schedulers[i].signal(syscall.SIGKILL, true)
+			<-d
+			c.hist.note("term_timeout", c.schedulers[i].name, "did not exit within 10 s of SIGTERM; killed")
+		}
+	}
+}
+
+// schedCounters sums the schedulers' counters (last scrape of each process).
+func (c *cluster) schedCounters() map[string]float64 {
+	out := map[string]float64{}
+	for _, s := range c.schedulers {
+		for k, v := range s.counters() {
+			out[k] += v
+		}
+	}
+	return out
 }
 
 // startWorker starts w and watches it: an exit the suite did not cause (a fault point's
@@ -400,7 +509,7 @@ func (c *cluster) startWorker(w *worker) {
 func (c *cluster) scrapeLoop() {
 	defer c.scrapeWG.Done()
 	for !c.closing.Load() {
-		for _, w := range c.workers {
+		for _, w := range append(slices.Clone(c.workers), c.schedulers...) {
 			w.mu.Lock()
 			running := w.cmd != nil && !w.stopped
 			w.mu.Unlock()

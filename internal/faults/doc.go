@@ -1,9 +1,11 @@
 // Package faults is idemq's fault-injection proof suite, in the manner of Jepsen sized to
 // one machine: a workload of charges, debits and checkouts (recorded steps) with
-// duplicate deliveries, a seeded nemesis (worker SIGKILL/SIGSTOP/SIGTERM, Redis SIGKILL,
-// Postgres immediate shutdown, terminated backends, handler fault points; with a
-// synchronous standby, promotions), a recorded history and an offline checker, plus
-// negative controls that must find duplicates when a guard is switched off.
+// duplicate deliveries, two scheduler replicas enqueueing a settlement every 2 s, a seeded
+// nemesis (worker and scheduler SIGKILL/SIGSTOP/SIGTERM, Redis SIGKILL, Postgres immediate
+// shutdown, terminated backends, handler fault points; with a synchronous standby,
+// promotions), a recorded history and an offline checker (every tick exactly once among
+// them), plus negative controls that must find duplicates or gaps when a guard is
+// switched off.
 //
 // The tests sit behind the faults build tag and start their own Postgres and Redis on
 // loopback (internal/localserver) and the real idemq binary:

@@ -21,7 +21,11 @@ const (
 	faultKillRedis    = "kill_redis"         // SIGKILL Redis, restart it
 	faultStopPostgres = "stop_postgres"      // immediate shutdown of Postgres, restart it
 	faultTerminate    = "terminate_backends" // pg_terminate_backend on the workers' connections
-	faultReboot       = "reboot"             // SIGKILL Redis and every worker at once (a node's reboot), restart them
+	faultReboot       = "reboot"             // SIGKILL Redis, every worker and every scheduler at once (a node's reboot), restart them
+	// The scheduler faults (in runs with schedulers only).
+	faultKillScheduler    = "kill_scheduler"    // SIGKILL a scheduler, restart it
+	faultStopScheduler    = "stop_scheduler"    // SIGSTOP a scheduler for 2-5 s (ticks pass), SIGCONT
+	faultRestartScheduler = "restart_scheduler" // SIGTERM a scheduler, start it again
 	// faultPromote SIGKILLs the Postgres primary, promotes its synchronous standby, and
 	// 1-3 s later rebuilds the dead node as the new primary's synchronous standby (with a
 	// standby only).
@@ -30,14 +34,21 @@ const (
 
 var allFaults = []string{faultKillWorker, faultStopWorker, faultTermWorker, faultKillRedis, faultStopPostgres, faultTerminate, faultReboot}
 
-// faultKinds are the kinds the nemesis draws from: allFaults, and promotions when Postgres
-// has a standby. Without one the list is allFaults itself, so that a seed replays the runs
-// it made before promotions existed.
+// schedulerFaults are the scheduler kinds.
+var schedulerFaults = []string{faultKillScheduler, faultStopScheduler, faultRestartScheduler}
+
+// faultKinds are the kinds the nemesis draws from: allFaults, the scheduler kinds when the
+// run has schedulers, and promotions when Postgres has a standby. Without either the list
+// is allFaults itself, so that a seed replays the runs it made before they existed.
 func (c *cluster) faultKinds() []string {
-	if c.standby == nil {
-		return allFaults
+	kinds := allFaults
+	if len(c.schedulers) > 0 {
+		kinds = append(slices.Clone(kinds), schedulerFaults...)
 	}
-	return append(slices.Clone(allFaults), faultPromote)
+	if c.standby != nil {
+		kinds = append(slices.Clone(kinds), faultPromote)
+	}
+	return kinds
 }
 
 // runNemesis injects faults for d: first every kind once in a seeded order, then kinds at
@@ -135,6 +146,9 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		}
 		c.startWorker(w)
 
+	case faultKillScheduler, faultStopScheduler, faultRestartScheduler:
+		c.injectScheduler(rng, kind, c.schedulers[rng.IntN(len(c.schedulers))])
+
 	case faultKillRedis:
 		if c.sg != nil {
 			c.failover(ctx, kind, pause(time.Second, 3*time.Second))
@@ -156,7 +170,7 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		// No process that saw Redis before survives to notice that it came back empty.
 		c.redisUp.Store(false)
 		var dones []chan struct{}
-		for _, w := range c.workers {
+		for _, w := range append(slices.Clone(c.workers), c.schedulers...) {
 			w.scrape()
 			if done := w.signal(syscall.SIGKILL, true); done != nil {
 				dones = append(dones, done)
@@ -171,7 +185,7 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 			<-done
 		}
 		t0 := time.Now()
-		c.hist.nemesis(kind, "redis and every worker")
+		c.hist.nemesis(kind, "redis, every worker and scheduler")
 		go c.trackHeld(t0)
 		time.Sleep(pause(time.Second, 3*time.Second))
 		if !c.redisUp.Load() {
@@ -183,6 +197,9 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 		}
 		for _, w := range c.workers {
 			c.startWorker(w)
+		}
+		for _, s := range c.schedulers {
+			c.startScheduler(s)
 		}
 		go c.trackLost(ctx, time.Now())
 
@@ -212,6 +229,47 @@ func (c *cluster) inject(ctx context.Context, rng *rand.Rand, kind string) {
 			note = err.Error()
 		}
 		c.hist.note(kind, "workers", note)
+	}
+}
+
+// injectScheduler kills, freezes or restarts the scheduler s. While it is down the other
+// replica enqueues the ticks; when both are (a reboot, or two faults in a row), the first
+// to start again catches the missed ticks up.
+func (c *cluster) injectScheduler(rng *rand.Rand, kind string, s *worker) {
+	switch kind {
+	case faultKillScheduler:
+		s.scrape()
+		done := s.signal(syscall.SIGKILL, true)
+		if done == nil {
+			return
+		}
+		<-done
+		c.hist.nemesis(kind, s.name)
+		time.Sleep(time.Duration(500+rng.IntN(3000)) * time.Millisecond)
+		c.startScheduler(s)
+	case faultStopScheduler:
+		stopFor := time.Duration(2000+rng.IntN(3000)) * time.Millisecond
+		if s.signal(syscall.SIGSTOP, false) == nil {
+			return
+		}
+		c.hist.note(kind, s.name, fmt.Sprintf("stopped %s", stopFor.Round(100*time.Millisecond)))
+		time.Sleep(stopFor)
+		s.signal(syscall.SIGCONT, false)
+	case faultRestartScheduler:
+		s.scrape()
+		done := s.signal(syscall.SIGTERM, true)
+		if done == nil {
+			return
+		}
+		c.hist.nemesis(kind, s.name)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			s.signal(syscall.SIGKILL, true)
+			<-done
+			c.hist.note("term_timeout", s.name, "did not exit within 20 s of SIGTERM; killed")
+		}
+		c.startScheduler(s)
 	}
 }
 
@@ -345,7 +403,7 @@ func (c *cluster) heal() {
 			c.standbyUp.Store(true)
 		}
 	}
-	for _, w := range c.workers {
+	for _, w := range append(slices.Clone(c.workers), c.schedulers...) {
 		w.signal(syscall.SIGCONT, false)
 	}
 }

@@ -93,8 +93,12 @@ type runReport struct {
 	// primary's SIGKILL to the standby promoted, and to the first write committed through
 	// the multi-host URL (-1: not within 30 s).
 	Promotions []promotionReport `json:"postgres_promotions,omitempty"`
-	Pass       bool              `json:"pass"`
-	Failures   []string          `json:"failures,omitempty"`
+	// Ticks is checkTicks' verdict on the periodic jobs of the run's two schedulers;
+	// SchedCounters their idemq_schedule_ticks_total, summed, as "schedule:<event>".
+	Ticks         tickVerdict        `json:"ticks"`
+	SchedCounters map[string]float64 `json:"scheduler_counters"`
+	Pass          bool               `json:"pass"`
+	Failures      []string           `json:"failures,omitempty"`
 }
 
 type promotionReport struct {
@@ -113,6 +117,7 @@ type controlReport struct {
 	Skipped  string             `json:"skipped,omitempty"`
 	Verdict  verdict            `json:"verdict"`
 	Counters map[string]float64 `json:"worker_counters,omitempty"`
+	Ticks    *tickVerdict       `json:"ticks,omitempty"` // control (c) only
 	Pass     bool               `json:"pass"`
 	Failures []string           `json:"failures,omitempty"`
 }
@@ -166,6 +171,13 @@ func TestProof(t *testing.T) {
 		t.Run("no_fencing", func(t *testing.T) {
 			t.Parallel()
 			r := runNoFencing(t, p, seed)
+			mu.Lock()
+			rep.Controls = append(rep.Controls, r)
+			mu.Unlock()
+		})
+		t.Run("wallclock_ticks", func(t *testing.T) {
+			t.Parallel()
+			r := runWallClockTicks(t)
 			mu.Lock()
 			rep.Controls = append(rep.Controls, r)
 			mu.Unlock()
@@ -244,6 +256,7 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	began := time.Now()
 	hist := newHistory()
 	c := startCluster(t, clusterConfig{mode: m.mode, sentinel: m.sentinel, pgStandby: m.pgStandby, workers: 4, honorKeys: true,
+		schedulers:  2,
 		workerEnv:   []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints},
 		workerEnvAt: map[int][]string{0: {"IDEMQ_UNSAFE_FAULTS=" + quickFaultPoints, "IDEMQ_CONCURRENCY=8"}}}, hist)
 	ctx, cancel := context.WithTimeout(context.Background(), p.nemesis+p.drain+5*time.Minute)
@@ -259,6 +272,10 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	<-nemesisDone
 	c.heal()
 	hist.note("heal", "", "")
+	// The schedulers run on a little after the heal (a replica restarted by the last
+	// fault catches up), then stop: the ticks the checker requires end there.
+	time.Sleep(tickStopMargin)
+	c.stopSchedulers()
 	t.Logf("%s: nemesis over after %s; healed", modeName, time.Since(began).Round(time.Second))
 	healed := time.Now()
 	r := runReport{Mode: m.name, Postgres: pgSingle, NemesisS: p.nemesis.Seconds()}
@@ -277,6 +294,10 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 		t.Fatalf("checker: %v", err)
 	}
 	r.Verdict, r.DurationS = v, time.Since(began).Seconds()
+	if r.Ticks, err = c.checkTicks(ctx); err != nil {
+		t.Fatalf("checker: ticks: %v", err)
+	}
+	r.SchedCounters = c.schedCounters()
 	r.Nemesis = hist.byKind()
 	hist.mu.Lock()
 	r.Events, r.Dups, r.DupErrors, r.StopDups = hist.events, hist.dups, hist.dupErrors, hist.stopDups
@@ -325,6 +346,8 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
 	fail(len(r.ResultOnly) == 0, "%d asynq hashes without a task message (a result written after Redis lost the task): %v", len(r.ResultOnly), r.ResultOnly)
 	fail(v.BadArchived == len(badPayloads), "%d of %d bad payloads archived with a reason: %v", v.BadArchived, len(badPayloads), v.BadProblems)
+	fail(r.Ticks.pass(), "ticks %s..%s: %d expected, %d missing, %d with duplicate settlements, %d keys not a tick, %d enqueued jobs not settled exactly once: %v",
+		r.Ticks.From, r.Ticks.To, r.Ticks.Expected, r.Ticks.Missing, r.Ticks.Duplicated, r.Ticks.NotTick, r.Ticks.Unsettled, firstN(r.Ticks.Breaches, 8))
 	for _, k := range c.faultKinds() {
 		fail(r.Nemesis[k] > 0, "fault %s never injected", k)
 	}
@@ -579,6 +602,73 @@ func runNoFencing(t *testing.T, p profile, seed uint64) controlReport {
 	return r
 }
 
+// runWallClockTicks is negative control (c): two schedulers keying ticks by their wall
+// clock (IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK) and one worker. Both are frozen together past two
+// ticks (on resuming, each names every missed tick by its own clock reading), then one
+// alone across a tick (it names that tick a second late, after the other named it on
+// time). The tick rule must find a gap or a key that is no tick.
+func runWallClockTicks(t *testing.T) controlReport {
+	r := controlReport{Name: "c: schedulers keying ticks by their wall clock"}
+	help, _ := runIdemq(nil, "help", "scheduler")
+	if !strings.Contains(help, "IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK") {
+		r.Skipped = "the scheduler has no IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK switch: control (c) cannot run"
+		t.Skip(r.Skipped)
+		return r
+	}
+	hist := newHistory()
+	c := startCluster(t, clusterConfig{mode: localserver.PersistNone, workers: 1, honorKeys: true,
+		schedulers: 2, schedulerEnv: []string{"IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK=true"}}, hist)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// untilPhase sleeps until the instant d after a tick.
+	untilPhase := func(d time.Duration) {
+		now := time.Now()
+		next := now.Truncate(tickPeriod).Add(d)
+		if !next.After(now) {
+			next = next.Add(tickPeriod)
+		}
+		time.Sleep(time.Until(next))
+	}
+	time.Sleep(tickStartMargin)
+	untilPhase(300 * time.Millisecond)
+	for _, s := range c.schedulers {
+		s.signal(syscall.SIGSTOP, false)
+	}
+	time.Sleep(2*tickPeriod + 500*time.Millisecond) // two ticks pass; resumed 0.8 s after a tick
+	for _, s := range c.schedulers {
+		s.signal(syscall.SIGCONT, false)
+	}
+	hist.note("stop_schedulers", "both", "frozen for 4.5 s")
+	untilPhase(tickPeriod - 200*time.Millisecond)
+	s0 := c.schedulers[0]
+	s0.signal(syscall.SIGSTOP, false)
+	time.Sleep(1400 * time.Millisecond) // resumed 1.2 s after the tick the other enqueued
+	s0.signal(syscall.SIGCONT, false)
+	hist.note("stop_scheduler", s0.name, "frozen for 1.4 s across a tick")
+	time.Sleep(tickStopMargin + tickPeriod)
+	c.stopSchedulers()
+	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(500 * time.Millisecond) {
+		if n, err := c.cronPending(ctx); err == nil && n == 0 {
+			break
+		}
+	}
+	v, err := c.checkTicks(ctx)
+	if err != nil {
+		t.Fatalf("checker: ticks: %v", err)
+	}
+	r.Ticks = &v
+	if v.Missing+v.Duplicated+v.NotTick == 0 {
+		r.Failures = append(r.Failures, fmt.Sprintf("the tick rule found no missing tick, no duplicate and no key that is no tick of %d ticks keyed by the wall clock: it cannot see what scheduled-instant keys prevent", v.Expected))
+	}
+	r.Pass = len(r.Failures) == 0
+	if !r.Pass {
+		t.Errorf("control %s: %v", r.Name, r.Failures)
+	}
+	t.Logf("control %s: ticks %s..%s: %d expected, %d enqueued, %d settlements; %d missing, %d not a tick, %d duplicated; breaches %v",
+		r.Name, v.From, v.To, v.Expected, v.Enqueued, v.Settlements, v.Missing, v.NotTick, v.Duplicated, firstN(v.Breaches, 6))
+	return r
+}
+
 // waitQuiet waits until no task is left in asynq but completed or deliberately archived.
 func (c *cluster) waitQuiet(ctx context.Context, bound time.Duration) {
 	for deadline := time.Now().Add(bound); time.Now().Before(deadline); time.Sleep(time.Second) {
@@ -644,6 +734,15 @@ func table(rep *report) string {
 	row("provider keys reused (requests)", func(r runReport) any {
 		return fmt.Sprintf("%d (%d)", r.Verdict.KeyReuses, r.Verdict.ReusedRequests)
 	})
+	row("ticks expected / enqueued / completed / settlements", func(r runReport) any {
+		return fmt.Sprintf("%d / %d / %d / %d", r.Ticks.Expected, r.Ticks.Enqueued, r.Ticks.Completed, r.Ticks.Settlements)
+	})
+	row("ticks missing / duplicated / not a tick", func(r runReport) any {
+		return fmt.Sprintf("%d / %d / %d", r.Ticks.Missing, r.Ticks.Duplicated, r.Ticks.NotTick)
+	})
+	row("scheduler metrics: enqueued / duplicate / caught_up", func(r runReport) any {
+		return fmt.Sprintf("%.0f / %.0f / %.0f", r.SchedCounters["schedule:enqueued"], r.SchedCounters["schedule:duplicate"], r.SchedCounters["schedule:caught_up"])
+	})
 	row("nemesis events", func(r runReport) any { return kinds(r.Nemesis) })
 	row("postgres (promotions: promoted / writable after, max)", func(r runReport) any {
 		if r.Postgres != pgSyncStandby {
@@ -680,6 +779,14 @@ func table(rep *report) string {
 	for _, c := range rep.Controls {
 		if c.Skipped != "" {
 			fmt.Fprintf(&b, "negative control %s: SKIPPED: %s\n", c.Name, c.Skipped)
+			continue
+		}
+		if v := c.Ticks; v != nil {
+			fmt.Fprintf(&b, "negative control %s: ticks %s..%s: %d expected, %d enqueued, %d settlements; %d missing, %d keys not a tick, %d duplicated: %s\n",
+				c.Name, v.From, v.To, v.Expected, v.Enqueued, v.Settlements, v.Missing, v.NotTick, v.Duplicated, passFail(c.Pass))
+			for _, f := range c.Failures {
+				fmt.Fprintf(&b, "  FAILURE: %s\n", f)
+			}
 			continue
 		}
 		var checkouts string
