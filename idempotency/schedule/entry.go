@@ -70,7 +70,9 @@ type Entry struct {
 	Payload json.RawMessage `json:"payload,omitempty"`
 	// Queue is the asynq queue; empty is outbox.DefaultQueue.
 	Queue string `json:"queue,omitempty"`
-	// MaxRetry is how often asynq retries a failed delivery (0: none).
+	// MaxRetry is how often asynq retries a failed delivery. 0 is none, as for
+	// outbox.Spec: a delivery that finds Postgres out of reach is then archived and its
+	// tick never done, so give a periodic job some (the example's schedule uses 5).
 	MaxRetry int `json:"max_retry,omitempty"`
 	// Timeout bounds one delivery; 0 is asynq's default.
 	Timeout time.Duration `json:"timeout,omitempty"`
