@@ -266,13 +266,9 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 	catchUp := false
 	switch {
 	case !known || c.revision != r.Revision:
-		var e Entry
-		if err := json.Unmarshal(r.Spec, &e); err != nil {
-			return fmt.Errorf("schedule: entry %q revision %d: %w", r.Name, r.Revision, err)
-		}
-		p, err := compile(e, fmt.Sprintf("%q", r.Name))
+		p, err := readPlan(r)
 		if err != nil {
-			return fmt.Errorf("revision %d: %w", r.Revision, err)
+			return err
 		}
 		if !known {
 			// A first look: the ticks missed since the newest any replica enqueued, within
