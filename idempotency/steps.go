@@ -157,14 +157,20 @@ func validateStepName(name string) error {
 // happened but before it was recorded, a later delivery runs fn again with the same step
 // key; exactly-once then rests on the provider honouring that key. StepTx has no such gap.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts ...StepOption) (T, error) {
+	return hooked(ctx, name, false, func(h stephook.Hook) (T, bool, error) { return step(ctx, name, fn, opts, h) })
+}
+
+// hooked runs a step call, telling the test harness's hook (stephook), when ctx carries
+// one, where the call begins and how it ended.
+func hooked[T any](ctx context.Context, name string, inTx bool, call func(stephook.Hook) (T, bool, error)) (T, error) {
 	h := stephook.From(ctx)
 	if h == nil {
-		v, _, err := step(ctx, name, fn, opts, nil)
+		v, _, err := call(nil)
 		return v, err
 	}
-	h.Begin(ctx, name, false)
-	v, cached, err := step(ctx, name, fn, opts, h)
-	h.Done(ctx, name, false, err == nil && !cached, cached, err)
+	h.Begin(ctx, name, inTx)
+	v, cached, err := call(h)
+	h.Done(ctx, name, inTx, err == nil && !cached, cached, err)
 	return v, err
 }
 
@@ -224,15 +230,7 @@ func step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 // I/O in fn, and no step calls (they are refused: their records would wait for that row
 // lock). Unlike Step, StepTx has no gap between effect and record.
 func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (T, error) {
-	h := stephook.From(ctx)
-	if h == nil {
-		v, _, err := stepTx(ctx, name, fn, opts, nil)
-		return v, err
-	}
-	h.Begin(ctx, name, true)
-	v, cached, err := stepTx(ctx, name, fn, opts, h)
-	h.Done(ctx, name, true, err == nil && !cached, cached, err)
-	return v, err
+	return hooked(ctx, name, true, func(h stephook.Hook) (T, bool, error) { return stepTx(ctx, name, fn, opts, h) })
 }
 
 // stepTx is StepTx; cached reports a step that an earlier delivery recorded.
