@@ -2,8 +2,8 @@
 //
 // The SQL comes in two sets, both embedded, so the binary carries its schema:
 //
-//   - the core set (this directory): the ledger (processed_jobs, and the recorded steps
-//     of leased jobs, processed_job_steps), the outbox (job_intents,
+//   - the core set (this directory): the ledger (processed_jobs, the recorded steps
+//     of leased jobs, processed_job_steps, and each key's history, processed_job_events), the outbox (job_intents,
 //     redis_epochs), the periodic schedule (schedule_entries) and the API's memory of
 //     Idempotency-Key headers (api_idempotency_keys). Up applies it and records its versions in idemq_db_version.
 //   - the example set (the example directory): the tables of the example handlers and of
