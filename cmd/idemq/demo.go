@@ -90,6 +90,7 @@ type demoRun struct {
 	incomplete                         int
 	killed                             bool
 	elapsed                            time.Duration
+	ticks                              demoTicks
 }
 
 func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
@@ -123,7 +124,7 @@ func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
 	if guarded.incomplete > 0 || guarded.chargeMax != 1 && o.charges > 0 || guarded.entryMax != 1 && o.debits > 0 ||
 		guarded.chargeOrders != o.charges || guarded.entryRefs != o.debits ||
 		o.checkouts > 0 && (guarded.checkoutChargeMax != 1 || guarded.orderRowMax != 1 || guarded.checkouts != o.checkouts ||
-			guarded.emailed != o.checkouts || guarded.emails != o.checkouts+guarded.resent) {
+			guarded.emailed != o.checkouts || guarded.emails != o.checkouts+guarded.resent) || !guarded.ticks.ok() {
 		return fmt.Errorf("demo: with guards, some effect did not happen exactly once (see the table)")
 	}
 	fmt.Fprintln(out)
@@ -136,13 +137,17 @@ func runDemo(ctx context.Context, o demoOptions, out io.Writer) error {
 func demoVerdict(runs []*demoRun) string {
 	g := runs[0]
 	through := "through duplicate requests and deliveries"
-	if g.killed {
+	switch {
+	case g.killed && g.ticks.schedKilled:
+		through = "through duplicate requests and deliveries, a SIGKILLed worker and a SIGKILLed scheduler"
+	case g.killed:
 		through += " and a SIGKILLed worker"
 	}
 	line := fmt.Sprintf("With guards: %d orders charged once each and %d debits written once each", g.chargeOrders, g.entryRefs)
 	if g.checkouts > 0 {
 		line = fmt.Sprintf("With guards: %d orders charged once each, %d debits written once each and %d checkouts charged, recorded and emailed once each", g.chargeOrders, g.entryRefs, g.checkouts)
 	}
+	line += fmt.Sprintf(", and %d ticks settled once each", g.ticks.settled)
 	line += ", " + through + "."
 	if g.resent > 0 {
 		line += fmt.Sprintf("\nBut %d receipts were emailed again: the delivery that sent each stopped (its worker killed, or its lease lost) before it recorded the step, so the next one sent it again, with the same step key, which this provider does not honour.", g.resent)
@@ -209,6 +214,7 @@ type demoStack struct {
 	exe, logDir     string
 	env             []string
 	workers         []*exec.Cmd
+	schedulers      []*exec.Cmd
 	metrics         []string
 	lastScrape      []map[string]float64
 	mu              sync.Mutex
@@ -369,6 +375,9 @@ func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, 
 	if tty {
 		fmt.Fprintln(out)
 	}
+	if err := st.drainTicks(ctx, guarded, &run.ticks, out); err != nil {
+		return nil, err
+	}
 	run.elapsed = time.Since(start)
 	return run, st.measure(ctx, run)
 }
@@ -469,6 +478,13 @@ func startDemoStack(ctx context.Context, exe, redisURL, dbURL string, workers in
 	ap, _ := localserver.FreePort()
 	st.apiURL = fmt.Sprintf("http://127.0.0.1:%d", ap)
 	if err := st.start("api", append(base, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", ap)), st.apiURL+"/readyz"); err != nil {
+		return st, err
+	}
+	file, err := demoScheduleFile(st.logDir)
+	if err != nil {
+		return st, err
+	}
+	if err := st.startSchedulers(file); err != nil {
 		return st, err
 	}
 	fmt.Fprintf(out, "\n%s: API %s, dashboard %s/monitoring/, ledger %s/ledger/ (schema %s, logs in %s)\n",
@@ -738,6 +754,11 @@ func printDemoTable(out io.Writer, runs []*demoRun) {
 	row("receipt emails / checkouts", func(r *demoRun) string { return fmt.Sprintf("%d / %d", r.emails, r.emailed) })
 	row("  most emails for one checkout", func(r *demoRun) string { return num(float64(r.emailMax)) })
 	row("  re-sent (the sender stopped before its record)", func(r *demoRun) string { return guardedOnly(r, num(float64(r.resent))) })
+	row(fmt.Sprintf("periodic ticks (%s, %d schedulers) / expected", demoTickEvery, demoSchedulers), func(r *demoRun) string {
+		return fmt.Sprintf("%d / %d", r.ticks.enqueued, r.ticks.expected)
+	})
+	row("  settlements / ticks settled", func(r *demoRun) string { return fmt.Sprintf("%d / %d", r.ticks.settlements, r.ticks.settled) })
+	row("  most settlements for one tick", func(r *demoRun) string { return num(float64(r.ticks.most)) })
 	row("jobs never finished", func(r *demoRun) string { return num(float64(r.incomplete)) })
 	row("worker SIGKILLed mid-flight", func(r *demoRun) string { return fmt.Sprint(r.killed) })
 	row("elapsed", func(r *demoRun) string { return r.elapsed.Round(100 * time.Millisecond).String() })

@@ -496,8 +496,19 @@ func TestDemo(t *testing.T) {
 	if row := regexp.MustCompile(`worker SIGKILLed mid-flight\s+(\w+)`).FindStringSubmatch(out); row == nil || row[1] != fmt.Sprint(killed) {
 		t.Errorf("the table's kill row %q disagrees with the log (killed: %t):\n%s", row, killed, out)
 	}
-	if killed != strings.Contains(out, "and a SIGKILLed worker.") {
-		t.Errorf("the last line disagrees with the log on the kill (killed: %t):\n%s", killed, out)
+	schedKilled := strings.Contains(out, "SIGKILLed scheduler 1 (pid")
+	if killed != (strings.Contains(out, "and a SIGKILLed worker.") || strings.Contains(out, "a SIGKILLed worker and a SIGKILLed scheduler.")) ||
+		schedKilled != strings.Contains(out, "and a SIGKILLed scheduler.") {
+		t.Errorf("the last line disagrees with the log on the kills (worker: %t, scheduler: %t):\n%s", killed, schedKilled, out)
+	}
+	// The example's schedule runs in two scheduler replicas, one SIGKILLed on the way:
+	// with guards, every 2 s tick from the first to the last is one settlement.
+	ticks := regexp.MustCompile(`periodic ticks \(2s, 2 schedulers\) / expected\s+(\d+) / (\d+)`).FindStringSubmatch(out)
+	settled := regexp.MustCompile(`settlements / ticks settled\s+(\d+) / (\d+)`).FindStringSubmatch(out)
+	if !schedKilled || ticks == nil || settled == nil || atoi(t, ticks[2]) < 6 || ticks[1] != ticks[2] || settled[1] != ticks[2] || settled[2] != ticks[2] ||
+		!strings.Contains(out, "most settlements for one tick            1") ||
+		!strings.Contains(out, fmt.Sprintf("and %s ticks settled once each", ticks[2])) {
+		t.Errorf("with guards, ticks %q and settlements %q (scheduler killed: %t): want at least 6 ticks, each enqueued and settled once:\n%s", ticks, settled, schedKilled, out)
 	}
 	// Nothing is left behind: the log folders of both runs are gone.
 	for _, m := range regexp.MustCompile(`logs in (\S+)\)`).FindAllStringSubmatch(out, -1) {
