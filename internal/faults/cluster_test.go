@@ -4,6 +4,7 @@ package faults
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -36,6 +37,9 @@ func TestMain(m *testing.M) { testenv.RunWithIdemq(m, &binary) }
 
 var errRunning = errors.New("already running")
 
+// errParked is start's answer for a parked slot.
+var errParked = errors.New("parked")
+
 // proc is one idemq process slot (fakepay, api or a worker); it can be started again after
 // it exits. Its output is appended to one log file across incarnations.
 type proc struct {
@@ -43,6 +47,10 @@ type proc struct {
 	env  []string
 	args []string
 	log  string
+	// exe is the binary it runs (empty: binary, this build's); set it only under mu.
+	exe string
+	// parked: the slot is not started, by the nemesis or anyone, until unparked.
+	parked bool
 
 	mu       sync.Mutex
 	cmd      *exec.Cmd
@@ -65,7 +73,10 @@ func (p *proc) start() error {
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(binary, p.args...)
+	if p.parked {
+		return errParked
+	}
+	cmd := exec.Command(cmp.Or(p.exe, binary), p.args...)
 	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, p.env...)
 	cmd.Stdout, cmd.Stderr = f, f
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -212,8 +223,12 @@ type cluster struct {
 	client  *asynq.Client
 	insp    *asynq.Inspector
 	apiURL  string
+	// apis are the APIs the workload sends to (apiURL, and with a previous release this
+	// build's api too, once it runs).
+	apis    atomic.Pointer[[]string]
 	fakepay *proc
 	api     *proc
+	extra   []*proc // started by the run (the mixed run's second api)
 	workers []*worker
 	// schedulers are the `idemq scheduler` replicas; schedFrom is when they were first
 	// started, schedTo when stopSchedulers stopped them (zero until then).
@@ -245,6 +260,10 @@ type clusterConfig struct {
 	// workerEnvAt is added after workerEnv for the worker of each index.
 	workerEnvAt map[int][]string
 	startAfter  int // workers with index >= startAfter are not started at first
+	// previous is the previous release's binary: when set, the schema is migrated by it,
+	// fakepay, the api and the workers below startAfter run it, and the workers from
+	// startAfter on (this build) are parked until the run unparks them.
+	previous string
 	// schedulers is the number of `idemq scheduler` replicas, each running scheduleFile;
 	// schedulerEnv is added after their defaults.
 	schedulers   int
@@ -308,7 +327,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	c.redisUp.Store(true)
 	c.pgUp.Store(true)
 
-	if out, err := runIdemq([]string{"DATABASE_URL=" + c.dbURL}, "migrate"); err != nil {
+	if out, err := runIdemqExe(cmp.Or(cfg.previous, binary), []string{"DATABASE_URL=" + c.dbURL}, "migrate"); err != nil {
 		t.Fatalf("idemq migrate: %v\n%s", err, out)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -335,7 +354,9 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	c.api = &proc{name: "api", args: []string{"api"}, log: filepath.Join(c.dir, "api.log"), env: []string{
 		"DATABASE_URL=" + c.dbURL, "REDIS_URL=" + redisURL, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort),
 		"IDEMQ_RECONCILE_GRACE=20s"}}
+	c.apis.Store(&[]string{c.apiURL})
 	for _, p := range []*proc{c.fakepay, c.api} {
+		p.exe = cfg.previous
 		if err := p.start(); err != nil {
 			t.Fatal(err)
 		}
@@ -357,7 +378,10 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 			env: append(append([]string{fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", port)}, workerEnv...), cfg.workerEnvAt[i]...)}}
 		c.workers = append(c.workers, w)
 		if cfg.startAfter == 0 || i < cfg.startAfter {
+			w.exe = cfg.previous
 			c.startWorker(w)
+		} else if cfg.previous != "" {
+			w.parked = true
 		}
 	}
 	for _, w := range c.workers {
@@ -405,7 +429,7 @@ func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 }
 
 func (c *cluster) procs() []*proc {
-	ps := []*proc{c.fakepay, c.api}
+	ps := append([]*proc{c.fakepay, c.api}, c.extra...)
 	for _, w := range append(slices.Clone(c.workers), c.schedulers...) {
 		ps = append(ps, w.proc)
 	}
@@ -481,7 +505,7 @@ func (c *cluster) schedCounters() map[string]float64 {
 // startWorker starts w and watches it: an exit the suite did not cause (a fault point's
 // SIGKILL) is recorded as a kill and the worker is restarted.
 func (c *cluster) startWorker(w *worker) {
-	if err := w.start(); errors.Is(err, errRunning) {
+	if err := w.start(); errors.Is(err, errRunning) || errors.Is(err, errParked) {
 		return
 	} else if err != nil {
 		c.t.Errorf("start %s: %v", w.name, err)
@@ -534,9 +558,14 @@ func (c *cluster) counters() map[string]float64 {
 }
 
 func runIdemq(env []string, args ...string) (string, error) {
+	return runIdemqExe(binary, env, args...)
+}
+
+// runIdemqExe is runIdemq with the binary exe.
+func runIdemqExe(exe string, env []string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd := exec.CommandContext(ctx, exe, args...)
 	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err

@@ -142,12 +142,17 @@ func TestProof(t *testing.T) {
 	rep := &report{Seed: seed, Profile: p.name, Started: start.UTC().Format(time.RFC3339)}
 	var mu sync.Mutex
 
-	only := os.Getenv("IDEMQ_FAULTS_ONLY") // "controls" or "nemesis": a part alone, while working on the suite
+	// "controls", "nemesis" or "mixed" (the mixed-version run): a part alone, while working
+	// on the suite
+	only := os.Getenv("IDEMQ_FAULTS_ONLY")
 	t.Run("nemesis", func(t *testing.T) {
 		if only == "controls" {
 			t.Skip("IDEMQ_FAULTS_ONLY=controls")
 		}
 		for _, m := range modes(p) {
+			if only == "mixed" {
+				break
+			}
 			t.Run(m.label(), func(t *testing.T) {
 				t.Parallel()
 				r := runMain(t, p, seed, m)
@@ -156,10 +161,19 @@ func TestProof(t *testing.T) {
 				mu.Unlock()
 			})
 		}
+		if mixedRun(p) || only == "mixed" {
+			t.Run("mixed", func(t *testing.T) {
+				t.Parallel()
+				r := runMixed(t, p, seed)
+				mu.Lock()
+				rep.Runs = append(rep.Runs, r)
+				mu.Unlock()
+			})
+		}
 	})
 	t.Run("controls", func(t *testing.T) {
-		if only == "nemesis" {
-			t.Skip("IDEMQ_FAULTS_ONLY=nemesis")
+		if only == "nemesis" || only == "mixed" {
+			t.Skip("IDEMQ_FAULTS_ONLY=" + only)
 		}
 		t.Run("no_guards", func(t *testing.T) {
 			t.Parallel()
@@ -186,7 +200,14 @@ func TestProof(t *testing.T) {
 	sort.Slice(rep.Runs, func(i, j int) bool { return rep.Runs[i].Mode > rep.Runs[j].Mode })
 	sort.Slice(rep.Controls, func(i, j int) bool { return rep.Controls[i].Name < rep.Controls[j].Name })
 	rep.WallSeconds = time.Since(start).Seconds()
-	rep.Pass = !t.Failed() && (len(rep.Runs) == len(modes(p)) || only == "controls")
+	runs := len(modes(p))
+	switch {
+	case only == "mixed":
+		runs = 1
+	case mixedRun(p):
+		runs++
+	}
+	rep.Pass = !t.Failed() && (len(rep.Runs) == runs || only == "controls")
 	reruns := 0.0
 	for _, r := range rep.Runs {
 		rep.Pass = rep.Pass && r.Pass
@@ -194,7 +215,7 @@ func TestProof(t *testing.T) {
 	}
 	// The rollback of a shared transaction is a path of its own too; worker 0's failing
 	// debits take it whenever its deliveries meet, which a run may happen not to see.
-	if len(rep.Runs) > 0 && reruns == 0 {
+	if len(rep.Runs) > 0 && reruns == 0 && only != "mixed" {
 		rep.Pass = false
 		rep.Failures = append(rep.Failures, "no shared transaction without savepoints was rolled back and its deliveries run again, in any run")
 	}
@@ -728,6 +749,12 @@ func table(rep *report) string {
 	row("takeovers after lease expiry", func(r runReport) any { return r.Counters["ledger:takeover"] })
 	row("fenced completions (lease_lost)", func(r runReport) any { return r.Counters["ledger:lease_lost"] })
 	row("self-fenced", func(r runReport) any { return r.Counters["ledger:self_fenced"] })
+	row("provider requests by the previous release / this build", func(r runReport) any {
+		if r.Mode != "mixed" {
+			return "-"
+		}
+		return fmt.Sprintf("%.0f / %.0f", r.Counters["mixed:provider_requests_previous"], r.Counters["mixed:provider_requests_this"])
+	})
 	row("provider requests fenced / after a takeover", func(r runReport) any {
 		return fmt.Sprintf("%d / %d", r.Verdict.FencedRequests, r.Verdict.LateRequests)
 	})
@@ -818,7 +845,7 @@ func table(rep *report) string {
 
 // label names the run as its deployment's label does.
 func (r runReport) label() string {
-	if r.Postgres == pgSyncStandby {
+	if r.Postgres == pgSyncStandby || r.Mode == "mixed" {
 		return r.Mode
 	}
 	return "redis=" + r.Mode

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"math/rand/v2"
 	"net/http"
 	"sync"
@@ -177,7 +178,8 @@ func (c *cluster) send(ctx context.Context, j job) error {
 	}
 	b, _ := json.Marshal(body)
 	if err := retry(ctx, 90*time.Second, func() error {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, c.apiURL+path, bytes.NewReader(b))
+		apis := *c.apis.Load()
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, apis[int(crc32.ChecksumIEEE([]byte(key)))%len(apis)]+path, bytes.NewReader(b))
 		req.Header.Set("Content-Type", "application/json")
 		resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
 		if err != nil {
