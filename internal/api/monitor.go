@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"fmt"
+	"io/fs"
 	"net/http"
 	"regexp"
 	"strings"
@@ -33,14 +34,22 @@ func monitorCSP(scriptHashes []string) string {
 		"; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 }
 
-// ledgerCSP is the ledger page's Content-Security-Policy: no scripts, no images, its one
-// <style> element pinned by hash, and its search form sent to this server.
+// ledgerCSP is the ledger pages' Content-Security-Policy: no scripts, no images, the
+// <style> elements of their templates pinned by hash, and their forms sent to this server.
 var ledgerCSP = func() string {
-	layout, err := templateFS.ReadFile("templates/layout.html")
+	names, err := fs.Glob(templateFS, "templates/*.html")
 	if err != nil {
 		panic(err)
 	}
-	return "default-src 'none'; style-src " + strings.Join(hashes(inlineStyles, layout), " ") +
+	var styles []string
+	for _, name := range names {
+		page, err := templateFS.ReadFile(name)
+		if err != nil {
+			panic(err)
+		}
+		styles = append(styles, hashes(inlineStyles, page)...)
+	}
+	return "default-src 'none'; style-src " + strings.Join(styles, " ") +
 		"; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 }()
 
