@@ -25,7 +25,8 @@ func (t IntentTask) TaskIDs() []string {
 }
 
 // IntentTasks returns the IntentTask of each of keys that has an intent, by key, in one
-// statement; the others are absent from the map.
+// statement; the others are absent from the map. Safe for concurrent use when q is (a
+// pool is).
 func IntentTasks(ctx context.Context, q DB, keys []string) (map[string]IntentTask, error) {
 	got, err := store.IntentTasks(ctx, q, keys)
 	out := make(map[string]IntentTask, len(got))
