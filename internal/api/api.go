@@ -181,6 +181,11 @@ func New(deps Deps, opts *Options) *Server {
 			csp = monitorCSP(nil)
 		}
 		s.mux.Handle("/monitoring/", s.page(csp, withIndex(s.monitor, index)))
+		if path, js, err := wholeTaskIDs(s.monitor, index); err != nil {
+			s.log.Error("api: the dashboard will cut task IDs at their first '-'", "err", err)
+		} else {
+			s.mux.Handle("GET "+path, s.page(csp, serveScript(js)))
+		}
 		s.mux.Handle("GET /monitoring", http.RedirectHandler("/monitoring/", http.StatusMovedPermanently))
 	}
 

@@ -3,13 +3,18 @@ package api
 import (
 	"bytes"
 	"context"
+	"html"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/hibiken/asynq"
+
+	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
 
@@ -85,6 +90,7 @@ func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 	}
 	a.complete(t, "order-1001", `{"charge_id":"ch_3fa9","amount_cents":1999,"currency":"EUR"}`)
 	a.complete(t, "order-1002", `{"charge_id":"ch_77b1","amount_cents":1999,"currency":"EUR"}`)
+	a.consoleScene(t)
 
 	for path, wants := range map[string][]string{
 		"/monitoring/": {"Queues", "default", "Memory usage"},
@@ -119,7 +125,15 @@ func TestBrowserRendersDashboardAndLedger(t *testing.T) {
 	if dir == "" {
 		dir = t.TempDir()
 	}
-	for name, path := range map[string]string{"dashboard.png": "/monitoring/", "ledger.png": "/ledger/"} {
+	// The list page as an operator's console: counts over the last 24 h, one filter set.
+	console := "/ledger/?type=payment:charge&window=24h"
+	dom = browse(t, bin, a.URL+console, "--dump-dom")
+	for _, want := range []string{`id="row-counts"`, "in progress, lapsed", `id="event-counts"`, "duplicate", "type payment:charge ×", "charge:order-1000"} {
+		if !strings.Contains(dom, want) {
+			t.Fatalf("the ledger console's DOM does not contain %q:\n%s", want, tail(dom, 3000))
+		}
+	}
+	for name, path := range map[string]string{"dashboard.png": "/monitoring/", "ledger.png": console} {
 		file, err := filepath.Abs(filepath.Join(dir, name))
 		if err != nil {
 			t.Fatal(err)
@@ -147,4 +161,68 @@ func sizeOf(st os.FileInfo) int64 {
 		return 0
 	}
 	return st.Size()
+}
+
+// consoleScene adds what an operator's console shows besides finished jobs: a job
+// running under a live lease, one whose lease lapsed, a failed one, and events of the
+// last hours (duplicates answered from the ledger, a takeover, a busy key).
+func (a *testAPI) consoleScene(t *testing.T) {
+	t.Helper()
+	_, err := a.pool.Exec(testenv.Context(t, 10*time.Second), `
+	INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, attempts, started_at, locked_until, completed_at, last_error)
+	VALUES ('charge:order-1004', 'payment:charge', 'in_progress', nextval('processed_jobs_fence_seq'), gen_random_uuid(), 1,
+	        now() - interval '20 seconds', now() + interval '30 minutes', NULL, NULL),
+	       ('charge:order-1000', 'payment:charge', 'in_progress', nextval('processed_jobs_fence_seq'), gen_random_uuid(), 2,
+	        now() - interval '9 minutes', now() - interval '4 minutes', NULL, 'worker lost its lease'),
+	       ('charge:order-0999', 'payment:charge', 'failed', nextval('processed_jobs_fence_seq'), gen_random_uuid(), 1,
+	        now() - interval '3 hours', NULL, now() - interval '3 hours', 'card_declined: permanent');
+	INSERT INTO processed_job_events (idempotency_key, kind, at, task_type)
+	VALUES ('charge:order-1001', 'duplicate', now() - interval '5 minutes', 'payment:charge'),
+	       ('charge:order-1001', 'duplicate', now() - interval '2 minutes', 'payment:charge'),
+	       ('charge:order-1000', 'takeover', now() - interval '3 minutes', 'payment:charge'),
+	       ('charge:order-1004', 'busy', now() - interval '1 minute', 'payment:charge')`)
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestBrowserShowsWholeTaskIDs: asynqmon's task list shows a task ID whole
+// (charge:order-123, not charge:order), and a task's page links to the ledger row of its
+// key, a republish's #r<n> taken off.
+func TestBrowserShowsWholeTaskIDs(t *testing.T) {
+	bin := chromium(t)
+	a := newTestAPI(t, nil)
+	ctx := testenv.Context(t, 30*time.Second)
+	opt, err := asynq.ParseRedisURI(a.redisURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := asynq.NewClient(opt)
+	defer ac.Close()
+	for _, id := range []string{"charge:order-123", "charge:order-123#r2"} {
+		if _, err := ac.EnqueueContext(ctx, asynq.NewTask("payment:charge", []byte(`{}`)), asynq.TaskID(id), asynq.Queue(tasks.Queue)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a.insertRow(t, "charge:order-123", `{"charge_id":"ch_123"}`)
+
+	dom := browse(t, bin, a.URL+"/monitoring/queues/default?status=pending", "--dump-dom")
+	if !strings.Contains(dom, ">charge:order-123<") || !strings.Contains(dom, ">charge:order-123#r2<") || strings.Contains(dom, ">charge:order<") {
+		t.Fatalf("asynqmon's task list does not show charge:order-123 whole:\n%s", tail(dom, 4000))
+	}
+
+	dom = browse(t, bin, a.URL+taskLink(tasks.Queue, "charge:order-123#r2"), "--dump-dom")
+	m := regexp.MustCompile(`<a id="idemq-ledger-link"[^>]* href="([^"]*)"[^>]*>([^<]*)</a>`).FindStringSubmatch(dom)
+	if m == nil || !strings.Contains(dom, "charge:order-123#r2") {
+		t.Fatalf("asynqmon's task page has no ledger link or does not show the task:\n%s", tail(dom, 4000))
+	}
+	href := html.UnescapeString(m[1])
+	if href != "/ledger/charge%3Aorder-123" || m[2] != "Ledger row of charge:order-123" {
+		t.Fatalf("ledger link %q %q, want /ledger/charge%%3Aorder-123", href, m[2])
+	}
+	a.do(t, "GET", href, "").want(t, 200, "<code>charge:order-123</code>", "ch_123")
+	// Elsewhere in the dashboard there is no such link.
+	if dom := browse(t, bin, a.URL+"/monitoring/queues/default", "--dump-dom"); strings.Contains(dom, `<a id="idemq-ledger-link"`) {
+		t.Fatal("the queue page shows a ledger link")
+	}
 }

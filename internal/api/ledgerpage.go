@@ -10,7 +10,6 @@ import (
 	"html/template"
 	"net/http"
 	"net/url"
-	"strconv"
 	"strings"
 	"time"
 
@@ -58,13 +57,29 @@ type listPage struct {
 	Key      string
 	Missing  string // Key has no ledger row
 	Invalid  string // why Key cannot be a key
+
+	Filter    listFilter
+	Tasks     map[string][]taskRef // key → asynqmon's pages of its TaskIDs (keys with an intent)
+	Counts    []countRow           // rows started in the window, by outcome; nil when not counted
+	Events    []countRow           // events recorded in the window, by kind
+	CountsErr string               // why there are no counts
+	Ages      []string             // the choices of started_within and older_than
+	Windows   []string             // the choices of window
+	Leases    []string             // the choices of lease
 }
 
-// ledgerList serves /ledger/: the most recently updated rows, filtered by ?status=; a
-// ?key= search goes to that row's page.
+// ledgerList serves /ledger/: the most recently started rows under the filters of its
+// query (parseListFilter), with counts per outcome over a window; a ?key= search goes to
+// that row's page. A bad filter is a 400 naming the parameter and what it allows.
 func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	p := listPage{Status: q.Get("status"), Statuses: statuses, Limit: 50, Max: maxLedgerPageRows, Key: strings.TrimSpace(q.Get("key"))}
+	f, err := parseListFilter(q)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	p := listPage{Status: f.Status, Statuses: statuses, Limit: f.Limit, Max: maxLedgerPageRows, Key: strings.TrimSpace(q.Get(paramKey)),
+		Filter: f, Ages: ageNames(ages), Windows: ageNames(windows), Leases: leases}
 	if p.Key != "" {
 		if err := checkPageKey(p.Key); err != nil {
 			p.Invalid = invalidReason(err)
@@ -75,20 +90,20 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 			p.Missing = p.Key
 		}
 	}
-	if n, err := strconv.Atoi(q.Get("limit")); err == nil && n > 0 {
-		p.Limit = min(n, maxLedgerPageRows)
-	}
-	if p.Status != "" && !contains(statuses, p.Status) {
-		http.Error(w, "status: unknown ledger status", http.StatusBadRequest)
-		return
-	}
-	rows, err := s.deps.Ledger.List(r.Context(), p.Status, p.Limit)
+	rows, err := s.deps.Ledger.Find(r.Context(), f.filter())
 	if err != nil {
 		s.internal(w, r, "read the ledger", err) // 503 while Postgres is unavailable
 		return
 	}
 	p.Rows = rows
-	if il, ok := s.deps.Enqueuer.(intentLister); ok && p.Status == "" {
+	window, _ := findAge(windows, f.Window)
+	if c, err := s.deps.Ledger.Count(r.Context(), window.D); err != nil {
+		s.log.Error("api: ledger page: counts", "err", err)
+		p.CountsErr = "counts unavailable: " + err.Error()
+	} else {
+		p.Counts, p.Events = countRows(f, c)
+	}
+	if il, ok := s.deps.Enqueuer.(intentLister); ok && !f.Filtered() {
 		if p.Intents, err = il.UnfinishedIntents(r.Context(), p.Limit); err != nil {
 			s.log.Error("api: ledger page: outbox", "err", err)
 		}
@@ -100,8 +115,13 @@ func (s *Server) ledgerList(w http.ResponseWriter, r *http.Request) {
 	for _, in := range p.Intents {
 		keys = append(keys, in.Key)
 	}
-	if p.Queues, err = s.intentQueues(r.Context(), keys); err != nil {
-		s.log.Error("api: ledger page: queues", "err", err)
+	its, err := outbox.IntentTasks(r.Context(), s.deps.Pool, keys)
+	if err != nil {
+		s.log.Error("api: ledger page: intents' tasks", "err", err)
+	}
+	p.Queues, p.Tasks = make(map[string]string, len(its)), make(map[string][]taskRef, len(its))
+	for key, it := range its {
+		p.Queues[key], p.Tasks[key] = it.Queue, taskRefs(it)
 	}
 	s.render(w, http.StatusOK, "list.html", p)
 }

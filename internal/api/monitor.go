@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
+	"io/fs"
 	"net/http"
 	"regexp"
 	"strings"
@@ -33,14 +35,22 @@ func monitorCSP(scriptHashes []string) string {
 		"; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 }
 
-// ledgerCSP is the ledger page's Content-Security-Policy: no scripts, no images, its one
-// <style> element pinned by hash, and its search form sent to this server.
+// ledgerCSP is the ledger pages' Content-Security-Policy: no scripts, no images, the
+// <style> elements of their templates pinned by hash, and their forms sent to this server.
 var ledgerCSP = func() string {
-	layout, err := templateFS.ReadFile("templates/layout.html")
+	names, err := fs.Glob(templateFS, "templates/*.html")
 	if err != nil {
 		panic(err)
 	}
-	return "default-src 'none'; style-src " + strings.Join(hashes(inlineStyles, layout), " ") +
+	var styles []string
+	for _, name := range names {
+		page, err := templateFS.ReadFile(name)
+		if err != nil {
+			panic(err)
+		}
+		styles = append(styles, hashes(inlineStyles, page)...)
+	}
+	return "default-src 'none'; style-src " + strings.Join(styles, " ") +
 		"; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 }()
 
@@ -67,7 +77,7 @@ func monitorIndex(monitor http.Handler, root string) ([]byte, string, error) {
 	if rec.code != http.StatusOK || !bytes.HasPrefix(page, indexStart) {
 		return nil, "", fmt.Errorf("asynqmon's index page: status %d, %.60q", rec.code, page)
 	}
-	page = webFontLinks.ReplaceAll(page, nil)
+	page = withLedgerLink(webFontLinks.ReplaceAll(page, nil), root)
 	scripts := hashes(inlineScripts, page)
 	if len(scripts) == 0 {
 		return nil, "", fmt.Errorf("asynqmon's index page has no inline script: %.200q", page)
@@ -134,3 +144,75 @@ func (w *indexWriter) Write(b []byte) (int, error) {
 
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (w *indexWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+var (
+	// uuidPrefixJS is asynqmon's uuidPrefix (ui/src/utils.ts) as its build minifies it.
+	// The task lists (and the servers' active workers) show a task ID through it, cut at
+	// its first '-' as if every ID were a UUID: charge:order-123 shows as charge:order,
+	// and keys that differ after their first '-' look the same.
+	uuidPrefixJS = regexp.MustCompile(`function ([A-Za-z_$][\w$]*)\(e\)\{var t=e\.indexOf\("-"\);return-1===t\?e:e\.substr\(0,t\)\}`)
+	// mainScriptTag is the <script> element of asynqmon's index page that loads its
+	// application code.
+	mainScriptTag = regexp.MustCompile(`<script src="([^"]*/static/js/main\.[0-9a-f]+\.chunk\.js)"></script>`)
+)
+
+// wholeTaskIDs returns the path of asynqmon's application script, named in its index
+// page, and the script with uuidPrefix made the identity, so that the dashboard shows
+// every task ID whole. It is an error unless the script holds exactly one uuidPrefix in
+// the minified form this asynqmon version ships (TestMonitorShowsWholeTaskIDs fails
+// then: a new asynqmon version needs a new pattern).
+func wholeTaskIDs(monitor http.Handler, index []byte) (string, []byte, error) {
+	m := mainScriptTag.FindSubmatch(index)
+	if m == nil {
+		return "", nil, fmt.Errorf("asynqmon's index page names no main script: %.200q", index)
+	}
+	path := string(m[1])
+	rec := &pageRecorder{header: http.Header{}, code: http.StatusOK}
+	req, err := http.NewRequest(http.MethodGet, path, nil)
+	if err != nil {
+		return "", nil, err
+	}
+	monitor.ServeHTTP(rec, req)
+	js := rec.body.Bytes()
+	if rec.code != http.StatusOK || !strings.HasPrefix(rec.header.Get("Content-Type"), "application/javascript") {
+		return "", nil, fmt.Errorf("asynqmon's %s: status %d, Content-Type %q", path, rec.code, rec.header.Get("Content-Type"))
+	}
+	if n := len(uuidPrefixJS.FindAllIndex(js, -1)); n != 1 {
+		return "", nil, fmt.Errorf("asynqmon's %s: %d minified uuidPrefix functions, want 1", path, n)
+	}
+	return path, uuidPrefixJS.ReplaceAll(js, []byte("function ${1}(e){return e}")), nil
+}
+
+// serveScript answers with js, asynqmon's application script as wholeTaskIDs patched it.
+func serveScript(js []byte) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/javascript; charset=utf-8")
+		w.Write(js)
+	})
+}
+
+// ledgerLinkJS is the script idemq adds to asynqmon's index page: on a task's page
+// (<root>/queues/<queue>/tasks/<id>) it shows a link to the ledger row of the task's
+// key, the task ID without a republish's #r<n>. The id is read as asynqmon reads it:
+// its router decodes the path once (decodeURI) and the API server once more.
+const ledgerLinkJS = `(function(){var root=%s;` +
+	`function taskID(){var p=location.pathname;if(p.indexOf(root+"/queues/")!==0)return null;` +
+	`var m=p.slice(root.length).match(/^\/queues\/[^\/]+\/tasks\/([^\/]+)\/?$/);if(!m)return null;` +
+	`try{return decodeURIComponent(decodeURI(m[1]))}catch(e){return null}}` +
+	`function sync(){var a=document.getElementById("idemq-ledger-link"),id=taskID();` +
+	`if(id===null){if(a)a.remove();return}` +
+	`var key=id.replace(/#r[0-9]+$/,""),href="/ledger/"+encodeURIComponent(key);` +
+	`if(!a){a=document.createElement("a");a.id="idemq-ledger-link";` +
+	`a.style.cssText="position:fixed;right:16px;bottom:16px;z-index:2000;padding:8px 14px;border-radius:6px;` +
+	`background:#1d2330;color:#fff;font:14px system-ui,sans-serif;text-decoration:none;box-shadow:0 2px 6px #0004";` +
+	`document.body.appendChild(a)}` +
+	`if(a.getAttribute("href")!==href){a.setAttribute("href",href);a.textContent="Ledger row of "+key}}` +
+	`sync();setInterval(sync,300)})();`
+
+// withLedgerLink adds ledgerLinkJS, for a dashboard served at root, to the end of
+// asynqmon's index page.
+func withLedgerLink(page []byte, root string) []byte {
+	quoted, _ := json.Marshal(root)
+	script := "<script>" + fmt.Sprintf(ledgerLinkJS, quoted) + "</script></body>"
+	return bytes.Replace(page, []byte("</body>"), []byte(script), 1)
+}
