@@ -45,6 +45,13 @@ type Metrics struct {
 	// ScheduleTicks counts what became of periodic ticks (schedule.Event: enqueued,
 	// duplicate, caught_up, skipped, mismatch) by schedule entry.
 	ScheduleTicks *prometheus.CounterVec
+	// AsynqRecovered counts tasks asynq recovered after their lease expired (a worker
+	// died or lost Redis mid-task) by task type (server.Config.ObserveRecovered).
+	AsynqRecovered *prometheus.CounterVec
+	// OverBudget counts deliveries that found their key busy, or Postgres unavailable,
+	// past the busy budget, by reason (busy, unavailable) and task type
+	// (server.Config.ObserveOverBudget).
+	OverBudget *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -93,6 +100,14 @@ func New() *Metrics {
 			Name: "idemq_schedule_ticks_total",
 			Help: "Periodic ticks by schedule entry and event (enqueued, duplicate: already enqueued by another replica, caught_up, skipped, mismatch).",
 		}, []string{"entry", "event"}),
+		AsynqRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_asynq_recovered_total",
+			Help: "Tasks asynq recovered after their lease expired (their worker died or lost Redis mid-task), by task type; asynq counts each as a failed attempt.",
+		}, []string{"task_type"}),
+		OverBudget: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_busy_budget_exceeded_total",
+			Help: "Deliveries that found their key busy, or Postgres unavailable, past the busy budget, by reason (busy, unavailable) and task type; each counts as a failure.",
+		}, []string{"reason", "task_type"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -104,7 +119,7 @@ func New() *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks,
+		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.AsynqRecovered, m.OverBudget,
 	)
 	return m
 }
