@@ -175,6 +175,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		server.HandleTx(s, tasks.TypeSettle, handlers.Settle, server.WithDecoder(tasks.DecodeSettle))
 	}
 
+	m.Init(tasks.TypeCharge, tasks.TypeDebit, tasks.TypeCheckout, tasks.TypeSettle)
+
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	httpErr := serveMetrics(runCtx, m, metricsLn, cfg.MetricsAddr, rdb, pool, log)

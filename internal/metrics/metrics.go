@@ -124,6 +124,30 @@ func New() *Metrics {
 	return m
 }
 
+// Init creates at zero, for each task type, the series of the events idemq's alerts
+// watch (deploy/prometheus/rules.yml): increase() over a series that appears with its
+// first event at 1 sees no increase, so without this the first mismatch, lost lease or
+// dead intent of a process would not alert.
+func (m *Metrics) Init(taskTypes ...string) {
+	for _, tt := range taskTypes {
+		for _, ev := range []string{"completed", "cache_hit", "busy", "takeover", "mismatch", "needs_attention",
+			"lease_lost", "self_fenced", "commit_resolved", "commit_unknown"} {
+			m.ledgerEvents.get(ev, tt)
+		}
+		m.lockEvents.get("busy", tt)
+		for _, ev := range []string{"republished", "republish_alert"} {
+			m.outboxEvents.get(ev, tt)
+		}
+		for _, reason := range []string{"mismatch", "failed", "needs_attention", "invalid", "archived"} {
+			m.IntentsDead.WithLabelValues(reason, tt)
+		}
+		for _, reason := range []string{"busy", "unavailable"} {
+			m.OverBudget.WithLabelValues(reason, tt)
+		}
+		m.AsynqRecovered.WithLabelValues(tt)
+	}
+}
+
 // ObserveHandler records one delivery's handling time (asynqmw.Config.ObserveHandler),
 // with the trace id of ctx's span as the observation's exemplar when it is sampled.
 func (m *Metrics) ObserveHandler(ctx context.Context, taskType, outcome string, d time.Duration) {

@@ -233,3 +233,69 @@ func TestMetricsLintAndAreDocumented(t *testing.T) {
 		t.Errorf("found %d idemq metrics, want %d: a vector without a series is missing from this test", n, want)
 	}
 }
+
+// Init makes the series alerts watch exist at zero before their first event.
+func TestInitCreatesAlertedSeriesAtZero(t *testing.T) {
+	t.Parallel()
+	m := New()
+	m.Init("t")
+	families, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := map[string]bool{}
+	for _, f := range families {
+		if !strings.HasPrefix(f.GetName(), "idemq_") {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			if c := s.GetCounter(); c != nil && c.GetValue() != 0 {
+				t.Errorf("%s %v = %v after Init, want 0", f.GetName(), s.GetLabel(), c.GetValue())
+			}
+			var labels []string
+			for _, l := range s.GetLabel() {
+				labels = append(labels, l.GetName()+"="+l.GetValue())
+			}
+			series[f.GetName()+"{"+strings.Join(labels, ",")+"}"] = true
+		}
+	}
+	for _, want := range []string{
+		"idemq_ledger_events_total{event=mismatch,task_type=t}",
+		"idemq_ledger_events_total{event=commit_unknown,task_type=t}",
+		"idemq_intents_dead_total{reason=archived,task_type=t}",
+		"idemq_outbox_events_total{event=republished,task_type=t}",
+		"idemq_busy_budget_exceeded_total{reason=busy,task_type=t}",
+		"idemq_asynq_recovered_total{task_type=t}",
+	} {
+		if !series[want] {
+			t.Errorf("no series %s after Init", want)
+		}
+	}
+	// The bound children are the vectors' own: an event counts into the series Init made.
+	m.ObserveLedger("mismatch", "t")
+	if got := fmt.Sprint(counterValue(t, m, "idemq_ledger_events_total", "mismatch")); got != "1" {
+		t.Errorf("mismatch after one event = %s, want 1", got)
+	}
+}
+
+func counterValue(t *testing.T, m *Metrics, name, event string) float64 {
+	t.Helper()
+	families, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "event" && l.GetValue() == event {
+					return s.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("no %s{event=%q}", name, event)
+	return 0
+}
