@@ -301,3 +301,44 @@ func slugify(h string) string {
 	}
 	return b.String()
 }
+
+// The dashboard's panels have distinct ids and fit Grafana's 24-column grid without
+// overlapping.
+func TestDashboardLayout(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile("grafana/idemq.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		Panels []struct {
+			ID      int
+			Title   string
+			GridPos struct{ H, W, X, Y int }
+		}
+	}
+	if err := json.Unmarshal(raw, &d); err != nil {
+		t.Fatal(err)
+	}
+	ids := map[int]bool{}
+	cells := map[[2]int]string{}
+	for _, p := range d.Panels {
+		if ids[p.ID] {
+			t.Errorf("panel %q: id %d is taken", p.Title, p.ID)
+		}
+		ids[p.ID] = true
+		g := p.GridPos
+		if g.W <= 0 || g.H <= 0 || g.X < 0 || g.X+g.W > 24 {
+			t.Errorf("panel %q: gridPos %+v is off the 24-column grid", p.Title, g)
+		}
+		for x := g.X; x < g.X+g.W; x++ {
+			for y := g.Y; y < g.Y+g.H; y++ {
+				if other, ok := cells[[2]int{x, y}]; ok {
+					t.Errorf("panels %q and %q overlap at (%d, %d)", other, p.Title, x, y)
+					return
+				}
+				cells[[2]int{x, y}] = p.Title
+			}
+		}
+	}
+}

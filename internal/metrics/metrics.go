@@ -166,9 +166,14 @@ func (m *Metrics) ObserveLedger(event, taskType string) {
 }
 
 // ObserveStep counts a step call's outcome in Steps (idempotency.Config.ObserveStep).
-// Step names come from handler code, so the series stay few.
+// Step names come from handler code, so the series stay few. A step's mismatch series
+// starts at zero with its first call (see Init), so that the alert on it sees the first
+// mismatch of a step this process has run before.
 func (m *Metrics) ObserveStep(taskType, step, outcome string) {
 	m.steps.get3(taskType, step, outcome).Inc()
+	if outcome != "mismatch" {
+		m.steps.get3(taskType, step, "mismatch")
+	}
 }
 
 // ObserveBatch records how many requests a shared commit of a kind carried in

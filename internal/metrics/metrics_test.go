@@ -271,6 +271,19 @@ func TestInitCreatesAlertedSeriesAtZero(t *testing.T) {
 			t.Errorf("no series %s after Init", want)
 		}
 	}
+	m.ObserveStep("t", "charge", "ran")
+	series = map[string]bool{}
+	families, _ = m.Registry.Gather()
+	for _, f := range families {
+		for _, s := range f.GetMetric() {
+			if f.GetName() == "idemq_steps_total" && s.GetCounter().GetValue() == 0 {
+				series[fmt.Sprint(s.GetLabel())] = true
+			}
+		}
+	}
+	if len(series) != 1 {
+		t.Errorf("after a step ran, %d step series at zero, want its mismatch series", len(series))
+	}
 	// The bound children are the vectors' own: an event counts into the series Init made.
 	m.ObserveLedger("mismatch", "t")
 	if got := fmt.Sprint(counterValue(t, m, "idemq_ledger_events_total", "mismatch")); got != "1" {
