@@ -122,8 +122,9 @@ type Config struct {
 	// asynq.ErrLeaseExpired, which IsFailure counts as a failure (it shows as one in
 	// asynqmon, though the ledger keeps its effect single): a task that keeps killing its
 	// worker must still run out of retries. It is called where asynq asks for the retry
-	// delay, the one hook of that path that carries the task, right before IsFailure. A
-	// task whose retries were already spent is archived without either call and is not
+	// delay, the one hook of that path that carries the task, right before IsFailure (a
+	// RetryDelayFunc set by Asynq below replaces it, and this count with it). A task
+	// whose retries were already spent is archived without either call and is not
 	// counted.
 	ObserveRecovered func(taskType string)
 
