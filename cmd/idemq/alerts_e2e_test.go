@@ -34,7 +34,6 @@ import (
 func TestAlertFiresAndResolves(t *testing.T) {
 	testenv.NeedBinary(t, "prometheus", "apt-get install prometheus")
 	t.Parallel()
-	takeStackSlot(t)
 	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
 	env := []string{"DATABASE_URL=" + dsn, "REDIS_URL=" + rurl, "IDEMQ_CONCURRENCY=2", "IDEMQ_FAKEPAY_URL=http://127.0.0.1:1"}
 	workerAddr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
