@@ -45,6 +45,7 @@ const (
 	EventSelfFenced     Event = "self_fenced"             // no heartbeat reached the database in time
 	EventBadResult      Event = "bad_result"              // a result was replaced by an error marker
 	EventCommitResolved Event = "commit_resolved"         // a commit outcome was learned from its transaction id
+	EventCommitUnknown  Event = "commit_unknown"          // a commit outcome stayed unknown (ErrCommitUnknown): the delivery retries
 	EventSharedRun      Event = sharedtx.EventSharedRun   // a DoTx handler ran in a shared transaction without a savepoint
 	EventSharedRerun    Event = sharedtx.EventSharedRerun // its shared transaction rolled back: the delivery runs alone
 	EventGivenBack      Event = sharedtx.EventGivenBack   // a shared transaction's budget ran out first: its claim is undone, it runs alone

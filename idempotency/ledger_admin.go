@@ -125,6 +125,21 @@ func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, 
 	return recs, nil
 }
 
+// Count returns how many rows have the given status. It scans the table: call it for a
+// gauge at most every few tens of seconds, not per delivery. Safe for concurrent use.
+func (l *Ledger) Count(ctx context.Context, status string) (int64, error) {
+	switch status {
+	case StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:
+	default:
+		return 0, fmt.Errorf("%w: unknown status %q", ErrInvalidRequest, status)
+	}
+	var n int64
+	if err := l.pool.QueryRow(ctx, store.CountSQL, status).Scan(&n); err != nil {
+		return 0, fmt.Errorf("idempotency: count: %w", err)
+	}
+	return n, nil
+}
+
 // Release forces key's in-progress lease to end now: the next delivery takes the key
 // over at once, and the current holder can no longer heartbeat or complete
 // (ErrLeaseLost). For a leased effect that may already have happened, the next run calls

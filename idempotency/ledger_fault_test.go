@@ -232,6 +232,9 @@ func TestImmediateStopMidDoTx(t *testing.T) {
 	n := count(t, pool, `SELECT count(*) FROM processed_jobs`)
 	t.Logf("%d completed keys, %d reported success, %d unknown outcomes, %d resolved by transaction id",
 		n, len(succeeded), unknown, ev.get(idempotency.EventCommitResolved))
+	if got := ev.get(idempotency.EventCommitUnknown); got != unknown {
+		t.Errorf("commit_unknown observed %d times, want %d (the DoTx calls that returned ErrCommitUnknown)", got, unknown)
+	}
 	if len(succeeded) == 0 {
 		t.Fatal("no DoTx succeeded")
 	}

@@ -24,6 +24,7 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 	committed, err := l.resolveXact(ctx, c)
 	if err != nil {
 		// The connection was lost and no other reached the server in time.
+		l.observe(EventCommitUnknown, c.TaskType)
 		return &unavailableError{err: fmt.Errorf("%w: key %q xid %s: %v (commit: %v)", ErrCommitUnknown, c.Key, xid, err, cerr)}
 	}
 	l.observe(EventCommitResolved, c.TaskType)

@@ -28,6 +28,10 @@ import (
 	"github.com/idemq/idemq/tasks"
 )
 
+// needsAttentionEvery is how often a worker counts the ledger's needs_attention rows for
+// its gauge: a scan of processed_jobs, so not at every scrape.
+const needsAttentionEvery = 30 * time.Second
+
 func workerCommand() command {
 	return command{
 		name:    "worker",
@@ -125,6 +129,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 				m.IntentsDead.WithLabelValues(reason, taskType).Inc()
 			},
 		},
+		ObserveRecovered: func(taskType string) {
+			m.AsynqRecovered.WithLabelValues(taskType).Inc()
+		},
+		ObserveOverBudget: func(taskType, reason string) {
+			m.OverBudget.WithLabelValues(reason, taskType).Inc()
+		},
 		Outbox: &outbox.Config{
 			Listen: db.Session,
 			Observe: func(ev outbox.Event, taskType string) {
@@ -140,6 +150,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	}
 	m.Registry.MustRegister(metrics.NewQueueCollector(asynq.NewInspectorFromRedisClient(rdb)))
 	m.Registry.MustRegister(metrics.NewOutboxCollector(s.Outbox(), cfg.ReconcileGrace))
+	m.Registry.MustRegister(metrics.NewLedgerCollector(s.Ledger(), needsAttentionEvery))
 
 	charger := handlers.NewCharger(cfg.FakepayURL, tracing.Client(handlers.DefaultClient())).WithFenceMargin(s.Ledger().SelfFenceMargin())
 	charge := func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
@@ -163,6 +174,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		server.HandleLeased(s, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
 		server.HandleTx(s, tasks.TypeSettle, handlers.Settle, server.WithDecoder(tasks.DecodeSettle))
 	}
+
+	m.Init(tasks.TypeCharge, tasks.TypeDebit, tasks.TypeCheckout, tasks.TypeSettle)
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

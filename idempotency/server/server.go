@@ -116,6 +116,24 @@ type Config struct {
 	// above.
 	Lock *lock.Config
 
+	// ObserveRecovered, if set, is called with the task type of each task asynq
+	// recovers after its lease expired: the worker running it died or lost Redis for
+	// longer than asynq's 30 s lease. asynq's recoverer retries such a task with
+	// asynq.ErrLeaseExpired, which IsFailure counts as a failure (it shows as one in
+	// asynqmon, though the ledger keeps its effect single): a task that keeps killing its
+	// worker must still run out of retries. It is called where asynq asks for the retry
+	// delay, the one hook of that path that carries the task, right before IsFailure (a
+	// RetryDelayFunc set by Asynq below replaces it, and this count with it). A task
+	// whose retries were already spent is archived without either call and is not
+	// counted.
+	ObserveRecovered func(taskType string)
+
+	// ObserveOverBudget, if set, is called with the task type and the reason ("busy" or
+	// "unavailable") of each delivery that found its key busy, or Postgres out of reach,
+	// past the busy budget (asynqmw.BusyTooLongError, asynqmw.UnavailableTooLongError):
+	// that delivery counts as a failure.
+	ObserveOverBudget func(taskType, reason string)
+
 	// Asynq, if set, is called last with the asynq server's configuration (AsynqConfig
 	// plus the Server's logger and error handler), to change any asynq setting: what it
 	// sets wins.
@@ -241,6 +259,15 @@ func New(cfg Config) (*Server, error) {
 	s.acfg.Logger = asynqLogger{s.log.With("component", "asynq")}
 	s.acfg.LogLevel = asynqLevel(s.log)
 	s.acfg.ErrorHandler = asynq.ErrorHandlerFunc(s.logError)
+	if observe := cfg.ObserveRecovered; observe != nil {
+		delay := s.acfg.RetryDelayFunc
+		s.acfg.RetryDelayFunc = func(n int, err error, t *asynq.Task) time.Duration {
+			if errors.Is(err, asynq.ErrLeaseExpired) {
+				observe(t.Type())
+			}
+			return delay(n, err, t)
+		}
+	}
 	if cfg.Asynq != nil {
 		cfg.Asynq(&s.acfg)
 	}
@@ -383,6 +410,16 @@ func (s *Server) Run(ctx context.Context) error {
 // logError logs a delivery's error at the level it deserves: a failure warns, a
 // Postgres out of reach warns, busy is routine.
 func (s *Server) logError(ctx context.Context, t *asynq.Task, err error) {
+	if observe := s.cfg.ObserveOverBudget; observe != nil {
+		var busy *asynqmw.BusyTooLongError
+		var unavailable *asynqmw.UnavailableTooLongError
+		switch {
+		case errors.As(err, &busy):
+			observe(t.Type(), "busy")
+		case errors.As(err, &unavailable):
+			observe(t.Type(), "unavailable")
+		}
+	}
 	switch {
 	case asynqmw.IsFailure(err):
 		s.log.Warn("task failed", "task_type", t.Type(), "err", err)

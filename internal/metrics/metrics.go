@@ -45,6 +45,13 @@ type Metrics struct {
 	// ScheduleTicks counts what became of periodic ticks (schedule.Event: enqueued,
 	// duplicate, caught_up, skipped, mismatch) by schedule entry.
 	ScheduleTicks *prometheus.CounterVec
+	// AsynqRecovered counts tasks asynq recovered after their lease expired (a worker
+	// died or lost Redis mid-task) by task type (server.Config.ObserveRecovered).
+	AsynqRecovered *prometheus.CounterVec
+	// OverBudget counts deliveries that found their key busy, or Postgres unavailable,
+	// past the busy budget, by reason (busy, unavailable) and task type
+	// (server.Config.ObserveOverBudget).
+	OverBudget *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -93,6 +100,14 @@ func New() *Metrics {
 			Name: "idemq_schedule_ticks_total",
 			Help: "Periodic ticks by schedule entry and event (enqueued, duplicate: already enqueued by another replica, caught_up, skipped, mismatch).",
 		}, []string{"entry", "event"}),
+		AsynqRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_asynq_recovered_total",
+			Help: "Tasks asynq recovered after their lease expired (their worker died or lost Redis mid-task), by task type; asynq counts each as a failed attempt.",
+		}, []string{"task_type"}),
+		OverBudget: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_busy_budget_exceeded_total",
+			Help: "Deliveries that found their key busy, or Postgres unavailable, past the busy budget, by reason (busy, unavailable) and task type; each counts as a failure.",
+		}, []string{"reason", "task_type"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -104,9 +119,33 @@ func New() *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks,
+		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.AsynqRecovered, m.OverBudget,
 	)
 	return m
+}
+
+// Init creates at zero, for each task type, the series of the events idemq's alerts
+// watch (deploy/prometheus/rules.yml): increase() over a series that appears with its
+// first event at 1 sees no increase, so without this the first mismatch, lost lease or
+// dead intent of a process would not alert.
+func (m *Metrics) Init(taskTypes ...string) {
+	for _, tt := range taskTypes {
+		for _, ev := range []string{"completed", "cache_hit", "busy", "takeover", "mismatch", "needs_attention",
+			"lease_lost", "self_fenced", "commit_resolved", "commit_unknown"} {
+			m.ledgerEvents.get(ev, tt)
+		}
+		m.lockEvents.get("busy", tt)
+		for _, ev := range []string{"republished", "republish_alert"} {
+			m.outboxEvents.get(ev, tt)
+		}
+		for _, reason := range []string{"mismatch", "failed", "needs_attention", "invalid", "archived"} {
+			m.IntentsDead.WithLabelValues(reason, tt)
+		}
+		for _, reason := range []string{"busy", "unavailable"} {
+			m.OverBudget.WithLabelValues(reason, tt)
+		}
+		m.AsynqRecovered.WithLabelValues(tt)
+	}
 }
 
 // ObserveHandler records one delivery's handling time (asynqmw.Config.ObserveHandler),
@@ -127,9 +166,14 @@ func (m *Metrics) ObserveLedger(event, taskType string) {
 }
 
 // ObserveStep counts a step call's outcome in Steps (idempotency.Config.ObserveStep).
-// Step names come from handler code, so the series stay few.
+// Step names come from handler code, so the series stay few. A step's mismatch series
+// starts at zero with its first call (see Init), so that the alert on it sees the first
+// mismatch of a step this process has run before.
 func (m *Metrics) ObserveStep(taskType, step, outcome string) {
 	m.steps.get3(taskType, step, outcome).Inc()
+	if outcome != "mismatch" {
+		m.steps.get3(taskType, step, "mismatch")
+	}
 }
 
 // ObserveBatch records how many requests a shared commit of a kind carried in

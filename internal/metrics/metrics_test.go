@@ -200,6 +200,8 @@ func TestMetricsLintAndAreDocumented(t *testing.T) {
 	m.ObserveStep("t", "charge", "ran")
 	m.APIRequests.WithLabelValues("POST /v1/charges", "202").Inc()
 	m.IntentsDead.WithLabelValues("mismatch", "t").Inc()
+	m.AsynqRecovered.WithLabelValues("t").Inc()
+	m.OverBudget.WithLabelValues("busy", "t").Inc()
 
 	families, err := m.Registry.Gather()
 	if err != nil {
@@ -227,7 +229,86 @@ func TestMetricsLintAndAreDocumented(t *testing.T) {
 			}
 		}
 	}
-	if want := 8; n != want {
+	if want := 10; n != want {
 		t.Errorf("found %d idemq metrics, want %d: a vector without a series is missing from this test", n, want)
 	}
+}
+
+// Init makes the series alerts watch exist at zero before their first event.
+func TestInitCreatesAlertedSeriesAtZero(t *testing.T) {
+	t.Parallel()
+	m := New()
+	m.Init("t")
+	families, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := map[string]bool{}
+	for _, f := range families {
+		if !strings.HasPrefix(f.GetName(), "idemq_") {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			if c := s.GetCounter(); c != nil && c.GetValue() != 0 {
+				t.Errorf("%s %v = %v after Init, want 0", f.GetName(), s.GetLabel(), c.GetValue())
+			}
+			var labels []string
+			for _, l := range s.GetLabel() {
+				labels = append(labels, l.GetName()+"="+l.GetValue())
+			}
+			series[f.GetName()+"{"+strings.Join(labels, ",")+"}"] = true
+		}
+	}
+	for _, want := range []string{
+		"idemq_ledger_events_total{event=mismatch,task_type=t}",
+		"idemq_ledger_events_total{event=commit_unknown,task_type=t}",
+		"idemq_intents_dead_total{reason=archived,task_type=t}",
+		"idemq_outbox_events_total{event=republished,task_type=t}",
+		"idemq_busy_budget_exceeded_total{reason=busy,task_type=t}",
+		"idemq_asynq_recovered_total{task_type=t}",
+	} {
+		if !series[want] {
+			t.Errorf("no series %s after Init", want)
+		}
+	}
+	m.ObserveStep("t", "charge", "ran")
+	series = map[string]bool{}
+	families, _ = m.Registry.Gather()
+	for _, f := range families {
+		for _, s := range f.GetMetric() {
+			if f.GetName() == "idemq_steps_total" && s.GetCounter().GetValue() == 0 {
+				series[fmt.Sprint(s.GetLabel())] = true
+			}
+		}
+	}
+	if len(series) != 1 {
+		t.Errorf("after a step ran, %d step series at zero, want its mismatch series", len(series))
+	}
+	// The bound children are the vectors' own: an event counts into the series Init made.
+	m.ObserveLedger("mismatch", "t")
+	if got := fmt.Sprint(counterValue(t, m, "idemq_ledger_events_total", "mismatch")); got != "1" {
+		t.Errorf("mismatch after one event = %s, want 1", got)
+	}
+}
+
+func counterValue(t *testing.T, m *Metrics, name, event string) float64 {
+	t.Helper()
+	families, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "event" && l.GetValue() == event {
+					return s.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("no %s{event=%q}", name, event)
+	return 0
 }

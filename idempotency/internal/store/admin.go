@@ -15,6 +15,9 @@ const GetManySQL = `SELECT ` + RecordColumns + ` FROM processed_jobs WHERE idemp
 const ListSQL = `SELECT ` + RecordColumns + ` FROM processed_jobs
 WHERE $1 = '' OR status = $1 ORDER BY updated_at DESC, idempotency_key LIMIT $2`
 
+// CountSQL counts the rows with status $1 (a scan of the table: no index leads with status).
+const CountSQL = `SELECT count(*) FROM processed_jobs WHERE status = $1`
+
 // ReleaseSQL ends a lease and fences its holder out: a new fence and an owner nobody
 // holds, so the holder's heartbeat and completion fail with ErrLeaseLost.
 const ReleaseSQL = `
