@@ -125,9 +125,9 @@ func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, 
 	return recs, nil
 }
 
-// Count returns how many rows have the given status. It scans the table: call it for a
+// CountStatus returns how many rows have the given status. It scans the table: call it for a
 // gauge at most every few tens of seconds, not per delivery. Safe for concurrent use.
-func (l *Ledger) Count(ctx context.Context, status string) (int64, error) {
+func (l *Ledger) CountStatus(ctx context.Context, status string) (int64, error) {
 	switch status {
 	case StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:
 	default:

@@ -44,7 +44,7 @@ func (c *LedgerCollector) Collect(ch chan<- prometheus.Metric) {
 	defer c.mu.Unlock()
 	if c.at.IsZero() || time.Since(c.at) >= c.every {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		n, err := c.ledger.Count(ctx, idempotency.StatusNeedsAttention)
+		n, err := c.ledger.CountStatus(ctx, idempotency.StatusNeedsAttention)
 		cancel()
 		c.at, c.n, c.read = time.Now(), n, err == nil
 	}

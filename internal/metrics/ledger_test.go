@@ -44,7 +44,7 @@ func TestLedgerCollectorCountsNeedsAttention(t *testing.T) {
 	if got := gauge(); got != 2 {
 		t.Fatalf("gauge = %v, want 2", got)
 	}
-	if _, err := ledger.Count(testenv.Context(t, time.Second), "stuck"); err == nil || !strings.Contains(err.Error(), `"stuck"`) {
+	if _, err := ledger.CountStatus(testenv.Context(t, time.Second), "stuck"); err == nil || !strings.Contains(err.Error(), `"stuck"`) {
 		t.Errorf("Count of an unknown status: %v, want an error naming it", err)
 	}
 }
