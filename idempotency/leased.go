@@ -118,9 +118,23 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 		return fmt.Errorf("idempotency: commit: %w", err)
 	}
 	defer conn.Release()
-	lost, err := store.Round(ctx, conn.Conn(), store.RoundOptions{
-		Prepared: l.prepare, LockTimeout: l.lockTimeoutSQL, ReadFirst: len(batches[laneFinish]) > 0,
-	}, parts)
+	opt := store.RoundOptions{Prepared: l.prepare, LockTimeout: l.lockTimeoutSQL, ReadFirst: len(batches[laneFinish]) > 0}
+	// Keys' history events ride the round, as its first statement: no round trip of their
+	// own. Should the round be refused with them, it is sent again without them, so that
+	// they never decide a claim's or a finish's outcome (see history.refused).
+	events := l.hist.take()
+	lost, err := store.Round(ctx, conn.Conn(), opt, l.hist.parts(events, parts))
+	if events != nil && err != nil && !lost && store.Answered(err) {
+		l.hist.refused(events, err)
+		events = nil
+		for _, b := range batches {
+			for _, op := range b {
+				op.answered = false
+			}
+		}
+		lost, err = store.Round(ctx, conn.Conn(), opt, parts)
+	}
+	l.hist.done(events, err)
 	if lost {
 		for _, b := range batches {
 			for _, op := range b {

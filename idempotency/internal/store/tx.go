@@ -94,7 +94,8 @@ SELECT ord, held AND open, open AND NOT held, status,
        CASE WHEN held AND open THEN nextval('processed_jobs_fence_seq') ELSE fence END,
        owner, payload_sha256, result,
        CASE WHEN held AND open THEN coalesce(attempts, 0) + 1 ELSE attempts END,
-       last_error, locked_until, started_at, completed_at, coalesce(generation, 0), now(), NULL::text, NULL::text, NULL::text
+       last_error, locked_until, started_at, completed_at, coalesce(generation, 0), now(), NULL::text, NULL::text,
+       CASE WHEN held AND open THEN fence END
 FROM restored, k ORDER BY ord`
 
 // TxClaims is what BeginClaims learned: the transaction's id and the server's start time,
