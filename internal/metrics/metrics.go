@@ -45,6 +45,9 @@ type Metrics struct {
 	// ScheduleTicks counts what became of periodic ticks (schedule.Event: enqueued,
 	// duplicate, caught_up, skipped, mismatch) by schedule entry.
 	ScheduleTicks *prometheus.CounterVec
+	// HistoryEvents counts the events of keys' histories by outcome (written, dropped:
+	// the buffer was full, failed: the write failed); see idempotency.Ledger.Record.
+	HistoryEvents *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -93,6 +96,10 @@ func New() *Metrics {
 			Name: "idemq_schedule_ticks_total",
 			Help: "Periodic ticks by schedule entry and event (enqueued, duplicate: already enqueued by another replica, caught_up, skipped, mismatch).",
 		}, []string{"entry", "event"}),
+		HistoryEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_history_events_total",
+			Help: "Events of keys' histories (processed_job_events) by outcome: written, dropped (the buffer was full), failed (the write failed).",
+		}, []string{"outcome"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -104,7 +111,7 @@ func New() *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks,
+		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.HistoryEvents,
 	)
 	return m
 }
@@ -130,6 +137,12 @@ func (m *Metrics) ObserveLedger(event, taskType string) {
 // Step names come from handler code, so the series stay few.
 func (m *Metrics) ObserveStep(taskType, step, outcome string) {
 	m.steps.get3(taskType, step, outcome).Inc()
+}
+
+// ObserveHistory counts n events of keys' histories by outcome in HistoryEvents
+// (idempotency.Config.ObserveHistory).
+func (m *Metrics) ObserveHistory(outcome string, n int) {
+	m.HistoryEvents.WithLabelValues(outcome).Add(float64(n))
 }
 
 // ObserveBatch records how many requests a shared commit of a kind carried in
