@@ -96,8 +96,9 @@ type history struct {
 	closed  bool
 	// aloneUntil: until then rounds carry no events (see refused).
 	aloneUntil time.Time
-	// max caps pending (historyBuffer; tests lower it).
-	max int
+	// max caps pending (historyBuffer); delay is HistoryFlushDelay. Tests change them.
+	max   int
+	delay time.Duration
 }
 
 func (h *history) add(e store.EventParams) {
@@ -118,17 +119,21 @@ func (h *history) add(e store.EventParams) {
 	h.armed = true
 	h.mu.Unlock()
 	if arm {
-		time.AfterFunc(HistoryFlushDelay, h.flush)
+		time.AfterFunc(h.delay, h.flush)
 	}
 }
 
 // take hands over every pending event, for a round about to be sent; nil when there is
 // none, or while rounds may not carry them (see refused). The caller reports how the
 // write went with done (or refused).
-func (h *history) take() []store.EventParams {
+func (h *history) take() []store.EventParams { return h.takeFor(true) }
+
+// takeFor is take for a round (round) or for the background flush, which takes every
+// pending event.
+func (h *history) takeFor(round bool) []store.EventParams {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if len(h.pending) == 0 || time.Now().Before(h.aloneUntil) {
+	if len(h.pending) == 0 || round && time.Now().Before(h.aloneUntil) {
 		return nil
 	}
 	es := h.pending
@@ -162,7 +167,7 @@ func (h *history) refused(es []store.EventParams, err error) {
 		h.l.observeHistory(HistoryDropped, dropped)
 	}
 	if arm {
-		time.AfterFunc(HistoryFlushDelay, h.flush)
+		time.AfterFunc(h.delay, h.flush)
 	}
 }
 
@@ -191,7 +196,7 @@ func (h *history) flush() {
 }
 
 func (h *history) write() {
-	es := h.take()
+	es := h.takeFor(false)
 	if len(es) == 0 {
 		return
 	}

@@ -229,7 +229,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		l.writes = store.Unfenced
 	}
 	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
-	l.hist = &history{l: l, max: historyBuffer}
+	l.hist = &history{l: l, max: historyBuffer, delay: HistoryFlushDelay}
 	l.leased = l.newLeasedCommitter()
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	l.tx = sharedtx.New(sharedtx.Config{
