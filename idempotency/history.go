@@ -45,8 +45,10 @@ type HistoryEvent struct {
 // MaxHistory is how many of a key's newest events History returns.
 const MaxHistory = 200
 
-// History returns key's newest MaxHistory events, oldest first, across generations:
-// none when nothing was recorded. Recording is best-effort (see Record). Safe for
+// History returns key's newest MaxHistory events (the last written) across generations,
+// in the order they happened (their At, then the order they were written; At is the
+// clock of the process that saw the event, so the order of events seen by processes
+// whose clocks disagree follows their clocks): none when nothing was recorded. Recording is best-effort (see Record). Safe for
 // concurrent use.
 func (l *Ledger) History(ctx context.Context, key string) ([]HistoryEvent, error) {
 	rows, err := store.KeyEvents(ctx, l.pool, key, MaxHistory)

@@ -143,14 +143,16 @@ type EventRow struct {
 	Detail     string
 }
 
-// keyEventsSQL reads key $1's newest $2 events, oldest first.
+// keyEventsSQL reads key $1's newest $2 events (by id: the order they were written),
+// in the order they happened: a delivery's event waits in its process's buffer for up to
+// a second while an operator's rerun is written at once, so at orders them (then id).
 const keyEventsSQL = `
 SELECT id, generation, at, kind, coalesce(task_type, ''), coalesce(task_id, ''), coalesce(worker, ''),
        coalesce(fence, 0), coalesce(old_fence, 0), coalesce(detail, '')
 FROM (SELECT * FROM processed_job_events WHERE idempotency_key = $1 ORDER BY id DESC LIMIT $2) e
-ORDER BY id`
+ORDER BY at, id`
 
-// KeyEvents returns key's newest limit events, in the order they were recorded.
+// KeyEvents returns key's newest limit events, in the order they happened.
 func KeyEvents(ctx context.Context, q DB, key string, limit int) ([]EventRow, error) {
 	rows, err := q.Query(ctx, keyEventsSQL, key, limit)
 	if err != nil {
