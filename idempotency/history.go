@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
@@ -65,8 +66,8 @@ func (l *Ledger) History(ctx context.Context, key string) ([]HistoryEvent, error
 
 // Record adds e to its key's history, best-effort: it never waits for the database. The
 // event joins a bounded buffer of this Ledger and is written with the next round of
-// leased claims and finishes (or DoTx finish) that goes to Postgres anyway, or, when none
-// goes within HistoryFlushDelay, by a background write. A full buffer drops the event; a
+// leased claims and finishes, or after the COMMIT of the next DoTx finish, that goes to
+// Postgres anyway, or, when none goes within HistoryFlushDelay, by a background write. A full buffer drops the event; a
 // crash drops what the buffer held; a failed write is logged at debug level. Each is
 // counted (Config.ObserveHistory). Empty Worker and zero At are this process's and now.
 // Safe for concurrent use.
@@ -98,6 +99,8 @@ type history struct {
 	closed  bool
 	// aloneUntil: until then rounds carry no events (see refused).
 	aloneUntil time.Time
+	// proven: an events statement was written (see TakeForCommit).
+	proven atomic.Bool
 	// max caps pending (historyBuffer); delay is HistoryFlushDelay. Tests change them.
 	max   int
 	delay time.Duration
@@ -157,8 +160,16 @@ func (h *history) parts(es []store.EventParams, parts []store.Part) []store.Part
 // often.
 func (h *history) refused(es []store.EventParams, err error) {
 	h.l.log.Debug("idempotency: a round with history events was refused; sent again without them", "events", len(es), "err", err)
+	h.giveBack(es, true)
+}
+
+// giveBack puts es back in front of the pending events (as many as there is room for),
+// for the next round, or (alone) for the background flush only, for historyAlone.
+func (h *history) giveBack(es []store.EventParams, alone bool) {
 	h.mu.Lock()
-	h.aloneUntil = time.Now().Add(historyAlone)
+	if alone {
+		h.aloneUntil = time.Now().Add(historyAlone)
+	}
 	room := max(h.max-len(h.pending), 0)
 	dropped := max(len(es)-room, 0)
 	h.pending = append(es[:len(es)-dropped:len(es)-dropped], h.pending...)
@@ -186,7 +197,30 @@ func (h *history) done(es []store.EventParams, err error) {
 		h.l.observeHistory(HistoryFailed, len(es))
 		return
 	}
+	h.proven.Store(true)
 	h.l.observeHistory(HistoryWritten, len(es))
+}
+
+// TakeForCommit takes the events a DoTx finish carries after its COMMIT: only once an
+// events statement has been written in this process (the finish's batch prepares its
+// statements before it sends them, so an events statement the server could not prepare
+// would refuse the whole finish).
+func (h *history) TakeForCommit() []store.EventParams {
+	if !h.proven.Load() {
+		return nil
+	}
+	return h.take()
+}
+
+// Done reports a DoTx finish that carried es: when its COMMIT did not happen (commitErr),
+// neither did their statement, and they wait for the next round; else eventsErr is
+// theirs.
+func (h *history) Done(es []store.EventParams, commitErr, eventsErr error) {
+	if commitErr == nil {
+		h.done(es, eventsErr)
+		return
+	}
+	h.giveBack(es, false)
 }
 
 // flush writes what no round carried within HistoryFlushDelay, in a statement of its own.

@@ -264,3 +264,43 @@ func TestHistoryTakeoverFences(t *testing.T) {
 		}
 	}
 }
+
+// A DoTx finish carries the waiting events after its COMMIT, in the same round trip, once
+// an events statement has been written in the process.
+func TestHistoryEventRidesADoTxCommit(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	l := New(pool, nil)
+	defer l.Close()
+	l.hist.delay = time.Hour
+	ctx := testenv.Context(t, time.Minute)
+	run := func(key string) {
+		t.Helper()
+		if _, err := l.DoTx(ctx, Request{Key: key, TaskType: "t"}, func(context.Context, pgx.Tx) (json.RawMessage, error) {
+			return json.RawMessage(`1`), nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l.Record(HistoryEvent{Key: "first", Kind: HistoryBusy})
+	run("a")
+	if n := countEvents(t, pool, "first", -1); n != 0 {
+		t.Fatalf("an event rode a DoTx commit before any events statement was written (%d rows)", n)
+	}
+	l.hist.write() // the background write: now proven
+	if n := countEvents(t, pool, "first", -1); n != 1 {
+		t.Fatalf("the background write wrote %d events, want 1", n)
+	}
+	run("a") // a duplicate: its event waits
+	if n := countEvents(t, pool, "a", -1); n != 0 {
+		t.Fatalf("the duplicate's event was written at once (%d rows)", n)
+	}
+	run("b")
+	h, err := l.History(ctx, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(h) != 1 || h[0].Kind != HistoryDuplicate {
+		t.Fatalf("history of a after the next DoTx commit: %+v; want its duplicate", h)
+	}
+}

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -120,11 +121,11 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 	defer conn.Release()
 	opt := store.RoundOptions{Prepared: l.prepare, LockTimeout: l.lockTimeoutSQL, ReadFirst: len(batches[laneFinish]) > 0}
 	// Keys' history events ride the round, as its first statement: no round trip of their
-	// own. Should the round be refused with them, it is sent again without them, so that
+	// own. Should the round be refused for them, it is sent again without them, so that
 	// they never decide a claim's or a finish's outcome (see history.refused).
 	events := l.hist.take()
 	lost, err := store.Round(ctx, conn.Conn(), opt, l.hist.parts(events, parts))
-	if events != nil && err != nil && !lost && store.Answered(err) {
+	if events != nil && errors.Is(err, store.ErrOptionalPart) && !lost && store.Answered(err) {
 		l.hist.refused(events, err)
 		events = nil
 		for _, b := range batches {
@@ -133,6 +134,10 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 			}
 		}
 		lost, err = store.Round(ctx, conn.Conn(), opt, parts)
+	}
+	if events != nil && err != nil && !lost && store.Answered(err) {
+		l.hist.giveBack(events, false) // refused for another statement: they were not written
+		events = nil
 	}
 	l.hist.done(events, err)
 	if lost {

@@ -239,6 +239,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		Observe:      func(ev, taskType string) { l.observe(Event(ev), taskType) },
 		ObserveBatch: func(n int) { l.observeBatch(BatchTx, n) },
 		Tracer:       l.tracer,
+		Events:       l.hist,
 		Stalled: func(scope, key string, waited time.Duration) {
 			l.log.Error("idempotency: a delivery waits in its scope's line: the scope's deliveries before it have not ended", "scope", scope, "key", key, "waited", waited)
 		},

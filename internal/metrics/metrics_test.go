@@ -200,6 +200,7 @@ func TestMetricsLintAndAreDocumented(t *testing.T) {
 	m.ObserveStep("t", "charge", "ran")
 	m.APIRequests.WithLabelValues("POST /v1/charges", "202").Inc()
 	m.IntentsDead.WithLabelValues("mismatch", "t").Inc()
+	m.ObserveHistory("written", 1)
 
 	families, err := m.Registry.Gather()
 	if err != nil {
@@ -227,7 +228,7 @@ func TestMetricsLintAndAreDocumented(t *testing.T) {
 			}
 		}
 	}
-	if want := 8; n != want {
+	if want := 9; n != want {
 		t.Errorf("found %d idemq metrics, want %d: a vector without a series is missing from this test", n, want)
 	}
 }

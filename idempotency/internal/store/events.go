@@ -94,7 +94,7 @@ func EventArgs(es []EventParams) []any {
 
 // EventsPart is InsertEvents for es as a Part of a Round: it answers no rows.
 func EventsPart(es []EventParams) Part {
-	return Part{Stmt: InsertEvents, Args: EventArgs(es), Rows: len(es), Read: func(int, pgx.Rows) error { return nil }}
+	return Part{Stmt: InsertEvents, Args: EventArgs(es), Rows: len(es), Read: func(int, pgx.Rows) error { return nil }, Optional: true}
 }
 
 // WriteEvents records es in a statement of its own.
