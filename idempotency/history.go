@@ -11,8 +11,8 @@ import (
 )
 
 // HistoryKind names an exceptional event in a key's history (the kind column of
-// processed_job_events). The names differ from Event's, which count every occurrence:
-// a history keeps only what an operator asks about later.
+// processed_job_events). It is a type apart from Event, whose values count every
+// outcome for metrics: a history keeps, per key, only what an operator asks about later.
 type HistoryKind string
 
 // The kinds of event a key's history records.
