@@ -3,6 +3,7 @@ package idempotency
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -302,5 +303,33 @@ func TestHistoryEventRidesADoTxCommit(t *testing.T) {
 	}
 	if len(h) != 1 || h[0].Kind != HistoryDuplicate {
 		t.Fatalf("history of a after the next DoTx commit: %+v; want its duplicate", h)
+	}
+}
+
+// A completion refused because an operator released the lease records lease_lost with
+// the stale claim's fence.
+func TestHistoryLeaseLost(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	l := New(pool, nil)
+	defer l.Close()
+	ctx := testenv.Context(t, time.Minute)
+	res, err := l.Claim(ctx, Request{Key: "k", TaskType: "t", TaskID: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx, "k"); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Complete(ctx, res.Claim, json.RawMessage(`1`)); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("complete after release: %v, want ErrLeaseLost", err)
+	}
+	l.hist.write()
+	h, err := l.History(ctx, "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(h) != 1 || h[0].Kind != HistoryLeaseLost || h[0].Fence != res.Claim.Fence || h[0].TaskID != "k" || h[0].OldFence != 0 {
+		t.Fatalf("history: %+v; want one lease_lost of fence %d", h, res.Claim.Fence)
 	}
 }
