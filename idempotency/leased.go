@@ -135,8 +135,9 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 		}
 		lost, err = store.Round(ctx, conn.Conn(), opt, parts)
 	}
-	if events != nil && err != nil && !lost && store.Answered(err) {
-		l.hist.giveBack(events, false) // refused for another statement: they were not written
+	if events != nil && err != nil && !lost && (store.Answered(err) || pgconn.SafeToRetry(err)) {
+		// Refused for another statement, or never sent: they were not written.
+		l.hist.giveBack(events, false)
 		events = nil
 	}
 	l.hist.done(events, err)
