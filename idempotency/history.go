@@ -95,7 +95,8 @@ type history struct {
 	l       *Ledger
 	mu      sync.Mutex
 	pending []store.EventParams
-	armed   bool // a flush is scheduled
+	armed   bool      // a flush is scheduled
+	since   time.Time // when pending last became non-empty
 	closed  bool
 	// aloneUntil: until then rounds carry no events (see refused).
 	aloneUntil time.Time
@@ -118,6 +119,9 @@ func (h *history) add(e store.EventParams) {
 		h.mu.Unlock()
 		h.l.observeHistory(HistoryDropped, 1)
 		return
+	}
+	if len(h.pending) == 0 {
+		h.since = time.Now()
 	}
 	h.pending = append(h.pending, e)
 	arm := !h.armed
@@ -154,9 +158,9 @@ func (h *history) parts(es []store.EventParams, parts []store.Part) []store.Part
 	return append([]store.Part{store.EventsPart(es)}, parts...)
 }
 
-// refused takes back es, which a round was refused with (for them or not: it is sent again
-// without them): for historyAlone only the background flush writes events, so that a
-// statement the server refuses (a table not migrated yet) costs a round at most that
+// refused takes back es, whose statement the server refused in a round (which is sent
+// again without them): for historyAlone only the background flush writes events, so that
+// a statement the server refuses (a table not migrated yet) costs a round at most that
 // often.
 func (h *history) refused(es []store.EventParams, err error) {
 	h.l.log.Debug("idempotency: a round with history events was refused; sent again without them", "events", len(es), "err", err)
@@ -167,6 +171,14 @@ func (h *history) refused(es []store.EventParams, err error) {
 // for the next round, or (alone) for the background flush only, for historyAlone.
 func (h *history) giveBack(es []store.EventParams, alone bool) {
 	h.mu.Lock()
+	if h.closed {
+		h.mu.Unlock()
+		h.l.observeHistory(HistoryFailed, len(es))
+		return
+	}
+	if len(h.pending) == 0 {
+		h.since = time.Now()
+	}
 	if alone {
 		h.aloneUntil = time.Now().Add(historyAlone)
 	}
@@ -223,9 +235,16 @@ func (h *history) Done(es []store.EventParams, commitErr, eventsErr error) {
 	h.giveBack(es, false)
 }
 
-// flush writes what no round carried within HistoryFlushDelay, in a statement of its own.
+// flush writes what no round carried within HistoryFlushDelay, in a statement of its own:
+// events that have waited less (a round took the older ones) wait on, so that a busy
+// process, whose rounds carry its events, writes none by itself.
 func (h *history) flush() {
 	h.mu.Lock()
+	if waited := time.Since(h.since); len(h.pending) > 0 && waited < h.delay {
+		h.mu.Unlock()
+		time.AfterFunc(h.delay-waited, h.flush)
+		return
+	}
 	h.armed = false
 	h.mu.Unlock()
 	h.write()

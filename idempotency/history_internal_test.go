@@ -333,3 +333,25 @@ func TestHistoryLeaseLost(t *testing.T) {
 		t.Fatalf("history: %+v; want one lease_lost of fence %d", h, res.Claim.Fence)
 	}
 }
+
+// The background write takes events only once they have waited HistoryFlushDelay: a
+// process whose rounds carry its events writes none by itself.
+func TestHistoryFlushWaitsForTheDelay(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	l := New(pool, nil)
+	defer l.Close()
+	l.hist.delay = time.Hour
+	l.Record(HistoryEvent{Key: "k", Kind: HistoryBusy})
+	l.hist.flush() // as a timer armed by an earlier event would, before this one waited
+	if n := countEvents(t, pool, "k", -1); n != 0 {
+		t.Fatalf("a flush wrote an event that had not waited the delay (%d rows)", n)
+	}
+	l.hist.mu.Lock()
+	l.hist.since = time.Now().Add(-2 * time.Hour)
+	l.hist.mu.Unlock()
+	l.hist.flush()
+	if n := countEvents(t, pool, "k", -1); n != 1 {
+		t.Fatalf("a flush after the delay wrote %d events, want 1", n)
+	}
+}
