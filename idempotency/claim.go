@@ -38,6 +38,8 @@ type Claim struct {
 	// key's outbox intent.
 	intentSum []byte
 	xid       string // the id of the transaction that wrote it last (a finish, a DoTx commit)
+	taskID    string // the delivery's asynq TaskID (Request.TaskID), for its key's history
+	prevFence int64  // a takeover's: the fence of the claim taken over
 	// serverStart is pg_postmaster_start_time() when xid was drawn: after a restart an
 	// xid whose records were lost may be handed out again, so it no longer identifies us.
 	serverStart string
@@ -108,7 +110,8 @@ func (l *Ledger) newClaim(ctx context.Context, req Request) (*Claim, store.Claim
 	if err != nil {
 		return nil, store.ClaimParams{}, fmt.Errorf("idempotency: owner id: %w", err)
 	}
-	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease, intentSum: req.intentSum(), owner: owner}
+	c := &Claim{Key: req.Key, TaskType: req.TaskType, deadline: req.Deadline, lease: lease, intentSum: req.intentSum(), owner: owner,
+		taskID: req.TaskID}
 	c.Owner = formatUUID(c.owner.Bytes)
 	c.sentAt = time.Now()
 	p := store.ClaimParams{Key: req.Key, TaskType: req.TaskType, Owner: c.owner, Fingerprint: req.Fingerprint, Lease: lease}
@@ -136,6 +139,7 @@ func (l *Ledger) decide(ctx context.Context, req Request, c *Claim, r *store.Cla
 	case v == store.Claimed:
 		c.Fence, c.Attempt, c.Generation = r.Fence.Int64, int(r.Attempts.Int32), int(r.Generation.Int32)
 		c.LeaseUntil = r.LockedUntil.Time
+		c.prevFence = r.PrevFence.Int64
 		if c.Attempt > 1 {
 			l.observe(EventTakeover, req.TaskType)
 			l.tookOver(ctx, c)
@@ -153,6 +157,7 @@ func (l *Ledger) decide(ctx context.Context, req Request, c *Claim, r *store.Cla
 
 func (l *Ledger) tookOver(ctx context.Context, c *Claim) {
 	l.log.InfoContext(ctx, "idempotency: took over an expired lease", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
+	l.recordClaim(HistoryTakeover, c, fmt.Sprintf("attempt %d", c.Attempt))
 }
 
 // notTaken is the answer of a claim whose row r, of verdict v, did not take the key: a
@@ -162,21 +167,26 @@ func (l *Ledger) notTaken(req Request, v store.Verdict, r *store.ClaimRow) (res 
 	switch v {
 	case store.Cached:
 		l.observe(EventCacheHit, req.TaskType)
+		l.recordRow(HistoryDuplicate, req, r, "")
 		return ClaimResult{Completed: &Result{
 			Key: req.Key, Result: json.RawMessage(r.Result), Cached: true, Fence: r.Fence.Int64,
 			Attempts: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), CompletedAt: r.CompletedAt.Time,
 		}}, 0, nil
 	case store.Mismatch:
 		l.observe(EventMismatch, req.TaskType)
+		l.recordRow(HistoryMismatch, req, r, "the key was recorded with another payload's fingerprint")
 		return ClaimResult{}, 0, &MismatchError{Key: req.Key}
 	case store.Failed:
 		l.observe(EventFailedKey, req.TaskType)
 		return ClaimResult{}, 0, &FailedError{Key: req.Key, LastError: r.LastError.String}
 	case store.NeedsAttention:
 		l.observe(EventNeedsAttention, req.TaskType)
+		l.recordRow(HistoryNeedsAttention, req, r, "a delivery found the key needs attention")
 		return ClaimResult{}, 0, fmt.Errorf("%w: key %q", ErrNeedsAttention, req.Key)
 	case store.Stuck:
 		l.observe(EventNeedsAttention, req.TaskType)
+		l.recordRow(HistoryNeedsAttention, req, r, fmt.Sprintf("in progress since %s, longer than the maximum age %s: marked",
+			r.StartedAt.Time.UTC().Format(time.RFC3339), l.cfg.MaxAge))
 		return ClaimResult{}, r.Fence.Int64, fmt.Errorf("%w: key %q in progress since %s, longer than the maximum age %s",
 			ErrNeedsAttention, req.Key, r.StartedAt.Time.UTC().Format(time.RFC3339), l.cfg.MaxAge)
 	}
@@ -185,8 +195,15 @@ func (l *Ledger) notTaken(req Request, v store.Verdict, r *store.ClaimRow) (res 
 	if v == store.Busy && r.Status.String == StatusInProgress {
 		busy.Owner, busy.Fence, busy.Until = formatUUID(r.Owner.Bytes), r.Fence.Int64, r.LockedUntil.Time
 		busy.Age = max(r.DBNow.Sub(r.StartedAt.Time), time.Nanosecond)
+		busy.Generation = int(r.Generation.Int32)
 	}
 	return ClaimResult{}, 0, busy
+}
+
+// recordRow records kind for req's key, whose row the claim read as r.
+func (l *Ledger) recordRow(kind HistoryKind, req Request, r *store.ClaimRow, detail string) {
+	l.Record(HistoryEvent{Key: req.Key, Generation: int(r.Generation.Int32), Kind: kind, TaskType: req.TaskType, TaskID: req.TaskID,
+		Fence: r.Fence.Int64, Detail: detail})
 }
 
 func (l *Ledger) markStuckOne(ctx context.Context, req Request, fence int64) {

@@ -210,6 +210,7 @@ func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, fence *fenceClock,
 
 func (l *Ledger) selfFenced(ctx context.Context, c *Claim, cancel context.CancelCauseFunc) {
 	l.observe(EventSelfFenced, c.TaskType)
+	l.recordClaim(HistorySelfFence, c, "no heartbeat reached the database before the self-fence deadline; handler cancelled")
 	l.log.ErrorContext(ctx, "idempotency: no heartbeat reached the database in time; handler cancelled", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence)
 	cancel(&selfFencedError{key: c.Key, fence: c.Fence})
 }

@@ -100,7 +100,8 @@ func (l *Ledger) settle(ctx context.Context, req Request, o *sharedtx.Outcome) (
 	if o.Verdict == store.Claimed {
 		r := &o.Row
 		c = &Claim{Key: req.Key, TaskType: req.TaskType, Fence: r.Fence.Int64,
-			Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), owner: o.Owner, xid: o.XID, serverStart: o.ServerStart}
+			Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), owner: o.Owner, xid: o.XID, serverStart: o.ServerStart,
+			taskID: req.TaskID, prevFence: r.PrevFence.Int64}
 		if c.Attempt > 1 {
 			l.tookOver(ctx, c)
 		}

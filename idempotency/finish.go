@@ -35,6 +35,7 @@ func (l *Ledger) Heartbeat(ctx context.Context, c *Claim) (time.Time, error) {
 
 func (l *Ledger) leaseLost(ctx context.Context, c *Claim, what string) {
 	l.observe(EventLeaseLost, c.TaskType)
+	l.recordClaim(HistoryLeaseLost, c, what+" refused")
 	l.log.WarnContext(ctx, "idempotency: lease lost; "+what+" refused", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "attempt", c.Attempt)
 }
 

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -118,9 +119,28 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 		return fmt.Errorf("idempotency: commit: %w", err)
 	}
 	defer conn.Release()
-	lost, err := store.Round(ctx, conn.Conn(), store.RoundOptions{
-		Prepared: l.prepare, LockTimeout: l.lockTimeoutSQL, ReadFirst: len(batches[laneFinish]) > 0,
-	}, parts)
+	opt := store.RoundOptions{Prepared: l.prepare, LockTimeout: l.lockTimeoutSQL, ReadFirst: len(batches[laneFinish]) > 0}
+	// Keys' history events ride the round, as its first statement: no round trip of their
+	// own. Should the round be refused for them, it is sent again without them, so that
+	// they never decide a claim's or a finish's outcome (see history.refused).
+	events := l.hist.take()
+	lost, err := store.Round(ctx, conn.Conn(), opt, l.hist.parts(events, parts))
+	if events != nil && errors.Is(err, store.ErrOptionalPart) && !lost && store.Answered(err) {
+		l.hist.refused(events, err)
+		events = nil
+		for _, b := range batches {
+			for _, op := range b {
+				op.answered = false
+			}
+		}
+		lost, err = store.Round(ctx, conn.Conn(), opt, parts)
+	}
+	if events != nil && err != nil && !lost && (store.Answered(err) || pgconn.SafeToRetry(err)) {
+		// Refused for another statement, or never sent: they were not written.
+		l.hist.giveBack(events, false)
+		events = nil
+	}
+	l.hist.done(events, err)
 	if lost {
 		for _, b := range batches {
 			for _, op := range b {

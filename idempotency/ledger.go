@@ -139,6 +139,10 @@ type Config struct {
 	// they name a valid step of a leased claim (ErrNoClaim, ErrStepInTx, a nested StepTx, a
 	// bad name) are not reported. It must be fast and safe for concurrent use.
 	ObserveStep func(taskType, step string, outcome StepOutcome)
+	// ObserveHistory, if set, is called with how many events of keys' histories were
+	// written (HistoryWritten), dropped from a full buffer (HistoryDropped) or lost to a
+	// failed write (HistoryFailed). It must be fast and safe for concurrent use.
+	ObserveHistory func(outcome string, n int)
 }
 
 // Ledger records, per idempotency key, whether a piece of work is claimed, completed or
@@ -161,6 +165,7 @@ type Ledger struct {
 
 	leased *commit.Committer[*leasedOp] // leased claims and finishes (Do)
 	tx     *sharedtx.Exec               // DoTx transactions
+	hist   *history                     // keys' history events not written yet
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table
@@ -225,6 +230,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		l.writes = store.Unfenced
 	}
 	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
+	l.hist = &history{l: l, max: historyBuffer, delay: HistoryFlushDelay}
 	l.leased = l.newLeasedCommitter()
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	l.tx = sharedtx.New(sharedtx.Config{
@@ -234,6 +240,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 		Observe:      func(ev, taskType string) { l.observe(Event(ev), taskType) },
 		ObserveBatch: func(n int) { l.observeBatch(BatchTx, n) },
 		Tracer:       l.tracer,
+		Events:       l.hist,
 		Stalled: func(scope, key string, waited time.Duration) {
 			l.log.Error("idempotency: a delivery waits in its scope's line: the scope's deliveries before it have not ended", "scope", scope, "key", key, "waited", waited)
 		},
@@ -241,9 +248,11 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	return l
 }
 
-// Close closes the heartbeat pool the Ledger opened, if it opened one. It does not close
-// the pools passed in. Do not use the Ledger after Close.
+// Close writes the history events not written yet (see Record) and closes the heartbeat
+// pool the Ledger opened, if it opened one. It does not close the pools passed in. Do not
+// use the Ledger after Close.
 func (l *Ledger) Close() {
+	l.hist.close()
 	if l.ownHBPool {
 		l.hbPool.Close()
 	}

@@ -183,7 +183,7 @@ func (l *Ledger) Rerun(ctx context.Context, key string) (Reopened, error) {
 		pubGen  pgtype.Int4
 		notices int64
 	)
-	err := l.pool.QueryRow(ctx, store.RerunSQL, key, outboxWakeChannel).Scan(&gen, &pubGen, &notices)
+	err := l.pool.QueryRow(ctx, store.RerunSQL, key, outboxWakeChannel, store.Worker).Scan(&gen, &pubGen, &notices)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Reopened{}, l.statusError(ctx, key, ErrNotTerminal)
 	}

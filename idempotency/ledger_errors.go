@@ -123,6 +123,8 @@ type BusyError struct {
 	// first claim, or the operator's re-run), by the database clock. Zero when unknown (the
 	// row is held by a transaction, or the claim lost its races).
 	Age time.Duration
+	// Generation is the held row's generation (0 when unknown, as Age).
+	Generation int
 }
 
 func (e *BusyError) Error() string {

@@ -503,6 +503,7 @@ func recordedStep[T any](run *stepRun, call stepCall, b []byte) (T, error) {
 
 func (run *stepRun) leaseLost(name string) error {
 	run.l.observe(EventLeaseLost, run.c.TaskType)
+	run.l.recordClaim(HistoryLeaseLost, run.c, fmt.Sprintf("step %q not recorded", name))
 	return fmt.Errorf("%w: key %q fence %d: step %q not recorded", ErrLeaseLost, run.c.Key, run.c.Fence, name)
 }
 

@@ -84,7 +84,11 @@ func ledgerCommand() command {
 				if err != nil {
 					return err
 				}
-				return printRecord(stdout, *r, in, steps, *asJSON)
+				history, err := ledger.History(ctx, rest[0])
+				if err != nil {
+					return err
+				}
+				return printRecord(stdout, *r, in, steps, history, *asJSON)
 			case "list":
 				rs, err := ledger.List(ctx, *status, *limit)
 				if err != nil {
@@ -167,10 +171,11 @@ func printDone(w io.Writer, asJSON bool, v any, format string, args ...any) erro
 }
 
 // printRecord prints one row, its outbox intent (nil: none) and its recorded steps.
-func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, steps []idempotency.StepRecord, asJSON bool) error {
+func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, steps []idempotency.StepRecord, history []idempotency.HistoryEvent, asJSON bool) error {
 	if asJSON {
 		out := api.NewRecord(r)
 		out.Steps = api.NewSteps(steps)
+		out.History = api.NewHistory(history)
 		if in != nil {
 			out.Intent = in.State
 			if in.State == outbox.IntentDead {
@@ -187,13 +192,38 @@ func printRecord(w io.Writer, r idempotency.Record, in *outbox.IntentInfo, steps
 			return err
 		}
 	}
-	if len(steps) == 0 {
+	if len(steps) > 0 {
+		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "\nSTEP\tFENCE\tRECORDED\tRESULT")
+		for _, s := range steps {
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", s.Name, s.Fence, stamp(s.CreatedAt), s.Result)
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+	}
+	return printHistory(w, history)
+}
+
+// printHistory prints a key's history as a table, oldest first; nothing when it has none.
+func printHistory(w io.Writer, history []idempotency.HistoryEvent) error {
+	if len(history) == 0 {
 		return nil
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "\nSTEP\tFENCE\tRECORDED\tRESULT")
-	for _, s := range steps {
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\n", s.Name, s.Fence, stamp(s.CreatedAt), s.Result)
+	fmt.Fprintln(tw, "\nHISTORY\tGEN\tKIND\tFENCE\tOLD FENCE\tTASK ID\tWORKER\tDETAIL")
+	opt := func(n int64) string {
+		if n == 0 {
+			return "-"
+		}
+		return fmt.Sprint(n)
+	}
+	for _, e := range history {
+		id := e.TaskID
+		if id == "" {
+			id = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", stamp(e.At), e.Generation, e.Kind, opt(e.Fence), opt(e.OldFence), id, e.Worker, e.Detail)
 	}
 	return tw.Flush()
 }

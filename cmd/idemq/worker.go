@@ -114,7 +114,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			Observe: func(ev idempotency.Event, taskType string) {
 				m.ObserveLedger(string(ev), taskType)
 			},
-			ObserveBatch: m.ObserveBatch,
+			ObserveBatch:   m.ObserveBatch,
+			ObserveHistory: m.ObserveHistory,
 			ObserveStep: func(taskType, step string, outcome idempotency.StepOutcome) {
 				m.ObserveStep(taskType, step, string(outcome))
 			},

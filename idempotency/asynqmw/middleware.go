@@ -409,6 +409,9 @@ func (h *handler[T]) process(ctx context.Context, t *asynq.Task) (outcome string
 			return outcome, err
 		}
 		if age, known := busyAge(t, busy); known && age > h.w.cfg.BusyBudget {
+			h.w.ledger.Record(idempotency.HistoryEvent{Key: key, Generation: busy.Generation, Kind: idempotency.HistoryBusy,
+				TaskType: h.taskType, TaskID: req.TaskID, Fence: busy.Fence,
+				Detail: fmt.Sprintf("busy for %s, past the busy budget %s: held by owner %s", age.Round(time.Second), h.w.cfg.BusyBudget, busy.Owner)})
 			return OutcomeError, &BusyTooLongError{Key: key, Owner: busy.Owner, Fence: busy.Fence, Age: age}
 		}
 		if !lastAttempt(ctx) {

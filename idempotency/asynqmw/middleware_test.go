@@ -287,6 +287,19 @@ func TestMiddlewareBusyBudget(t *testing.T) {
 	// … until the generation is older than the budget.
 	testenv.Exec(t, f.pool, `UPDATE processed_jobs SET started_at = now() - interval '1 hour' WHERE idempotency_key = 'charge:o-7'`)
 	tooLong("no header, generation an hour old", noHeader)
+
+	// The key's history has the two deliveries busy past the budget, not the bounce
+	// between them (written within a second, by the ledger's background write).
+	var h []idempotency.HistoryEvent
+	for deadline := time.Now().Add(5 * time.Second); len(h) < 2 && time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if h, err = f.ledger.History(ctx, "charge:o-7"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(h) != 2 || h[0].Kind != idempotency.HistoryBusy || h[1].Kind != idempotency.HistoryBusy || h[0].Fence == 0 ||
+		!strings.Contains(h[0].Detail, "past the busy budget") {
+		t.Fatalf("history of a key busy past its budget twice: %+v; want two busy events naming the holder's fence", h)
+	}
 }
 
 // A header-less duplicate of a busy key (from a plain asynq producer) waits as busy, with

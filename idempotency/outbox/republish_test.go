@@ -120,6 +120,12 @@ func TestReconcileTreatsAnotherTaskUnderTheTaskIDAsMissing(t *testing.T) {
 	if got := taskPayload(t, rdb, "debit:taken#r1"); !bytes.Equal(got, spec.Payload) {
 		t.Fatalf("debit:taken#r1 holds %s, want %s", got, spec.Payload)
 	}
+	// The key's history tells of the republish, in the same statement that recorded it.
+	var kind, taskID, worker string
+	if err := pool.QueryRow(ctx, `SELECT kind, task_id, worker FROM processed_job_events WHERE idempotency_key = 'debit:taken'`).
+		Scan(&kind, &taskID, &worker); err != nil || kind != "republished" || taskID != "debit:taken#r1" || worker == "" {
+		t.Fatalf("history of debit:taken: %s %s %q, %v; want one republished event under debit:taken#r1 naming its worker", kind, taskID, worker, err)
+	}
 }
 
 // The relay's first publish meets a TaskID a plain producer already used for another

@@ -29,7 +29,8 @@ const StatusDead = "dead"
 // intent's state while no worker has claimed the job yet, or 404. A job whose intent is
 // dead is StatusDead whatever the row says: when another payload completed its key, the
 // row's result (and its steps) are that payload's, not this job's, and are left out. The
-// steps recorded in the row's current generation come as "steps" when there are any.
+// steps recorded in the row's current generation come as "steps" when there are any; the
+// key's history, across generations, as "history".
 func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
 	if err := idempotency.ValidateKey(key); err != nil {
@@ -46,6 +47,12 @@ func (s *Server) getJob(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		out.Steps = NewSteps(steps)
+		history, err := s.deps.Ledger.History(r.Context(), key)
+		if err != nil {
+			s.internal(w, r, "read the job's history", err)
+			return
+		}
+		out.History = NewHistory(history)
 		acc, ok, err := s.intent(r.Context(), key)
 		if err != nil {
 			s.internal(w, r, "read the job's intent", err)

@@ -32,6 +32,40 @@ type Record struct {
 	// Steps are the steps recorded in the row's current generation, in the order the run
 	// called them; left out when there are none.
 	Steps []Step `json:"steps,omitempty"`
+	// History is the key's history: its exceptional events (duplicates served, mismatches
+	// refused, busy past the budget, takeovers, lost leases, self-fences, needs attention,
+	// reruns, republishes), oldest first, the newest idempotency.MaxHistory of them across
+	// generations; left out when there are none. Recorded best-effort: a crash may drop
+	// an event.
+	History []HistoryEntry `json:"history,omitempty"`
+}
+
+// HistoryEntry is an event of a key's history as the API and the CLI print it. Fields
+// that are not known are left out (task_id: a delivery's asynq TaskID; fence: the claim
+// the event is about; old_fence: a takeover's, the fence taken over).
+type HistoryEntry struct {
+	At         time.Time `json:"at"`
+	Kind       string    `json:"kind"`
+	Generation int       `json:"generation"`
+	TaskType   string    `json:"task_type,omitempty"`
+	TaskID     string    `json:"task_id,omitempty"`
+	Worker     string    `json:"worker,omitempty"`
+	Fence      int64     `json:"fence,omitempty"`
+	OldFence   int64     `json:"old_fence,omitempty"`
+	Detail     string    `json:"detail,omitempty"`
+}
+
+// NewHistory converts a key's history to its JSON shape; none gives nil.
+func NewHistory(es []idempotency.HistoryEvent) []HistoryEntry {
+	if len(es) == 0 {
+		return nil
+	}
+	out := make([]HistoryEntry, len(es))
+	for i, e := range es {
+		out[i] = HistoryEntry{At: e.At, Kind: string(e.Kind), Generation: e.Generation, TaskType: e.TaskType, TaskID: e.TaskID,
+			Worker: e.Worker, Fence: e.Fence, OldFence: e.OldFence, Detail: e.Detail}
+	}
+	return out
 }
 
 // Step is a recorded step's JSON shape.

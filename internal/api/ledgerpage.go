@@ -134,14 +134,15 @@ type intentLister interface {
 
 type rowPage struct {
 	Key       string
-	Row       *idempotency.Record      // nil: no worker has claimed the key yet
-	Intent    *outbox.IntentInfo       // nil: not recorded through the outbox (or purged)
-	TaskState string                   // asynq's state of the job's task, "" when Redis has none
-	TaskLink  string                   // asynqmon's page of it, "" when Redis has none
-	Queue     string                   // where the task is, else the queue its intent recorded, else ""
-	Traces    []traceLink              // the job's traces, when IDEMQ_TRACE_URL_TEMPLATE is set
-	Steps     []idempotency.StepRecord // the steps of the row's current generation, in seq order
-	Entry     string                   // the schedule entry whose job it is (a cron:<entry>:... key), else ""
+	Row       *idempotency.Record        // nil: no worker has claimed the key yet
+	Intent    *outbox.IntentInfo         // nil: not recorded through the outbox (or purged)
+	TaskState string                     // asynq's state of the job's task, "" when Redis has none
+	TaskLink  string                     // asynqmon's page of it, "" when Redis has none
+	Queue     string                     // where the task is, else the queue its intent recorded, else ""
+	Traces    []traceLink                // the job's traces, when IDEMQ_TRACE_URL_TEMPLATE is set
+	Steps     []idempotency.StepRecord   // the steps of the row's current generation, in seq order
+	Entry     string                     // the schedule entry whose job it is (a cron:<entry>:... key), else ""
+	History   []idempotency.HistoryEvent // the key's exceptional events, oldest first, across generations
 }
 
 // traceLink is one trace a ledger row links to: ID's page in the tracing UI, and whose
@@ -178,8 +179,8 @@ func (s *Server) traces(p *rowPage) []traceLink {
 	return nil
 }
 
-// ledgerRow serves /ledger/{key}: one row with its result and recorded steps, and the asynq task of the same
-// id when Redis still has it.
+// ledgerRow serves /ledger/{key}: one row with its result, recorded steps and history,
+// and the asynq task of the same id when Redis still has it.
 func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 	key := r.PathValue("key")
 	if err := checkPageKey(key); err != nil {
@@ -203,6 +204,10 @@ func (s *Server) ledgerRow(w http.ResponseWriter, r *http.Request) {
 		if in, err := il.Intent(r.Context(), key); err == nil {
 			p.Intent = in
 		}
+	}
+	if p.History, err = s.deps.Ledger.History(r.Context(), key); err != nil {
+		s.internal(w, r, "read the job's history", err)
+		return
 	}
 	p.Traces = s.traces(&p)
 	if p.Row == nil && p.Intent == nil {

@@ -52,6 +52,9 @@ type Metrics struct {
 	// past the busy budget, by reason (busy, unavailable) and task type
 	// (server.Config.ObserveOverBudget).
 	OverBudget *prometheus.CounterVec
+	// HistoryEvents counts the events of keys' histories by outcome (written, dropped:
+	// the buffer was full, failed: the write failed); see idempotency.Ledger.Record.
+	HistoryEvents *prometheus.CounterVec
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -108,6 +111,10 @@ func New() *Metrics {
 			Name: "idemq_busy_budget_exceeded_total",
 			Help: "Deliveries that found their key busy, or Postgres unavailable, past the busy budget, by reason (busy, unavailable) and task type; each counts as a failure.",
 		}, []string{"reason", "task_type"}),
+		HistoryEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_history_events_total",
+			Help: "Events of keys' histories (processed_job_events) by outcome: written, dropped (the buffer was full), failed (the write failed).",
+		}, []string{"outcome"}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -119,7 +126,7 @@ func New() *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
-		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.AsynqRecovered, m.OverBudget,
+		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.AsynqRecovered, m.OverBudget, m.HistoryEvents,
 	)
 	return m
 }
@@ -174,6 +181,12 @@ func (m *Metrics) ObserveStep(taskType, step, outcome string) {
 	if outcome != "mismatch" {
 		m.steps.get3(taskType, step, "mismatch")
 	}
+}
+
+// ObserveHistory counts n events of keys' histories by outcome in HistoryEvents
+// (idempotency.Config.ObserveHistory).
+func (m *Metrics) ObserveHistory(outcome string, n int) {
+	m.HistoryEvents.WithLabelValues(outcome).Add(float64(n))
 }
 
 // ObserveBatch records how many requests a shared commit of a kind carried in

@@ -166,6 +166,17 @@ type Config struct {
 	// Tracer, if set, makes a span of each transaction two or more recorded deliveries
 	// share (see batchSpan).
 	Tracer trace.Tracer
+	// Events, if set, hands the keys' history events waiting for a write to each finish.
+	Events Events
+}
+
+// Events are the keys' history events waiting in the ledger for a round to carry them.
+type Events interface {
+	// TakeForCommit takes the events a finish is to carry after its COMMIT (none: nil).
+	TakeForCommit() []store.EventParams
+	// Done reports the finish that carried them: commitErr is the finish's error (when
+	// its COMMIT did not happen, neither did the events' statement), eventsErr theirs.
+	Done(events []store.EventParams, commitErr, eventsErr error)
 }
 
 // Exec runs deliveries in transactions. Safe for concurrent use.
@@ -700,7 +711,7 @@ func (b *batch) runSolo(m *member) {
 	}
 	b.complete(m, r.out)
 	ctx, cancel := b.ctx()
-	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
+	err := b.finishAndCommit(ctx, nil, []store.FinishParams{b.params(m)})
 	cancel()
 	var pgErr *pgconn.PgError
 	switch {
@@ -758,7 +769,7 @@ func (b *batch) record(m *member, f finish) {
 	}
 	b.xid, b.serverStart, m.finish = t.XID, t.ServerStart, f
 	ctx, cancel = b.ctx()
-	err = b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)})
+	_, err = b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, nil, b.e.lockTimeoutSQL, []store.FinishParams{b.params(m)}, nil)
 	cancel()
 	if err != nil && (store.Answered(err) || !b.conn.IsClosed()) {
 		if store.Conflict(err) {
@@ -976,7 +987,7 @@ func (b *batch) commit() {
 	}
 	ctx, cancel := b.ctx()
 	defer cancel()
-	err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, b.takePre(), b.e.lockTimeoutSQL, ps)
+	err := b.finishAndCommit(ctx, b.takePre(), ps)
 	if err != nil && store.Answered(err) {
 		if store.Conflict(err) {
 			b.e.observe(EventConflict, b.claimed[0])
@@ -986,6 +997,20 @@ func (b *batch) commit() {
 		return
 	}
 	b.answerCommitted(err)
+}
+
+// finishAndCommit writes the rows of ps and commits, with the keys' history events the
+// ledger has waiting (Config.Events) in the same round trip, after the COMMIT.
+func (b *batch) finishAndCommit(ctx context.Context, pre []string, ps []store.FinishParams) error {
+	var events []store.EventParams
+	if ev := b.e.cfg.Events; ev != nil {
+		events = ev.TakeForCommit()
+	}
+	evErr, err := b.e.cfg.Writes.FinishAndCommit(ctx, b.conn, pre, b.e.lockTimeoutSQL, ps, events)
+	if events != nil {
+		b.e.cfg.Events.Done(events, err, evErr)
+	}
+	return err
 }
 
 // params are m's row in the finish.

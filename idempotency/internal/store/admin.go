@@ -33,7 +33,8 @@ WHERE idempotency_key = $1 AND status = 'in_progress'`
 // TaskID: its publish_generation goes one past the highest the relays and the reconciler
 // have used (they record every TaskID they publish under there), so the new task is
 // key#r<n> and never collides with a TaskID asynq still holds. The older generations'
-// recorded steps are deleted: the new generation runs every step again. The relays are woken
+// recorded steps are deleted: the new generation runs every step again; their history is
+// kept, and a rerun event (worker $3) starts the new generation's. The relays are woken
 // (channel $2) when the statement commits. It returns the new generation and the new
 // publish generation (NULL without an intent).
 const RerunSQL = `
@@ -45,7 +46,7 @@ WITH p AS (
 	WHERE idempotency_key = $1 AND (status IN ('completed', 'failed', 'needs_attention')
 	      OR status = 'in_progress' AND locked_until < now()
 	         AND EXISTS (SELECT FROM job_intents WHERE idempotency_key = $1 AND state = 'dead'))
-	RETURNING generation
+	RETURNING generation, fence, task_type
 ), i AS (
 	UPDATE job_intents
 	SET state = 'pending', publish_generation = publish_generation + 1, relay_until = NULL,
@@ -54,12 +55,17 @@ WITH p AS (
 	RETURNING publish_generation
 ), s AS (
 	DELETE FROM processed_job_steps WHERE idempotency_key = $1 AND generation < (SELECT generation FROM p)
+), h AS (
+	INSERT INTO processed_job_events (idempotency_key, generation, kind, task_type, task_id, worker, fence, detail)
+	SELECT $1, p.generation, 'rerun', p.task_type, CASE WHEN i.publish_generation IS NOT NULL THEN $1 || '#r' || i.publish_generation END,
+	       $3, p.fence, 'reopened by an operator as generation ' || p.generation
+	FROM p LEFT JOIN i ON true
 )
 SELECT p.generation, i.publish_generation, (SELECT count(pg_notify($2, '')) FROM i)
 FROM p LEFT JOIN i ON true`
 
 // PurgeSQL deletes one batch of terminal rows older than the window, with their outbox
-// intents and recorded steps. A row completed
+// intents, recorded steps and history events. A row completed
 // before the cutoff also started before it, which lets the started_at index find them.
 // The outer conditions are checked again on the row version it deletes, so a row re-run
 // meanwhile stays.
@@ -77,6 +83,8 @@ WITH d AS (
 	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
 ), s AS (
 	DELETE FROM processed_job_steps WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+), h AS (
+	DELETE FROM processed_job_events WHERE idempotency_key IN (SELECT idempotency_key FROM d)
 )
 SELECT count(*) FROM d`
 

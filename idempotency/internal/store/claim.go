@@ -64,7 +64,7 @@ WITH req AS (
 )
 SELECT req.ord, true, true, up.status, up.fence, up.owner, up.payload_sha256, up.result, up.attempts, up.last_error,
        up.locked_until, up.started_at, up.completed_at, up.generation, now(), NULL::text,
-       pg_postmaster_start_time()::text, NULL::text
+       pg_postmaster_start_time()::text, (SELECT cur.fence FROM cur WHERE cur.ord = req.ord)
 FROM restored, up JOIN req ON req.key = up.idempotency_key
 UNION ALL
 SELECT gate.ord, false, gate.open, cur.status, cur.fence, cur.owner, cur.payload_sha256, cur.result, cur.attempts,
@@ -93,7 +93,7 @@ func ScanClaim(rows pgx.Rows, r *ClaimRow) error { return rows.Scan(r.targets(ni
 // readRowSQL reads a row for a claim that lost a race, in the shape of ClaimMany's rows.
 const readRowSQL = `
 SELECT false, false, status, fence, owner, payload_sha256, result, attempts, last_error,
-       locked_until, started_at, completed_at, generation, now(), NULL::text, NULL::text, NULL::text
+       locked_until, started_at, completed_at, generation, now(), NULL::text, NULL::text, NULL::bigint
 FROM processed_jobs WHERE idempotency_key = $1`
 
 // markStuckOneSQL turns one expired, too old in-progress claim into needs_attention.

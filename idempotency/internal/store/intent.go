@@ -269,17 +269,31 @@ func StaleIntents(ctx context.Context, q DB, p StaleParams) ([]IntentRow, error)
 }
 
 // bumpGenerationSQL records a republish under generation $3, unless another reconciler
-// did it first.
+// did it first, and a republished event in the key's history (worker $4), within
+// MaxEventsPerGeneration of the ledger row's generation (0 while the key has no row).
 const bumpGenerationSQL = `
-UPDATE job_intents SET publish_generation = $3, published_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
+WITH u AS (
+	UPDATE job_intents SET publish_generation = $3, published_at = now(), updated_at = now()
+	WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2
+	RETURNING idempotency_key, task_type
+), g AS (
+	SELECT coalesce((SELECT generation FROM processed_jobs WHERE idempotency_key = $1), 0) AS gen
+), h AS (
+	INSERT INTO processed_job_events (idempotency_key, generation, kind, task_type, task_id, worker, detail)
+	SELECT u.idempotency_key, g.gen, 'republished', u.task_type, $1 || '#r' || $3::int, $4,
+	       'its task was missing from Redis; republished'
+	FROM u, g
+	WHERE (SELECT count(*) FROM processed_job_events x WHERE x.idempotency_key = $1 AND x.generation = g.gen) < 50
+)
+SELECT count(*) FROM u`
 
 // RecordRepublish records that key's published intent, of generation from, was
-// republished under generation to; it reports false when another reconciler did it first
-// or the intent finished meanwhile.
+// republished under generation to, with an event in the key's history; it reports false
+// when another reconciler did it first or the intent finished meanwhile.
 func RecordRepublish(ctx context.Context, q DB, key string, from, to int) (bool, error) {
-	tag, err := q.Exec(ctx, bumpGenerationSQL, key, from, to)
-	return tag.RowsAffected() > 0, err
+	var n int64
+	err := q.QueryRow(ctx, bumpGenerationSQL, key, from, to, Worker).Scan(&n)
+	return n > 0, err
 }
 
 // settleArchivedSQL settles dead, with the reason $3, a published intent whose own task

@@ -19,7 +19,12 @@ type Part struct {
 	Rows int
 	// Read scans an answered row, whose ordinal (already read) is ord.
 	Read func(ord int, rows pgx.Rows) error
+	// Optional marks a part the round may do without: its failure wraps ErrOptionalPart.
+	Optional bool
 }
+
+// ErrOptionalPart is wrapped by the error of a round that failed at an Optional part.
+var ErrOptionalPart = errors.New("an optional statement of the round failed")
 
 // RoundOptions say how Round sends.
 type RoundOptions struct {
@@ -56,6 +61,9 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 			}
 		} else {
 			s.oids, err = p.Stmt.paramTypes(ctx, conn.PgConn())
+		}
+		if err != nil && p.Optional {
+			return false, fmt.Errorf("%w: %w", ErrOptionalPart, err)
 		}
 		if err != nil {
 			return false, err
@@ -115,6 +123,9 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 	for _, p := range parts {
 		if err := readPart(pipe, m, p); err != nil {
 			abort()
+			if p.Optional {
+				err = fmt.Errorf("%w: %w", ErrOptionalPart, err)
+			}
 			return false, err
 		}
 	}

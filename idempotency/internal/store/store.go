@@ -91,6 +91,9 @@ type ClaimRow struct {
 	CompletedAt        pgtype.Timestamptz
 	Generation         pgtype.Int4
 	DBNow              time.Time
+	// PrevFence (Claimed) is the fence of the claim taken over, as the claim's statement
+	// read it; not valid for a new key.
+	PrevFence pgtype.Int8
 }
 
 // Verdict is what a claim's row says of its key.
@@ -150,7 +153,7 @@ func NewOwner() (pgtype.UUID, error) {
 func (r *ClaimRow) targets(lead ...any) []any {
 	return append(lead, &r.Claimed, &r.Attempted, &r.Status, &r.Fence, &r.Owner, &r.Fingerprint,
 		&r.Result, &r.Attempts, &r.LastError, &r.LockedUntil, &r.StartedAt, &r.CompletedAt,
-		&r.Generation, &r.DBNow, nil, nil, nil)
+		&r.Generation, &r.DBNow, nil, nil, &r.PrevFence)
 }
 
 // FinishParams is one claimed row to end: its claim (key, fence, owner), the action, and

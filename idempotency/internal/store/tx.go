@@ -94,7 +94,8 @@ SELECT ord, held AND open, open AND NOT held, status,
        CASE WHEN held AND open THEN nextval('processed_jobs_fence_seq') ELSE fence END,
        owner, payload_sha256, result,
        CASE WHEN held AND open THEN coalesce(attempts, 0) + 1 ELSE attempts END,
-       last_error, locked_until, started_at, completed_at, coalesce(generation, 0), now(), NULL::text, NULL::text, NULL::text
+       last_error, locked_until, started_at, completed_at, coalesce(generation, 0), now(), NULL::text, NULL::text,
+       CASE WHEN held AND open THEN fence END
 FROM restored, k ORDER BY ord`
 
 // TxClaims is what BeginClaims learned: the transaction's id and the server's start time,
@@ -225,7 +226,11 @@ func CheckResult(ctx context.Context, conn *pgx.Conn, pre []string, result strin
 // COMMIT that answers anything but COMMIT (an aborted transaction answers ROLLBACK) is an
 // error. The statement's refusal because a row was not what the read found is one for
 // which Conflict reports true.
-func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, lockTimeout string, ps []FinishParams) error {
+//
+// events, if any, ride the same round trip after the COMMIT, in a transaction of their
+// own: their statement cannot undo the commit, and its error (eventsErr) is not the
+// commit's.
+func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, lockTimeout string, ps []FinishParams, events []EventParams) (eventsErr, err error) {
 	batch := &pgx.Batch{}
 	for _, s := range pre {
 		batch.Queue(s)
@@ -233,7 +238,12 @@ func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []stri
 	batch.Queue(claimSettingsSQL, lockTimeout) // the bound on its row-lock waits, its plans
 	batch.Queue(w.FinishTx, finishTxArgs(ps)...)
 	batch.Queue("COMMIT")
-	return sendCommit(ctx, conn, batch)
+	after := 0
+	if len(events) > 0 {
+		batch.Queue(insertEventsSQL, EventArgs(events)...)
+		after = 1
+	}
+	return sendCommit(ctx, conn, batch, after)
 }
 
 // finishTxArgs returns finishTxSQL's arguments for ps.
@@ -276,23 +286,34 @@ func Exec(ctx context.Context, conn *pgx.Conn, stmts ...string) error {
 	return conn.SendBatch(ctx, batch).Close()
 }
 
-// sendCommit sends batch, which ends with a COMMIT, and checks that it committed.
-func sendCommit(ctx context.Context, conn *pgx.Conn, batch *pgx.Batch) error {
+// sendCommit sends batch, whose statements up to the last after ones end with a COMMIT,
+// and checks that it committed (err); the after statements run once it did, and their
+// error is afterErr.
+func sendCommit(ctx context.Context, conn *pgx.Conn, batch *pgx.Batch, after int) (afterErr, err error) {
 	br := conn.SendBatch(ctx, batch)
-	var err error
 	var tag pgconn.CommandTag
-	for range batch.Len() {
+	for range batch.Len() - after {
 		if tag, err = br.Exec(); err != nil {
 			break
 		}
 	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
 	if err == nil && tag.String() != "COMMIT" {
 		err = fmt.Errorf("commit answered %q", tag.String())
 	}
-	return err
+	if err == nil {
+		for range after {
+			if _, afterErr = br.Exec(); afterErr != nil {
+				break
+			}
+		}
+	}
+	if cerr := br.Close(); err == nil && afterErr == nil {
+		err = cerr
+	}
+	if err != nil && after > 0 && afterErr == nil {
+		afterErr = err // not reached
+	}
+	return afterErr, err
 }
 
 // Rollback ends conn's transaction, if one is open, or closes conn when it cannot.

@@ -1,0 +1,168 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// A key's history: the exceptional events of its deliveries, in processed_job_events.
+// The hot path never waits for them: they ride a statement of a round already going to
+// Postgres (InsertEvents as one more Part, or queued in a DoTx finish), or are written by
+// a background flush.
+
+// MaxEventsPerGeneration caps the events kept per key and generation: an insert past it
+// is skipped.
+const MaxEventsPerGeneration = 50
+
+// MaxEventDetail caps an event's detail, in bytes (the table's CHECK).
+const MaxEventDetail = 1024
+
+// EventParams is one event to record. Zero Fence, OldFence and empty strings are NULL.
+type EventParams struct {
+	Key        string
+	Generation int
+	At         time.Time
+	Kind       string
+	TaskType   string
+	TaskID     string
+	Worker     string
+	Fence      int64
+	OldFence   int64
+	Detail     string
+}
+
+// Worker names this process in events: host/pid.
+var Worker = func() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown"
+	}
+	return fmt.Sprintf("%s/%d", host, os.Getpid())
+}()
+
+// insertEventsSQL records a batch of events ($1..$10, arrays with one element per event).
+// A key and generation keeps at most MaxEventsPerGeneration rows: an event is inserted
+// only while the rows already there plus those before it in the batch stay within the
+// cap (the count reads the (idempotency_key, id) index). Two processes inserting for one
+// key at the same moment may each see the other's rows missing and pass the cap by a few.
+// Rows the table's checks would refuse are left out rather than failing the round they
+// ride (the Go side cleans them first; this is the guard).
+const insertEventsSQL = `
+WITH e AS (
+	SELECT e.*, row_number() OVER (PARTITION BY e.key, e.gen ORDER BY e.ord) AS rn
+	FROM unnest($1::text[], $2::int[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
+	            $8::bigint[], $9::bigint[], $10::text[]) WITH ORDINALITY
+		AS e(key, gen, at, kind, task_type, task_id, worker, fence, old_fence, detail, ord)
+	WHERE octet_length(e.key) BETWEEN 1 AND 255 AND e.kind ~ '^[a-z_]{1,32}$' AND e.gen >= 0
+	  AND coalesce(octet_length(e.detail), 0) <= 1024 -- MaxEventDetail
+)
+INSERT INTO processed_job_events (idempotency_key, generation, at, kind, task_type, task_id, worker, fence, old_fence, detail)
+SELECT e.key, e.gen, e.at, e.kind, e.task_type, e.task_id, e.worker, e.fence, e.old_fence, e.detail
+FROM e
+WHERE e.rn + (SELECT count(*) FROM processed_job_events x
+              WHERE x.idempotency_key = e.key AND x.generation = e.gen) <= 50 -- MaxEventsPerGeneration
+ORDER BY e.ord`
+
+// InsertEvents is the events statement, a Part of a round or sent alone.
+var InsertEvents = &Statement{Name: "idemq_insert_events", SQL: insertEventsSQL}
+
+// EventArgs returns InsertEvents' arguments for es.
+func EventArgs(es []EventParams) []any {
+	n := len(es)
+	keys, gens, ats, kinds := make([]string, n), make([]int32, n), make([]time.Time, n), make([]string, n)
+	types, ids, workers, details := make([]pgtype.Text, n), make([]pgtype.Text, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
+	fences, olds := make([]pgtype.Int8, n), make([]pgtype.Int8, n)
+	for i, e := range es {
+		keys[i], gens[i], ats[i], kinds[i] = cleanText(e.Key, 255), int32(max(e.Generation, 0)), e.At, e.Kind
+		if ats[i].IsZero() {
+			ats[i] = time.Now()
+		}
+		types[i], ids[i], workers[i] = optText(e.TaskType, 255), optText(e.TaskID, 255), optText(e.Worker, 255)
+		details[i] = optText(e.Detail, MaxEventDetail)
+		fences[i] = pgtype.Int8{Int64: e.Fence, Valid: e.Fence != 0}
+		olds[i] = pgtype.Int8{Int64: e.OldFence, Valid: e.OldFence != 0}
+	}
+	return []any{keys, gens, ats, kinds, types, ids, workers, fences, olds, details}
+}
+
+// EventsPart is InsertEvents for es as a Part of a Round: it answers no rows.
+func EventsPart(es []EventParams) Part {
+	return Part{Stmt: InsertEvents, Args: EventArgs(es), Rows: len(es), Read: func(int, pgx.Rows) error { return nil }, Optional: true}
+}
+
+// WriteEvents records es in a statement of its own.
+func WriteEvents(ctx context.Context, q DB, es []EventParams) error {
+	if len(es) == 0 {
+		return nil
+	}
+	_, err := q.Exec(ctx, insertEventsSQL, EventArgs(es)...)
+	return err
+}
+
+// cleanText makes s a value Postgres text takes (valid UTF-8, no NUL), of at most limit
+// bytes, cut at a character's start.
+func cleanText(s string, limit int) string {
+	if !utf8.ValidString(s) {
+		s = strings.ToValidUTF8(s, "?")
+	}
+	if strings.IndexByte(s, 0) >= 0 {
+		s = strings.ReplaceAll(s, "\x00", "?")
+	}
+	if len(s) > limit {
+		cut := limit
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut]
+	}
+	return s
+}
+
+func optText(s string, limit int) pgtype.Text {
+	return pgtype.Text{String: cleanText(s, limit), Valid: s != ""}
+}
+
+// EventRow is a recorded event.
+type EventRow struct {
+	ID         int64
+	Generation int
+	At         time.Time
+	Kind       string
+	TaskType   string
+	TaskID     string
+	Worker     string
+	Fence      int64 // 0: none
+	OldFence   int64 // 0: none
+	Detail     string
+}
+
+// keyEventsSQL reads key $1's newest $2 events (by id: the order they were written),
+// in the order they happened: a delivery's event waits in its process's buffer for up to
+// a second while an operator's rerun is written at once, so at orders them (then id).
+const keyEventsSQL = `
+SELECT id, generation, at, kind, coalesce(task_type, ''), coalesce(task_id, ''), coalesce(worker, ''),
+       coalesce(fence, 0), coalesce(old_fence, 0), coalesce(detail, '')
+FROM (SELECT * FROM processed_job_events WHERE idempotency_key = $1 ORDER BY id DESC LIMIT $2) e
+ORDER BY at, id`
+
+// KeyEvents returns key's newest limit events, in the order they happened.
+func KeyEvents(ctx context.Context, q DB, key string, limit int) ([]EventRow, error) {
+	rows, err := q.Query(ctx, keyEventsSQL, key, limit)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (EventRow, error) {
+		var e EventRow
+		var gen int32
+		err := row.Scan(&e.ID, &gen, &e.At, &e.Kind, &e.TaskType, &e.TaskID, &e.Worker, &e.Fence, &e.OldFence, &e.Detail)
+		e.Generation = int(gen)
+		return e, err
+	})
+}
