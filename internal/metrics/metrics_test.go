@@ -227,7 +227,7 @@ func TestMetricsLintAndAreDocumented(t *testing.T) {
 			}
 		}
 	}
-	if want := 8; n != want {
+	if want := 9; n != want {
 		t.Errorf("found %d idemq metrics, want %d: a vector without a series is missing from this test", n, want)
 	}
 }
