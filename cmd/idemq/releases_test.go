@@ -229,3 +229,38 @@ func waitFor(t *testing.T, ctx context.Context, what string, ok func() bool) {
 		}
 	}
 }
+
+// The api and the scheduler register too, export idemq_build_info, and delete their rows
+// when they stop cleanly.
+func TestAPIAndSchedulerRegister(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	dsn := testenv.PostgresURL(t)
+	pool := testenv.Pool(t, dsn)
+	env := []string{"DATABASE_URL=" + dsn, "REDIS_URL=" + testenv.RedisURL(t), "IDEMQ_SHUTDOWN_TIMEOUT=2s"}
+	apiPort, schedPort := testenv.FreePort(t), testenv.FreePort(t)
+	api := startIdemq(t, "api", append(env, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort)), "api")
+	sched := startIdemq(t, "scheduler", append(env, fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", schedPort)), "scheduler")
+	series := fmt.Sprintf(`idemq_build_info{commit="",schema="%d",version="%s"}`, migrations.SchemaVersion(), release.Devel)
+	for _, port := range []int{apiPort, schedPort} {
+		testenv.WaitHTTP(t, fmt.Sprintf("http://127.0.0.1:%d/readyz", port), 30*time.Second)
+		if v := scrape(t, fmt.Sprintf("http://127.0.0.1:%d/metrics", port), series); v != 1 {
+			t.Errorf("port %d: %s = %v, want 1", port, series, v)
+		}
+	}
+	waitFor(t, ctx, "both rows", func() bool {
+		return strings.Join(testenv.Strings(t, pool, "SELECT role || ':' || pid FROM idemq_processes ORDER BY role"), " ") ==
+			fmt.Sprintf("api:%d scheduler:%d", api.cmd.Process.Pid, sched.cmd.Process.Pid)
+	})
+	for _, p := range []*proc{api, sched} {
+		p.signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			t.Fatalf("%s did not stop on SIGTERM", p.name)
+		}
+	}
+	if rows := testenv.Strings(t, pool, "SELECT role FROM idemq_processes"); len(rows) != 0 {
+		t.Fatalf("rows left after a clean stop: %v", rows)
+	}
+}
