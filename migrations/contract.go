@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -79,15 +80,28 @@ func (e *ContractError) Error() string {
 	return b.String()
 }
 
-// pendingSteps returns the steps of s that p reports pending, in order.
-func (s *set) pendingSteps(ctx context.Context, p *goose.Provider) ([]Step, error) {
+// check returns a *ContractError when a pending contract step of s may not run yet. A set
+// without contract steps costs no query.
+func (s *set) check(ctx context.Context, db *sql.DB, p *goose.Provider) error {
 	steps, err := readSteps(s.files)
 	if err != nil {
-		return nil, err
+		return err
 	}
+	if !slices.ContainsFunc(steps, func(st Step) bool { return st.Contract }) {
+		return nil
+	}
+	pending, err := pendingSteps(ctx, p, s.name, steps)
+	if err != nil {
+		return err
+	}
+	return s.checkContracts(ctx, db, pending)
+}
+
+// pendingSteps returns the steps that p reports pending, in order.
+func pendingSteps(ctx context.Context, p *goose.Provider, name string, steps []Step) ([]Step, error) {
 	st, err := p.Status(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("migrations: status (%s): %w", s.name, err)
+		return nil, fmt.Errorf("migrations: status (%s): %w", name, err)
 	}
 	pending := map[int64]bool{}
 	for _, m := range st {

@@ -77,9 +77,9 @@ func NewExampleProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error
 
 // Up applies every pending core migration and returns what it applied (nothing when the
 // schema is current). It refuses, applying nothing, when a pending contract step needs a
-// newer schema than a live registered process runs (a *ContractError; see Step). It does not create the example's tables (see UpExample). It is
-// safe to call from several processes at once, and from inside an application's own
-// goose migration.
+// newer schema than a live registered process runs (a *ContractError; see Step). It does
+// not create the example's tables (see UpExample). It is safe to call from several
+// processes at once, and from inside an application's own goose migration.
 func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	return core.up(ctx, db)
 }
@@ -118,11 +118,7 @@ func (s *set) up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, err
 	if err != nil {
 		return nil, err
 	}
-	pending, err := s.pendingSteps(ctx, p)
-	if err != nil {
-		return nil, err
-	}
-	if err := s.checkContracts(ctx, db, pending); err != nil {
+	if err := s.check(ctx, db, p); err != nil {
 		return nil, err
 	}
 	res, err := p.Up(ctx)
@@ -186,11 +182,7 @@ func Check(ctx context.Context, db *sql.DB) error {
 		if err != nil {
 			return err
 		}
-		pending, err := s.pendingSteps(ctx, p)
-		if err != nil {
-			return err
-		}
-		if err := s.checkContracts(ctx, db, pending); err != nil {
+		if err := s.check(ctx, db, p); err != nil {
 			return err
 		}
 	}

@@ -65,6 +65,10 @@ func migrateCommand() command {
 			case *dryRun:
 				return dryRunMigrate(ctx, stdout, db)
 			}
+			// Both sets' contract steps are checked before either set is applied.
+			if err := migrations.Check(ctx, db); err != nil {
+				return fmt.Errorf("migrate: %w", err)
+			}
 			// The core set first, then the example's (the handlers' and fakepay's tables).
 			applied := 0
 			var versions [2]int64
