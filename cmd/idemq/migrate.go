@@ -140,10 +140,12 @@ func printStatus(ctx context.Context, w io.Writer, db *sql.DB) error {
 	if err != nil {
 		return fmt.Errorf("migrate status: %w", err)
 	}
-	fmt.Fprintf(w, "\n%d live process(es) (heartbeat within %s; releases before idemq_processes do not register):\n", len(live), migrations.LiveWindow)
+	fmt.Fprintf(w, "\n%d live process(es) (heartbeat within %s; releases before idemq_processes do not register)", len(live), migrations.LiveWindow)
 	if len(live) == 0 {
-		return nil
+		_, err := fmt.Fprintln(w)
+		return err
 	}
+	fmt.Fprintln(w, ":")
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ROLE\tHOST\tPID\tVERSION\tSCHEMA\tSTARTED AT")
 	for _, p := range live {
