@@ -92,3 +92,17 @@ func TestReleasesMatchHistory(t *testing.T) {
 		}
 	}
 }
+
+// What the linker sets (-X …release.version, …release.commit) wins over the stamped
+// commit.
+func TestLinkerValuesWin(t *testing.T) {
+	defer func(v, c string) { version, commit = v, c }(version, commit)
+	version, commit = "v9.8.7", "0123456789abcdef0123456789abcdef01234567"
+	b := Current()
+	if b.Version != "v9.8.7" || b.Commit != commit || b.Schema < 110 {
+		t.Fatalf("Current() = %+v, want the linker's version and commit and the embedded schema", b)
+	}
+	if s := b.String(); s != "v9.8.7 (commit 0123456789ab, schema "+strconv.FormatInt(b.Schema, 10)+", "+b.GoVersion+")" {
+		t.Fatalf("String() = %q", s)
+	}
+}
