@@ -5,7 +5,8 @@
 //   - the core set (this directory): the ledger (processed_jobs, the recorded steps
 //     of leased jobs, processed_job_steps, and each key's history, processed_job_events), the outbox (job_intents,
 //     redis_epochs), the periodic schedule (schedule_entries) and the API's memory of
-//     Idempotency-Key headers (api_idempotency_keys). Up applies it and records its versions in idemq_db_version.
+//     Idempotency-Key headers (api_idempotency_keys), and the registry of running
+//     processes (idemq_processes). Up applies it and records its versions in idemq_db_version.
 //   - the example set (the example directory): the tables of the example handlers and of
 //     the stand-in payment provider (wallet_entries, fakepay_requests, fakepay_charges).
 //     `idemq migrate` applies it after the core set; UpExample applies it and records its
@@ -30,6 +31,10 @@
 // running `idemq migrate` from every replica is safe, and migrations of different schemas
 // (parallel tests) do not wait for each other. A caller waits for another migrator for up
 // to 5 minutes.
+//
+// Migrations are expand steps unless marked as contract steps (see Step): Up and
+// UpExample refuse a pending contract step, applying nothing, while a process registered
+// in idemq_processes with an older schema version is alive (a *ContractError).
 //
 // Before idemq had version tables of its own, both sets were recorded in goose's
 // default table, goose_db_version. Such a schema is carried over the first time a

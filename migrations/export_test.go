@@ -1,6 +1,8 @@
 package migrations
 
 import (
+	"context"
+	"database/sql"
 	"io/fs"
 	"path"
 	"testing/fstest"
@@ -43,3 +45,18 @@ func LegacyVersions() (coreVersions, exampleVersions []int64) {
 	}
 	return coreVersions, exampleVersions
 }
+
+// UpFiles applies the migrations of fsys as a set of their own, recorded in table, with
+// Up's refusal of contract steps.
+func UpFiles(ctx context.Context, db *sql.DB, fsys fs.FS, table string) ([]*goose.MigrationResult, error) {
+	return (&set{name: "test", table: table, files: fsys}).up(ctx, db)
+}
+
+// ReadSteps is readSteps.
+func ReadSteps(fsys fs.FS) ([]Step, error) { return readSteps(fsys) }
+
+// CoreFS is the embedded core set.
+func CoreFS() fs.FS { return core.files }
+
+// TheExampleFS is the embedded example set.
+func TheExampleFS() fs.FS { return example.files }

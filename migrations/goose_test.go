@@ -20,7 +20,7 @@ import (
 
 // coreTables and exampleTables are the tables each set creates.
 var (
-	coreTables    = []string{"processed_jobs", "job_intents", "api_idempotency_keys", "redis_epochs", "processed_job_steps", "schedule_entries", "processed_job_events"}
+	coreTables    = []string{"processed_jobs", "job_intents", "api_idempotency_keys", "redis_epochs", "processed_job_steps", "schedule_entries", "processed_job_events", "idemq_processes"}
 	exampleTables = []string{"fakepay_requests", "fakepay_charges", "wallet_entries"}
 )
 

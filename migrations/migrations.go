@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io/fs"
+	"time"
 
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
@@ -75,16 +76,18 @@ func NewExampleProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error
 }
 
 // Up applies every pending core migration and returns what it applied (nothing when the
-// schema is current). It does not create the example's tables (see UpExample). It is
-// safe to call from several processes at once, and from inside an application's own
-// goose migration.
+// schema is current). It refuses, applying nothing, when a pending contract step needs a
+// newer schema than a live registered process runs (a *ContractError; see Step). It does
+// not create the example's tables (see UpExample). It is safe to call from several
+// processes at once, and from inside an application's own goose migration.
 func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	return core.up(ctx, db)
 }
 
 // UpExample applies every pending migration of the example set: the tables of the
 // example handlers (wallet_entries) and of the stand-in payment provider (fakepay_*). Only
-// the example needs them; `idemq migrate` calls it after Up.
+// the example needs them; `idemq migrate` calls it after Up. It refuses contract steps as
+// Up does.
 func UpExample(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	return example.up(ctx, db)
 }
@@ -115,6 +118,9 @@ func (s *set) up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, err
 	if err != nil {
 		return nil, err
 	}
+	if err := s.check(ctx, db, p); err != nil {
+		return nil, err
+	}
 	res, err := p.Up(ctx)
 	if err != nil {
 		return res, fmt.Errorf("migrations: up (%s): %w", s.name, err)
@@ -128,4 +134,57 @@ func lockID(schema string) int64 {
 	h := fnv.New64a()
 	h.Write([]byte("idemq-migrations:" + schema))
 	return int64(h.Sum64() >> 1)
+}
+
+// A Migration is one migration of the core or the example set, applied or pending.
+type Migration struct {
+	Set string // "core" or "example"
+	Step
+	AppliedAt time.Time // zero while pending
+}
+
+// Status lists the migrations of both sets, core first, each with its kind and when it
+// was applied. It applies nothing (it carries over a schema an older idemq recorded in
+// goose_db_version, as Up does).
+func Status(ctx context.Context, db *sql.DB) ([]Migration, error) {
+	var out []Migration
+	for _, s := range []*set{core, example} {
+		p, err := s.provider(ctx, db)
+		if err != nil {
+			return nil, err
+		}
+		steps, err := readSteps(s.files)
+		if err != nil {
+			return nil, err
+		}
+		st, err := p.Status(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("migrations: status (%s): %w", s.name, err)
+		}
+		applied := map[int64]time.Time{}
+		for _, m := range st {
+			if m.State == goose.StateApplied {
+				applied[m.Source.Version] = m.AppliedAt
+			}
+		}
+		for _, step := range steps {
+			out = append(out, Migration{Set: s.name, Step: step, AppliedAt: applied[step.Version]})
+		}
+	}
+	return out, nil
+}
+
+// Check returns what Up followed by UpExample would refuse (a *ContractError), or nil,
+// and applies nothing.
+func Check(ctx context.Context, db *sql.DB) error {
+	for _, s := range []*set{core, example} {
+		p, err := s.provider(ctx, db)
+		if err != nil {
+			return err
+		}
+		if err := s.check(ctx, db, p); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/internal/process"
 	"github.com/idemq/idemq/internal/tracing"
 )
 
@@ -64,6 +65,8 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	if err := requireSchema(ctx, pool); err != nil {
 		return err
 	}
+	reg := process.Start(ctx, pool, process.RoleAPI, log, nil)
+	defer reg.Stop()
 
 	m := metrics.New()
 	// The API only reads the ledger: no heartbeats, so no pool of their own.

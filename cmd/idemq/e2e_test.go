@@ -37,6 +37,12 @@ type proc struct {
 // startIdemq starts `idemq args...` with env added to a clean environment.
 func startIdemq(t *testing.T, name string, env []string, args ...string) *proc {
 	t.Helper()
+	return startBinary(t, binary, name, env, args...)
+}
+
+// startBinary is startIdemq with another idemq binary (an earlier release's).
+func startBinary(t *testing.T, binary, name string, env []string, args ...string) *proc {
+	t.Helper()
 	log := filepath.Join(t.TempDir(), name+".log")
 	f, err := os.Create(log)
 	if err != nil {

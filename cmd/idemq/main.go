@@ -51,6 +51,7 @@ func commands() []command {
 		ledgerCommand(),
 		fakepayCommand(),
 		healthcheckCommand(),
+		versionCommand(),
 	}
 }
 

@@ -19,6 +19,7 @@ import (
 	"github.com/idemq/idemq/internal/config"
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/internal/process"
 )
 
 func schedulerCommand() command {
@@ -69,6 +70,8 @@ func runScheduler(ctx context.Context, cfg *config.Scheduler, log *slog.Logger) 
 	if err := requireSchema(ctx, pool); err != nil {
 		return err
 	}
+	reg := process.Start(ctx, pool, process.RoleScheduler, log, nil)
+	defer reg.Stop()
 	m := metrics.New()
 	client := outbox.NewClient(pool, rdb, &outbox.Config{Logger: log,
 		Observe: func(ev outbox.Event, taskType string) { m.ObserveOutbox(string(ev), taskType) }})

@@ -23,6 +23,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/httpserver"
 	"github.com/idemq/idemq/internal/metrics"
+	"github.com/idemq/idemq/internal/process"
 	"github.com/idemq/idemq/internal/tracing"
 	"github.com/idemq/idemq/internal/unguarded"
 	"github.com/idemq/idemq/tasks"
@@ -90,6 +91,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if err := requireSchema(ctx, pool); err != nil {
 		return err
 	}
+	reg := process.Start(ctx, pool, process.RoleWorker, log, nil)
+	defer reg.Stop()
 
 	m := metrics.New()
 	if cfg.UnsafeNoFencing {

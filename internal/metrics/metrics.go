@@ -6,12 +6,15 @@ import (
 	"context"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemq/idemq/internal/release"
 )
 
 // Metrics is one process's registry and idemq's collectors in it. Safe for concurrent use.
@@ -122,7 +125,15 @@ func New() *Metrics {
 	m.handlerDuration = newBound(m.HandlerDuration.WithLabelValues)
 	m.commitRequests = newBound(m.CommitRequests.WithLabelValues)
 	m.steps = newBound(m.Steps.WithLabelValues)
+	b := release.Current()
+	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "idemq_build_info",
+		Help:        "Always 1; its labels name the binary: version (a release, or devel), commit and schema (the highest core migration it embeds).",
+		ConstLabels: prometheus.Labels{"version": b.Version, "commit": b.Revision(), "schema": strconv.FormatInt(b.Schema, 10)},
+	})
+	buildInfo.Set(1)
 	m.Registry.MustRegister(
+		buildInfo,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
