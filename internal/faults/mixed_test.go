@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -15,41 +14,10 @@ import (
 	"time"
 
 	"github.com/idemq/idemq/internal/localserver"
+	"github.com/idemq/idemq/internal/release"
+	"github.com/idemq/idemq/internal/testenv"
 	"github.com/idemq/idemq/tasks"
 )
-
-// previousRelease is the release a rolling upgrade starts from: v0.1.0. The mixed run
-// builds its binary from the repository's history.
-const previousRelease = "af04e0e"
-
-// buildRelease builds cmd/idemq as it was at commit, from the repository's history, once
-// per machine (the binary is kept in the temporary directory under the commit's name).
-func buildRelease(t *testing.T, commit string) string {
-	t.Helper()
-	exe := filepath.Join(os.TempDir(), "idemq-release-"+commit, "idemq")
-	if _, err := os.Stat(exe); err == nil {
-		return exe
-	}
-	top, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
-	if err != nil {
-		t.Fatalf("the previous release is built from the repository's history, and git found none: %v", err)
-	}
-	src := t.TempDir()
-	archive := exec.Command("sh", "-c", fmt.Sprintf("git -C %q archive --format=tar %s | tar -x -C %q", strings.TrimSpace(string(top)), commit, src))
-	if out, err := archive.CombinedOutput(); err != nil {
-		t.Fatalf("git archive %s: %v\n%s", commit, err, out)
-	}
-	tmp := exe + ".tmp"
-	build := exec.Command("go", "build", "-o", tmp, "./cmd/idemq")
-	build.Dir = src
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build the release at %s: %v\n%s", commit, err, out)
-	}
-	if err := os.Rename(tmp, exe); err != nil {
-		t.Fatal(err)
-	}
-	return exe
-}
 
 // The mixed run's phases, as shares of the nemesis: the migration, then this build's api
 // and two workers beside the previous release's; then the rollback of those two workers
@@ -60,13 +28,15 @@ const (
 )
 
 // runMixed is a rolling upgrade and a rollback under the nemesis: the previous release's
+// (the newest in RELEASES, built from the repository's history by testenv.ReleaseBinary)
 // api and two workers run on its schema; this build's migration is applied while they
 // serve; this build's api and two workers join them; then those two workers are rolled
 // back to the previous release. The workload holds charges and debits only (the previous
 // release has no checkouts), and the checker is the main runs'.
 func runMixed(t *testing.T, p profile, seed uint64) runReport {
 	began := time.Now()
-	old := buildRelease(t, previousRelease)
+	rs := release.List()
+	old := testenv.ReleaseBinary(t, rs[len(rs)-1])
 	hist := newHistory()
 	c := startCluster(t, clusterConfig{mode: localserver.PersistNone, workers: 4, honorKeys: true, previous: old, startAfter: 2,
 		workerEnv:   []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints},
