@@ -723,9 +723,11 @@ func TestStepOutcomesAreCounted(t *testing.T) {
 		series("charge", "mismatch", 1),
 		series("charge", "ran", 2),
 		series("receipt", "error", 1),
+		series("receipt", "mismatch", 0), // a step's mismatch series starts at zero (its alert's increase())
 		series("receipt", "ran", 1),
 		series("record", "cached", 1),
 		series("record", "lease_lost", 1),
+		series("record", "mismatch", 0),
 		series("record", "ran", 1),
 	}
 	slices.Sort(got)
