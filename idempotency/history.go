@@ -28,6 +28,11 @@ const (
 	HistoryRepublished    HistoryKind = "republished"     // the reconciler republished the key's task (TaskID key#r<n>)
 )
 
+// HistoryKinds are the kinds a history records, in the order a key's story usually meets
+// them.
+var HistoryKinds = []HistoryKind{HistoryDuplicate, HistoryMismatch, HistoryBusy, HistoryTakeover, HistoryLeaseLost,
+	HistorySelfFence, HistoryNeedsAttention, HistoryRerun, HistoryRepublished}
+
 // HistoryEvent is one event of a key's history. Times are the recording process's clock
 // (At) when the event was seen; a rerun's and a republish's are the database's.
 type HistoryEvent struct {

@@ -261,7 +261,8 @@ func countRows(f listFilter, c idempotency.Counts) (rows, events []countRow) {
 		{"in progress, lapsed", c.Lapsed, f.CountLink(idempotency.StatusInProgress, idempotency.LeaseLapsed), "in_progress lapsed"},
 	}
 	seen := map[string]bool{}
-	for _, kind := range eventKinds {
+	for _, k := range idempotency.HistoryKinds {
+		kind := string(k)
 		seen[kind] = true
 		events = append(events, countRow{Label: kind, N: c.Events[kind], Class: "event"})
 	}
@@ -273,9 +274,6 @@ func countRows(f listFilter, c idempotency.Counts) (rows, events []countRow) {
 	}
 	return rows, events
 }
-
-// eventKinds are the kinds of processed_job_events, in the order the page counts them.
-var eventKinds = []string{"duplicate", "mismatch", "busy", "takeover", "lease_lost", "self_fence", "needs_attention", "rerun", "republished"}
 
 // taskRef is one asynq task of a listed row: asynqmon's page of it.
 type taskRef struct{ ID, Label, Link string }
