@@ -64,9 +64,9 @@ compose-check:
 	@if docker compose version >/dev/null 2>&1; then IDEMQ_API_TOKEN=$$(printf '%064d' 0) docker compose config -q && echo "compose.yaml: valid (docker compose config)"; \
 	else cd .ci/composecheck && $(GO) run . ../../compose.yaml; fi
 
-## screenshots: docs/dashboard.png and docs/ledger.png, from the API's browser test (needs chromium)
+## screenshots: docs/dashboard.png, docs/ledger.png and docs/history.png, from the API's browser tests (needs chromium)
 screenshots:
-	IDEMQ_SCREENSHOT_DIR=$(CURDIR)/docs $(GO) test -count=1 -run TestBrowserRendersDashboardAndLedger ./internal/api/
+	IDEMQ_SCREENSHOT_DIR=$(CURDIR)/docs $(GO) test -count=1 -run 'TestBrowserRendersDashboardAndLedger|TestBrowserShowsHistory' ./internal/api/
 
 ## demo: the whole story on one machine (see README)
 demo:

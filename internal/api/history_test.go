@@ -3,6 +3,8 @@ package api
 import (
 	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -101,5 +103,18 @@ func TestBrowserShowsHistory(t *testing.T) {
 		if !strings.Contains(table, want) {
 			t.Fatalf("the history table in the DOM does not contain %q:\n%s", want, tail(table, 3000))
 		}
+	}
+	// The row page with its history, for docs/operations.md (make screenshots).
+	dir := os.Getenv("IDEMQ_SCREENSHOT_DIR")
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	file, err := filepath.Abs(filepath.Join(dir, "history.png"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	browse(t, bin, a.URL+"/ledger/"+key, "--screenshot="+file, "--window-size=1280,900", "--hide-scrollbars")
+	if st, err := os.Stat(file); err != nil || st.Size() < 10<<10 {
+		t.Fatalf("screenshot %s: %v (size %d), want a PNG of some substance", file, err, sizeOf(st))
 	}
 }
