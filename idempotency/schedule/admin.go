@@ -96,9 +96,10 @@ func setPaused(ctx context.Context, pool *pgxpool.Pool, name string, paused bool
 }
 
 // RunNow enqueues one job of entry name at, outside its schedule, keyed ManualKey(name,
-// id): the same id is the same run (a duplicate), whoever asks. Its Tick is At: at (to
-// the second), Manual: id. id is 1..64 bytes of what a key may hold. ErrNoEntry when there
-// is no such entry; the outbox's errors otherwise.
+// id): the same id is the same run (a duplicate), whoever asks and whenever. Its Tick is
+// At: at (to the second) of the first ask, Manual: id; a later ask of the same id, whose
+// at differs, answers the first's intent as a duplicate. id is 1..64 bytes of what a key
+// may hold. ErrNoEntry when there is no such entry; the outbox's errors otherwise.
 func RunNow(ctx context.Context, pool *pgxpool.Pool, client *outbox.Client, name, id string, at time.Time) (outbox.EnqueueResult, error) {
 	if len(id) == 0 || len(id) > MaxManualID {
 		return outbox.EnqueueResult{}, fmt.Errorf("%w: manual run id: %d bytes, must be 1..%d", idempotency.ErrInvalidKey, len(id), MaxManualID)
@@ -115,7 +116,27 @@ func RunNow(ctx context.Context, pool *pgxpool.Pool, client *outbox.Client, name
 		if err != nil {
 			return outbox.EnqueueResult{}, err
 		}
-		return client.Enqueue(ctx, p.spec(Tick{Entry: name, At: at.UTC().Truncate(time.Second), Manual: id}))
+		key := ManualKey(name, id)
+		if res, ok := manualRunRecorded(ctx, pool, key); ok {
+			return res, nil
+		}
+		res, err := client.Enqueue(ctx, p.spec(Tick{Entry: name, At: at.UTC().Truncate(time.Second), Manual: id}))
+		if errors.Is(err, idempotency.ErrMismatch) {
+			// Another ask of the same id, at another second, recorded it meanwhile.
+			if res, ok := manualRunRecorded(ctx, pool, key); ok {
+				return res, nil
+			}
+		}
+		return res, err
 	}
 	return outbox.EnqueueResult{}, fmt.Errorf("%w: %q", ErrNoEntry, name)
+}
+
+// manualRunRecorded answers a manual run whose key has an intent already: a duplicate.
+func manualRunRecorded(ctx context.Context, pool *pgxpool.Pool, key string) (outbox.EnqueueResult, bool) {
+	in, err := outbox.ReadIntent(ctx, pool, key)
+	if err != nil {
+		return outbox.EnqueueResult{}, false
+	}
+	return outbox.EnqueueResult{Key: key, Duplicate: true, State: in.State}, true
 }

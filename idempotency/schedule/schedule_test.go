@@ -286,10 +286,14 @@ func TestPauseOverlapManualRemove(t *testing.T) {
 		t.Errorf("single: %d jobs once the first was done and 3 ticks passed, want 2 (the newest tick only)", n)
 	}
 
-	// A manual run: its id is its identity.
-	for range 2 {
-		if _, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "backfill-1", f.clock.now); err != nil {
-			t.Fatal(err)
+	// A manual run: its id is its identity, whenever it is asked again.
+	for i := range 3 {
+		res, err := schedule.RunNow(f.ctx, f.pool, f.client, "paused", "backfill-1", f.clock.now.Add(time.Duration(i/2)*time.Second))
+		if err != nil {
+			t.Fatalf("manual run, ask %d: %v", i+1, err)
+		}
+		if res.Duplicate != (i > 0) {
+			t.Errorf("manual run, ask %d: duplicate %t", i+1, res.Duplicate)
 		}
 	}
 	manual, ok := f.jobs("paused")[schedule.ManualKey("paused", "backfill-1")]
