@@ -533,18 +533,7 @@ func (st *demoStack) close(ctx context.Context, keep, failed bool, out io.Writer
 		fmt.Fprintf(out, "--keep: the stack stays up (dashboard %s/monitoring/); Ctrl-C stops it and removes its schema, Redis keys and logs\n", st.apiURL)
 		<-ctx.Done()
 	}
-	for _, p := range st.procs {
-		p.Process.Signal(syscall.SIGTERM)
-	}
-	for _, p := range st.procs {
-		done := make(chan struct{})
-		go func() { p.Process.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			p.Process.Kill()
-		}
-	}
+	stopProcs(st.procs)
 	cctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	if st.rdb != nil {
@@ -569,6 +558,23 @@ func (st *demoStack) close(ctx context.Context, keep, failed bool, out io.Writer
 		return
 	}
 	os.RemoveAll(st.logDir)
+}
+
+// stopProcs sends every process of procs SIGTERM, then waits for each, killing one that
+// has not exited 10 s later.
+func stopProcs(procs []*exec.Cmd) {
+	for _, p := range procs {
+		p.Process.Signal(syscall.SIGTERM)
+	}
+	for _, p := range procs {
+		done := make(chan struct{})
+		go func() { p.Process.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			p.Process.Kill()
+		}
+	}
 }
 
 // scrape keeps the latest counters of every worker still answering (a killed worker's last

@@ -100,18 +100,7 @@ func (st *demoStack) drainTicks(ctx context.Context, guarded bool, ticks *demoTi
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
-	for _, p := range st.schedulers {
-		p.Process.Signal(syscall.SIGTERM)
-	}
-	for _, p := range st.schedulers {
-		done := make(chan struct{})
-		go func() { p.Process.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			p.Process.Kill()
-		}
-	}
+	stopProcs(st.schedulers)
 	// Unsettled ticks: with guards, not completed in the ledger (a nudge to one whose
 	// lease is live is answered busy and retried); without, no settlement row yet.
 	unsettled := tickKeys + ` AND NOT EXISTS (SELECT 1 FROM processed_jobs p
