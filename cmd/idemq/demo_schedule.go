@@ -112,8 +112,9 @@ func (st *demoStack) drainTicks(ctx context.Context, guarded bool, ticks *demoTi
 	client := asynq.NewClientFromRedisClient(st.rdb)
 	deadline := time.Now().Add(time.Minute)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
-		rows, err := st.pool.Query(ctx, `SELECT idempotency_key, task_type, payload, queue, max_retry FROM job_intents
-			WHERE idempotency_key IN (`+unsettled+`) AND created_at < now() - interval '2 seconds'`)
+		// The unsettled ticks, each with whether it is old enough to redeliver.
+		rows, err := st.pool.Query(ctx, `SELECT idempotency_key, task_type, payload, queue, max_retry,
+			created_at < now() - interval '2 seconds' FROM job_intents WHERE idempotency_key IN (`+unsettled+`)`)
 		if err != nil {
 			return err
 		}
@@ -122,24 +123,23 @@ func (st *demoStack) drainTicks(ctx context.Context, guarded bool, ticks *demoTi
 			payload       []byte
 			queue         string
 			maxRetry      int
+			due           bool
 		}
 		left, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (intent, error) {
 			var in intent
-			return in, r.Scan(&in.key, &in.taskType, &in.payload, &in.queue, &in.maxRetry)
+			return in, r.Scan(&in.key, &in.taskType, &in.payload, &in.queue, &in.maxRetry, &in.due)
 		})
 		if err != nil {
 			return err
 		}
-		var n int
-		if err := st.pool.QueryRow(ctx, `SELECT count(*) FROM (`+unsettled+`) x`).Scan(&n); err != nil {
-			return err
-		}
-		if n == 0 {
+		if len(left) == 0 {
 			break
 		}
 		for _, in := range left {
-			client.EnqueueContext(ctx, asynq.NewTask(in.taskType, in.payload,
-				asynq.TaskID(in.key+"#nudge-"+randomHex(3)), asynq.Queue(in.queue), asynq.MaxRetry(in.maxRetry)))
+			if in.due {
+				client.EnqueueContext(ctx, asynq.NewTask(in.taskType, in.payload,
+					asynq.TaskID(in.key+"#nudge-"+randomHex(3)), asynq.Queue(in.queue), asynq.MaxRetry(in.maxRetry)))
+			}
 		}
 		time.Sleep(time.Second)
 	}
