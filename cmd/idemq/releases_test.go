@@ -93,16 +93,7 @@ func TestNewestReleaseRunsOnThisSchema(t *testing.T) {
 	dsn := testenv.EmptyPostgresURL(t)
 	pool := testenv.Pool(t, dsn)
 	env := []string{"DATABASE_URL=" + dsn, "REDIS_URL=" + testenv.RedisURL(t), "IDEMQ_METRICS_ADDR=", "IDEMQ_SHUTDOWN_TIMEOUT=5s"}
-	runOld := func(args ...string) string {
-		t.Helper()
-		cmd := exec.CommandContext(ctx, old, args...)
-		cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("%s %s: %v\n%s", r.Version, strings.Join(args, " "), err, out)
-		}
-		return string(out)
-	}
+	runOld := releaseRunner(t, ctx, r, old, env)
 
 	runOld("migrate")
 	out, stderr, err := idemq(t, env, "migrate")
@@ -159,6 +150,21 @@ func TestNewestReleaseRunsOnThisSchema(t *testing.T) {
 	rows := testenv.Strings(t, pool, "SELECT reference || ':' || count(*) FROM wallet_entries GROUP BY reference ORDER BY reference")
 	if got := strings.Join(rows, " "); got != "upgrade-1:1 upgrade-2:1" {
 		t.Fatalf("wallet entries per reference: %s; want one each", got)
+	}
+}
+
+// releaseRunner returns a function that runs the binary bin of release r with env and
+// the arguments given, returning its output and failing the test when it fails.
+func releaseRunner(t *testing.T, ctx context.Context, r release.Release, bin string, env []string) func(args ...string) string {
+	return func(args ...string) string {
+		t.Helper()
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s %s: %v\n%s", r.Version, strings.Join(args, " "), err, out)
+		}
+		return string(out)
 	}
 }
 

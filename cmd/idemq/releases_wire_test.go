@@ -2,8 +2,6 @@ package main
 
 import (
 	"fmt"
-	"os"
-	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -37,16 +35,7 @@ func TestReleasesReadEachOthersRecords(t *testing.T) {
 	client := asynq.NewClientFromRedisClient(rdb)
 	insp := asynq.NewInspectorFromRedisClient(rdb)
 	env := []string{"DATABASE_URL=" + dsn, "REDIS_URL=" + rurl, "IDEMQ_METRICS_ADDR=", "IDEMQ_SHUTDOWN_TIMEOUT=5s"}
-	runOld := func(args ...string) string {
-		t.Helper()
-		cmd := exec.CommandContext(ctx, old, args...)
-		cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("%s %s: %v\n%s", r.Version, strings.Join(args, " "), err, out)
-		}
-		return string(out)
-	}
+	runOld := releaseRunner(t, ctx, r, old, env)
 	runOld("migrate")
 	if out, stderr, err := idemq(t, env, "migrate"); err != nil {
 		t.Fatalf("this commit's migrate after %s's: %v\n%s%s", r.Version, err, out, stderr)
