@@ -76,20 +76,7 @@ func runMixed(t *testing.T, p profile, seed uint64) runReport {
 	t.Logf("mixed: nemesis over after %s; healed", time.Since(began).Round(time.Second))
 	healed := time.Now()
 	r := runReport{Mode: "mixed", Postgres: pgSingle, NemesisS: p.nemesis.Seconds()}
-	d := c.drain(ctx, p.drain)
-	r.Nudges, r.RetryRuns, r.Left10s, r.Left30s, r.LostS = d.nudges, d.retryRuns, d.left10s, d.left30s, d.lostS
-	r.DrainS = time.Since(healed).Seconds()
-	r.Counters = c.counters()
-	v, err := c.check(ctx)
-	if err != nil {
-		t.Fatalf("checker: %v", err)
-	}
-	r.Verdict, r.DurationS = v, time.Since(began).Seconds()
-	r.Nemesis = hist.byKind()
-	hist.mu.Lock()
-	r.Events, r.Dups, r.DupErrors, r.StopDups = hist.events, hist.dups, hist.dupErrors, hist.stopDups
-	r.ResultOnly = hist.resultOnly
-	hist.mu.Unlock()
+	v := c.settle(ctx, p, hist, &r, began, healed)
 	// Which release took the charges: this build sends its fence to the provider, the
 	// previous release does not.
 	var oldCharges, newCharges int
@@ -99,28 +86,9 @@ func runMixed(t *testing.T, p profile, seed uint64) runReport {
 	}
 	r.Counters["mixed:provider_requests_previous"], r.Counters["mixed:provider_requests_this"] = float64(oldCharges), float64(newCharges)
 
-	fail := func(ok bool, format string, args ...any) {
-		if !ok {
-			r.Failures = append(r.Failures, fmt.Sprintf(format, args...))
-		}
-	}
-	fail(driveErr == nil, "workload: %v", driveErr)
-	fail(len(phaseErrs) == 0, "%s", strings.Join(phaseErrs, "; "))
-	fail(r.Left30s[leftMissing] == 0, "%d accepted keys still missing from Redis 30 s after the heal", r.Left30s[leftMissing])
-	fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
-	fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
-	fail(v.Lost == 0, "%d keys lost", v.Lost)
-	fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
-	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
-	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
-	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
-	fail(v.LateRequests == 0, "%d provider requests arrived after the key was taken over", v.LateRequests)
-	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
-	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
-	fail(oldCharges > 0 && newCharges > 0, "provider requests by the previous release %d, by this build %d: want both releases to have charged", oldCharges, newCharges)
-	for _, k := range c.faultKinds() {
-		fail(r.Nemesis[k] > 0, "fault %s never injected", k)
-	}
+	r.checkShared(p, driveErr, c.faultKinds())
+	r.fail(len(phaseErrs) == 0, "%s", strings.Join(phaseErrs, "; "))
+	r.fail(oldCharges > 0 && newCharges > 0, "provider requests by the previous release %d, by this build %d: want both releases to have charged", oldCharges, newCharges)
 	r.Pass = len(r.Failures) == 0
 	if !r.Pass {
 		t.Errorf("mixed: %s; examples: %v", strings.Join(r.Failures, "; "), v.Examples)

@@ -306,23 +306,13 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	if err := c.enqueueBad(ctx); err != nil {
 		r.Failures = append(r.Failures, err.Error())
 	}
-	d := c.drain(ctx, p.drain)
-	r.Nudges, r.RetryRuns, r.Left10s, r.Left30s, r.LostS = d.nudges, d.retryRuns, d.left10s, d.left30s, d.lostS
-	r.DrainS = time.Since(healed).Seconds()
-	r.Counters = c.counters()
-	v, err := c.check(ctx)
-	if err != nil {
-		t.Fatalf("checker: %v", err)
-	}
-	r.Verdict, r.DurationS = v, time.Since(began).Seconds()
+	v := c.settle(ctx, p, hist, &r, began, healed)
+	var err error
 	if r.Ticks, err = c.checkTicks(ctx); err != nil {
 		t.Fatalf("checker: ticks: %v", err)
 	}
 	r.SchedCounters = c.schedCounters()
-	r.Nemesis = hist.byKind()
 	hist.mu.Lock()
-	r.Events, r.Dups, r.DupErrors, r.StopDups = hist.events, hist.dups, hist.dupErrors, hist.stopDups
-	r.ResultOnly = hist.resultOnly
 	for _, l := range hist.lost {
 		r.RebootLost = max(r.RebootLost, l.n)
 		if l.back < 0 {
@@ -339,39 +329,21 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	}
 	hist.mu.Unlock()
 
-	fail := func(ok bool, format string, args ...any) {
-		if !ok {
-			r.Failures = append(r.Failures, fmt.Sprintf(format, args...))
-		}
-	}
-	fail(driveErr == nil, "workload: %v", driveErr)
+	fail := r.fail
+	r.checkShared(p, driveErr, c.faultKinds())
 	fail(r.RebootBackS >= 0 && r.RebootBackS <= 10, "tasks lost by a reboot (%d) back in Redis after %.1f s, want within 10 s (-1: not within 2 min)", r.RebootLost, r.RebootBackS)
-	fail(r.Left30s[leftMissing] == 0, "%d accepted keys still missing from Redis 30 s after the heal", r.Left30s[leftMissing])
-	fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
-	fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
-	fail(v.Lost == 0, "%d keys lost", v.Lost)
 	// The hand-over of held scope locks is a path of its own: a run that never took it
 	// proves nothing of it.
 	fail(r.Counters["lock:handed"] > 0, "no scope lock was handed over from one delivery to the next")
 	fail(r.Counters["ledger:shared_run"] > 0, "no DoTx handler ran in a shared transaction without a savepoint")
-	fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
-	fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
-	fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
-	fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
 	fail(v.Checkouts > 0, "no checkout in the workload: the checkout rule saw nothing")
 	fail(v.CheckoutProblems == 0, "%d checkouts break the checkout rule (duplicate charges %d, order rows %d, emails not attributed to an unrecorded receipt %d): %v",
 		v.CheckoutProblems, v.DupCheckoutCharges, v.DupOrders, v.DupEmails, firstN(v.CheckoutFailures, 6))
 	fail(v.FencedRequests > 0, "no provider request carried its fence: the late-request check saw nothing")
-	fail(v.LateRequests == 0, "%d provider requests arrived after the key was taken over (a request of a higher fence, or its completion, came first)", v.LateRequests)
-	fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
-	fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
 	fail(len(r.ResultOnly) == 0, "%d asynq hashes without a task message (a result written after Redis lost the task): %v", len(r.ResultOnly), r.ResultOnly)
 	fail(v.BadArchived == len(badPayloads), "%d of %d bad payloads archived with a reason: %v", v.BadArchived, len(badPayloads), v.BadProblems)
 	fail(r.Ticks.pass(), "ticks %s..%s: %d expected, %d missing, %d with duplicate settlements, %d keys not a tick, %d enqueued jobs not settled exactly once: %v",
 		r.Ticks.From, r.Ticks.To, r.Ticks.Expected, r.Ticks.Missing, r.Ticks.Duplicated, r.Ticks.NotTick, r.Ticks.Unsettled, firstN(r.Ticks.Breaches, 8))
-	for _, k := range c.faultKinds() {
-		fail(r.Nemesis[k] > 0, "fault %s never injected", k)
-	}
 	for i, pr := range r.Promotions {
 		fail(pr.WritableS >= 0, "postgres promotion %d: no write through the multi-host URL within 30 s", i+1)
 	}
@@ -380,6 +352,56 @@ func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 		t.Errorf("%s: %s; examples: %v", modeName, strings.Join(r.Failures, "; "), v.Examples)
 	}
 	return r
+}
+
+// settle drains the run healed at healed and fills r with what every nemesis run reports:
+// the drain, the workers' counters, the checker's verdict and the nemesis' history.
+func (c *cluster) settle(ctx context.Context, p profile, hist *history, r *runReport, began, healed time.Time) verdict {
+	d := c.drain(ctx, p.drain)
+	r.Nudges, r.RetryRuns, r.Left10s, r.Left30s, r.LostS = d.nudges, d.retryRuns, d.left10s, d.left30s, d.lostS
+	r.DrainS = time.Since(healed).Seconds()
+	r.Counters = c.counters()
+	v, err := c.check(ctx)
+	if err != nil {
+		c.t.Fatalf("checker: %v", err)
+	}
+	r.Verdict, r.DurationS = v, time.Since(began).Seconds()
+	r.Nemesis = hist.byKind()
+	hist.mu.Lock()
+	r.Events, r.Dups, r.DupErrors, r.StopDups = hist.events, hist.dups, hist.dupErrors, hist.stopDups
+	r.ResultOnly = hist.resultOnly
+	hist.mu.Unlock()
+	return v
+}
+
+// fail records a failure of the run unless ok.
+func (r *runReport) fail(ok bool, format string, args ...any) {
+	if !ok {
+		r.Failures = append(r.Failures, fmt.Sprintf(format, args...))
+	}
+}
+
+// checkShared applies the rules every nemesis run keeps: the workload was sent; 30 s
+// after the heal every accepted key is in Redis; every recorded key completed, with one
+// effect and its result, none lost, stuck, late at the provider or stray; no task left
+// over; and every fault kind of kinds injected.
+func (r *runReport) checkShared(p profile, driveErr error, kinds []string) {
+	v := r.Verdict
+	r.fail(driveErr == nil, "workload: %v", driveErr)
+	r.fail(r.Left30s[leftMissing] == 0, "%d accepted keys still missing from Redis 30 s after the heal", r.Left30s[leftMissing])
+	r.fail(v.Expected == p.jobs, "%d keys recorded, want %d", v.Expected, p.jobs)
+	r.fail(v.Completed == v.Expected, "%d of %d keys completed", v.Completed, v.Expected)
+	r.fail(v.Lost == 0, "%d keys lost", v.Lost)
+	r.fail(v.Stuck == 0, "%d keys stuck", v.Stuck)
+	r.fail(v.DuplicateEffects == 0, "%d duplicate effects (charges %d, wallet entries %d)", v.DuplicateEffects, v.DupCharges, v.DupEntries)
+	r.fail(v.WrongResult == 0 && v.OlderResult == 0, "%d results name another effect than the one that exists, %d an older charge", v.WrongResult, v.OlderResult)
+	r.fail(v.MissingEffect == 0, "%d completed keys without an effect", v.MissingEffect)
+	r.fail(v.LateRequests == 0, "%d provider requests arrived after the key was taken over (a request of a higher fence, or its completion, came first)", v.LateRequests)
+	r.fail(v.StrayEffects == 0 && v.StrayLedgerRows == 0, "%d effects and %d ledger rows of no expected job", v.StrayEffects, v.StrayLedgerRows)
+	r.fail(len(v.Leftover) == 0, "%d asynq tasks neither completed nor deliberately archived: %v", len(v.Leftover), firstN(v.Leftover, 8))
+	for _, k := range kinds {
+		r.fail(r.Nemesis[k] > 0, "fault %s never injected", k)
+	}
 }
 
 // drainReport is what drain saw.
