@@ -53,7 +53,7 @@ migrate: build
 
 ## up / down: the whole stack with Docker Compose
 up:
-	docker compose up -d --build
+	IDEMQ_COMMIT=$$(git rev-parse HEAD 2>/dev/null) docker compose up -d --build
 down:
 	docker compose down
 
