@@ -355,3 +355,35 @@ func TestHistoryFlushWaitsForTheDelay(t *testing.T) {
 		t.Fatalf("a flush after the delay wrote %d events, want 1", n)
 	}
 }
+
+// The events a DoTx finish carries after its COMMIT commit asynchronously (the history is
+// best-effort; a second WAL flush would hold the finish's answer), and that setting ends
+// with their transaction: the connection, which later runs users' transactions, still
+// commits synchronously. One connection, so every statement below runs on the finish's.
+func TestHistoryAsyncCommitStaysInTheEventsTransaction(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Pool(t, testenv.PostgresURL(t)+"&pool_max_conns=1")
+	l := New(pool, nil)
+	defer l.Close()
+	l.hist.delay = time.Hour
+	ctx := testenv.Context(t, time.Minute)
+	l.Record(HistoryEvent{Key: "first", Kind: HistoryBusy})
+	l.hist.write() // proven: finishes carry events from now on
+	l.Record(HistoryEvent{Key: "second", Kind: HistoryBusy})
+	var inTx string
+	if _, err := l.DoTx(ctx, Request{Key: "k", TaskType: "t"}, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+		return json.RawMessage(`1`), tx.QueryRow(ctx, "SHOW synchronous_commit").Scan(&inTx)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n := countEvents(t, pool, "second", -1); n != 1 {
+		t.Fatalf("the finish carried %d events of second, want 1", n)
+	}
+	var after string
+	if err := pool.QueryRow(ctx, "SHOW synchronous_commit").Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if inTx != "on" || after != "on" {
+		t.Fatalf("synchronous_commit in the job's transaction %q, on the connection after the finish %q; want on, on", inTx, after)
+	}
+}

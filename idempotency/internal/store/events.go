@@ -70,6 +70,12 @@ WHERE e.rn + (SELECT count(*) FROM processed_job_events x
               WHERE x.idempotency_key = e.key AND x.generation = e.gen) <= 50 -- MaxEventsPerGeneration
 ORDER BY e.ord`
 
+// asyncCommitSQL makes the transaction it runs in commit asynchronously: a crash of
+// Postgres may lose what it wrote in the last moments (at most three times
+// wal_writer_delay), never anything another transaction depends on. Only events'
+// transactions use it.
+const asyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
+
 // InsertEvents is the events statement, a Part of a round or sent alone.
 var InsertEvents = &Statement{Name: "idemq_insert_events", SQL: insertEventsSQL}
 

@@ -240,8 +240,12 @@ func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []stri
 	batch.Queue("COMMIT")
 	after := 0
 	if len(events) > 0 {
+		// The events' own transaction commits without waiting for its WAL to reach disk:
+		// the history is best-effort, and a second flush would hold the finish's answer
+		// (and every delivery the shared transaction carried) for another fsync.
+		batch.Queue(asyncCommitSQL)
 		batch.Queue(insertEventsSQL, EventArgs(events)...)
-		after = 1
+		after = 2
 	}
 	return sendCommit(ctx, conn, batch, after)
 }
