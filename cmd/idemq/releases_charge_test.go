@@ -10,16 +10,6 @@ import (
 	"github.com/idemq/idemq/tasks"
 )
 
-// chargeSpec is c's Spec, failing the test when c is invalid.
-func chargeSpec(t *testing.T, c tasks.Charge) outbox.Spec {
-	t.Helper()
-	spec, err := tasks.ChargeSpec(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return spec
-}
-
 // A leased job's ledger row, written by either release, answers the other's duplicate: the
 // newest release and this commit take turns as the only worker, charges come from the
 // release's enqueue and from a plain asynq producer, and the provider (which charges again
@@ -89,7 +79,7 @@ func TestReleasesTakeOverEachOthersCharges(t *testing.T) {
 		spec := chargeSpec(t, c)
 		w := m.worker(first, append(lease, "IDEMQ_FAKEPAY_URL="+held)...)
 		m.publish(spec, c.Key())
-		waitUntil(t, m.ctx, "the provider's charge of "+c.OrderID, func() bool {
+		m.waitFor("the provider's charge of "+c.OrderID, func() bool {
 			return testenv.Count(t, m.pool, `SELECT count(*) FROM fakepay_charges WHERE order_id = $1`, c.OrderID) > 0
 		})
 		m.kill(w)

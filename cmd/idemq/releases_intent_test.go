@@ -1,7 +1,6 @@
 package main
 
 import (
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -9,16 +8,6 @@ import (
 	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/tasks"
 )
-
-// enqueueDebit records d's intent through the enqueue command of the release (old) or of
-// this commit, which publishes its task at once.
-func (m *mixed) enqueueDebit(old bool, d tasks.Debit) {
-	m.t.Helper()
-	out := m.run(old, "enqueue", "debit", "--account-id", d.AccountID, "--amount-cents", strconv.FormatInt(d.AmountCents, 10), "--reference", d.Reference)
-	if !strings.Contains(out, d.Key()) {
-		m.t.Fatalf("%s enqueue: %s", m.name(old), out)
-	}
-}
 
 // ownSpec is the Spec of key's intent as recorded: its task type, queue and payload bytes,
 // whichever release wrote it. A task of it under TaskID key or key#r<n> is the intent's
@@ -31,16 +20,6 @@ func (m *mixed) ownSpec(key string) outbox.Spec {
 	}
 	s.Key, s.MaxRetry, s.Timeout, s.Retention = key, tasks.DefaultMaxRetry, 30*time.Second, time.Hour
 	return s
-}
-
-// debitSpec is d's Spec, failing the test when d is invalid.
-func debitSpec(t *testing.T, d tasks.Debit) outbox.Spec {
-	t.Helper()
-	spec, err := tasks.DebitSpec(d)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return spec
 }
 
 // An accepted job whose task Redis lost is republished by the other release's reconciler
@@ -61,7 +40,7 @@ func TestReleasesRepublishEachOthersIntents(t *testing.T) {
 		m.loseQueue()
 
 		rec := m.worker(!writer, "IDEMQ_QUEUES=elsewhere")
-		waitUntil(t, m.ctx, "the republish of "+d.Key(), func() bool { return m.intent(d.Key()) == "published gen=1" })
+		m.waitFor("the republish of "+d.Key(), func() bool { return m.intent(d.Key()) == "published gen=1" })
 		info, err := m.insp.GetTaskInfo(tasks.Queue, d.Key()+"#r1")
 		if err != nil || info.State.String() != "pending" {
 			t.Fatalf("%s's reconciler republished %s: task %s#r1 %v %v, want pending", m.name(!writer), d.Key(), d.Key(), info, err)
@@ -156,7 +135,7 @@ func TestReleasesSettleEachOthersIntents(t *testing.T) {
 		}
 		m.loseQueue()
 		rec := m.worker(true, "IDEMQ_QUEUES=elsewhere")
-		waitUntil(t, m.ctx, "a reconcile round of "+d.Key(), func() bool { got = m.intent(d.Key()); return got != "published gen=0" })
+		m.waitFor("a reconcile round of "+d.Key(), func() bool { got = m.intent(d.Key()); return got != "published gen=0" })
 		m.stop(rec)
 		if strings.HasPrefix(got, "done ") {
 			found = append(found, m.r.Version+"'s reconciler settled this commit's intent of "+d.Key()+" done because its key was completed, by another payload")

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -114,6 +115,15 @@ func (m *mixed) worker(old bool, env ...string) *proc {
 	return startIdemq(m.t, "worker-head", env, "worker")
 }
 
+// waitFor polls ok until it holds, failing the test after 30 s (or when the test's
+// context ends first).
+func (m *mixed) waitFor(what string, ok func() bool) {
+	m.t.Helper()
+	ctx, cancel := context.WithTimeout(m.ctx, 30*time.Second)
+	defer cancel()
+	waitUntil(m.t, ctx, what, ok)
+}
+
 // stop stops p with SIGTERM and waits for it.
 func (m *mixed) stop(p *proc) {
 	m.t.Helper()
@@ -154,7 +164,7 @@ func (m *mixed) waitTask(taskID, want string) {
 	m.t.Helper()
 	var info *asynq.TaskInfo
 	var err error
-	waitUntil(m.t, m.ctx, fmt.Sprintf("task %s %s", taskID, want), func() bool {
+	m.waitFor(fmt.Sprintf("task %s %s", taskID, want), func() bool {
 		info, err = m.insp.GetTaskInfo(tasks.Queue, taskID)
 		return err == nil && (info.State == asynq.TaskStateCompleted || info.State == asynq.TaskStateArchived)
 	})
@@ -169,7 +179,7 @@ func (m *mixed) waitTask(taskID, want string) {
 // lose deletes the task taskID from asynq, as Redis losing it would.
 func (m *mixed) lose(taskID string) {
 	m.t.Helper()
-	waitUntil(m.t, m.ctx, "task "+taskID+" in Redis", func() bool {
+	m.waitFor("task "+taskID+" in Redis", func() bool {
 		_, err := m.insp.GetTaskInfo(tasks.Queue, taskID)
 		return err == nil
 	})
@@ -204,7 +214,7 @@ func (m *mixed) intent(key string) string {
 func (m *mixed) waitIntent(key, state string) string {
 	m.t.Helper()
 	var got string
-	waitUntil(m.t, m.ctx, fmt.Sprintf("intent %s %s", key, state), func() bool {
+	m.waitFor(fmt.Sprintf("intent %s %s", key, state), func() bool {
 		got = m.intent(key)
 		return strings.HasPrefix(got, state+" ")
 	})
@@ -222,4 +232,34 @@ func (m *mixed) entries() string {
 func (m *mixed) charges() string {
 	m.t.Helper()
 	return strings.Join(testenv.Strings(m.t, m.pool, "SELECT order_id || ':' || count(*) FROM fakepay_charges GROUP BY order_id ORDER BY order_id"), " ")
+}
+
+// enqueueDebit records d's intent through the enqueue command of the release (old) or of
+// this commit, which publishes its task at once.
+func (m *mixed) enqueueDebit(old bool, d tasks.Debit) {
+	m.t.Helper()
+	out := m.run(old, "enqueue", "debit", "--account-id", d.AccountID, "--amount-cents", strconv.FormatInt(d.AmountCents, 10), "--reference", d.Reference)
+	if !strings.Contains(out, d.Key()) {
+		m.t.Fatalf("%s enqueue: %s", m.name(old), out)
+	}
+}
+
+// chargeSpec is c's Spec, failing the test when c is invalid.
+func chargeSpec(t *testing.T, c tasks.Charge) outbox.Spec {
+	t.Helper()
+	spec, err := tasks.ChargeSpec(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spec
+}
+
+// debitSpec is d's Spec, failing the test when d is invalid.
+func debitSpec(t *testing.T, d tasks.Debit) outbox.Spec {
+	t.Helper()
+	spec, err := tasks.DebitSpec(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spec
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -15,42 +14,43 @@ import (
 	"github.com/idemq/idemq/tasks"
 )
 
-// debitLoad is what a load of debits sent: how many references, how many duplicates from
-// a plain producer, and the answers other than 202 or 200 (each retried with the same
-// Idempotency-Key until accepted).
+// debitLoad is what a load of debits sent: how many were accepted, how many of those were
+// duplicated by a plain producer, and the refusals (answers other than 202 or 200, and
+// failed publishes).
 type debitLoad struct {
-	refs, dups int
-	refused    []string
+	accepted, dups int
+	refused        []string
 }
 
 // loadDebits posts debits mig-0, mig-1, … to the api at base until ctx ends, each with an
-// Idempotency-Key, and publishes a duplicate of every fourth straight to asynq; it
-// returns what it sent once ctx has ended.
+// Idempotency-Key (a refused one again, with the same key, while ctx lasts), and
+// publishes a duplicate of every fourth accepted straight to asynq; it returns what it
+// sent once ctx has ended.
 func (m *mixed) loadDebits(ctx context.Context, base string) debitLoad {
 	var l debitLoad
 	for i := 0; ctx.Err() == nil; i++ {
 		d := tasks.Debit{AccountID: fmt.Sprintf("acct-%d", i%7), AmountCents: int64(10 + i), Reference: fmt.Sprintf("mig-%d", i)}
-		body, err := json.Marshal(d)
+		spec, err := tasks.DebitSpec(d)
 		if err != nil {
 			l.refused = append(l.refused, err.Error())
 			return l
 		}
 		for {
 			// The test's context, not the load's: a request is answered even as the load stops.
-			_, err := postOnce(m.ctx, http.DefaultClient, base+"/v1/wallet/debits", string(body), "hk-"+d.Reference)
-			if err == nil || m.ctx.Err() != nil {
+			_, err = postOnce(m.ctx, http.DefaultClient, base+"/v1/wallet/debits", string(spec.Payload), "hk-"+d.Reference)
+			if err == nil || ctx.Err() != nil {
 				break
 			}
 			l.refused = append(l.refused, err.Error())
 			time.Sleep(100 * time.Millisecond)
 		}
-		l.refs++
+		if err != nil {
+			l.refused = append(l.refused, err.Error())
+			return l
+		}
+		l.accepted++
 		if i%4 == 0 {
-			spec, err := tasks.DebitSpec(d)
-			if err == nil {
-				_, err = m.client.EnqueueContext(m.ctx, spec.Task(d.Key()+"#dup", time.Now(), asynq.Retention(time.Hour)))
-			}
-			if err != nil {
+			if _, err := m.client.EnqueueContext(m.ctx, spec.Task(d.Key()+"#dup", time.Now(), asynq.Retention(time.Hour))); err != nil {
 				l.refused = append(l.refused, "plain duplicate: "+err.Error())
 			}
 			l.dups++
@@ -100,11 +100,14 @@ func TestReleaseServesThroughTheMigration(t *testing.T) {
 		}
 	}
 
-	waitUntil(t, m.ctx, fmt.Sprintf("%d debits completed", l.refs), func() bool {
-		return testenv.Count(t, m.pool, `SELECT count(*) FROM processed_jobs WHERE status = 'completed' AND idempotency_key LIKE 'debit:mig-%'`) == l.refs
+	if len(l.refused) > 0 {
+		t.Errorf("%d requests or publishes refused during the load, first: %s", len(l.refused), l.refused[0])
+	}
+	m.waitFor(fmt.Sprintf("%d debits completed", l.accepted), func() bool {
+		return testenv.Count(t, m.pool, `SELECT count(*) FROM processed_jobs WHERE status = 'completed' AND idempotency_key LIKE 'debit:mig-%'`) == l.accepted
 	})
 	var q *asynq.QueueInfo
-	waitUntil(t, m.ctx, "an idle queue", func() bool {
+	m.waitFor("an idle queue", func() bool {
 		var err error
 		q, err = m.insp.GetQueueInfo(tasks.Queue)
 		return err == nil && q.Pending+q.Active+q.Scheduled+q.Retry == 0
@@ -112,21 +115,18 @@ func TestReleaseServesThroughTheMigration(t *testing.T) {
 	var entries, maxPer, done int
 	m.pool.QueryRow(m.ctx, `SELECT count(*), coalesce(max(n), 0) FROM (SELECT count(*) n FROM wallet_entries GROUP BY reference) x`).Scan(&entries, &maxPer)
 	m.pool.QueryRow(m.ctx, `SELECT count(*) FILTER (WHERE state = 'done') FROM job_intents`).Scan(&done)
-	t.Logf("%d debits (%d with a plain duplicate) over %s's api and workers; this commit's migrate took %s under it; %d tasks processed, %d refused requests",
-		l.refs, l.dups, m.r.Version, took.Round(time.Millisecond), q.ProcessedTotal, len(l.refused))
-	if len(l.refused) > 0 {
-		t.Errorf("%d requests or publishes refused during the load, first: %s", len(l.refused), l.refused[0])
-	}
-	if entries != l.refs || maxPer != 1 {
-		t.Errorf("wallet entries %d (max %d per reference), want %d, one per reference", entries, maxPer, l.refs)
+	t.Logf("%d debits (%d with a plain duplicate) over %s's api and workers; this commit's migrate took %s under it; %d tasks processed",
+		l.accepted, l.dups, m.r.Version, took.Round(time.Millisecond), q.ProcessedTotal)
+	if entries != l.accepted || maxPer != 1 {
+		t.Errorf("wallet entries %d (max %d per reference), want %d, one per reference", entries, maxPer, l.accepted)
 	}
 	if q.Archived != 0 || q.FailedTotal != 0 {
 		t.Errorf("asynq: %d archived, %d failed; want none", q.Archived, q.FailedTotal)
 	}
-	if done != l.refs {
-		t.Errorf("%d intents done, want %d", done, l.refs)
+	if done != l.accepted {
+		t.Errorf("%d intents done, want %d", done, l.accepted)
 	}
-	if l.refs < 50 {
-		t.Errorf("only %d debits sent: the load did not run through the migration", l.refs)
+	if l.accepted < 50 {
+		t.Errorf("only %d debits sent: the load did not run through the migration", l.accepted)
 	}
 }
