@@ -289,6 +289,7 @@ const (
 func startCluster(t *testing.T, cfg clusterConfig, hist *history) *cluster {
 	t.Helper()
 	c := &cluster{t: t, dir: t.TempDir(), hist: hist}
+	keepLogs(t, c.dir)
 	var err error
 	if c.pg, err = localserver.StartPostgres(); err != nil {
 		t.Fatalf("private postgres: %v", err)
@@ -577,4 +578,24 @@ func withParam(u, kv string) string {
 		return u + "&" + kv
 	}
 	return u + "?" + kv
+}
+
+// keepLogs copies dir's process logs to $IDEMQ_FAULTS_KEEP/<test> when the test fails
+// (registered after t.TempDir made dir, it runs before dir is removed).
+func keepLogs(t *testing.T, dir string) {
+	keep := os.Getenv("IDEMQ_FAULTS_KEEP")
+	if keep == "" {
+		return
+	}
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		dst := filepath.Join(keep, strings.NewReplacer("/", "_", "=", "-").Replace(t.Name()))
+		if err := os.CopyFS(dst, os.DirFS(dir)); err != nil {
+			t.Logf("keep the logs in %s: %v", dst, err)
+			return
+		}
+		t.Logf("logs kept in %s", dst)
+	})
 }

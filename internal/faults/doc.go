@@ -15,5 +15,6 @@
 // IDEMQ_FAULTS_PROFILE (short or long), IDEMQ_FAULTS_SEED (replay a run) and
 // IDEMQ_FAULTS_REPORT (where the JSON report goes) tune a run; IDEMQ_FAULTS_SENTINEL=1 and
 // IDEMQ_FAULTS_STANDBY=1 add the long profile's Sentinel and Postgres-standby runs to a
-// short one. docs/proof.md explains the failure model and the report.
+// short one; IDEMQ_FAULTS_KEEP=DIR keeps the process logs of a failed run (worker, api,
+// scheduler, fakepay) under DIR. docs/proof.md explains the failure model and the report.
 package faults
