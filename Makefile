@@ -76,7 +76,7 @@ demo:
 faults-short:
 	$(GO) test -tags faults -count=1 -run TestProof -timeout 15m ./internal/faults/ -v
 
-## faults: the fault-injection proof, long profile (about 30 minutes, with a Sentinel run, a Postgres-standby run and a mixed-version run); report in docs/proof/report.{json,txt}
+## faults: the fault-injection proof, long profile (about 40 minutes, with a Sentinel run, a Postgres-standby run and, after them, a mixed-version run); report in docs/proof/report.{json,txt}
 faults:
 	IDEMQ_FAULTS_PROFILE=long IDEMQ_FAULTS_REPORT=$(CURDIR)/docs/proof/report.json \
 		$(GO) test -tags faults -count=1 -run TestProof -timeout 55m ./internal/faults/ -v

@@ -161,16 +161,14 @@ func TestProof(t *testing.T) {
 				mu.Unlock()
 			})
 		}
-		if mixedRun(p) || only == "mixed" {
-			t.Run("mixed", func(t *testing.T) {
-				t.Parallel()
-				r := runMixed(t, p, seed)
-				mu.Lock()
-				rep.Runs = append(rep.Runs, r)
-				mu.Unlock()
-			})
-		}
 	})
+	// The mixed-version run comes after the others, not beside them: a fifth cluster on a
+	// two-core machine slows the drains past the bounds the checker holds them to.
+	if mixedRun(p) && only != "controls" || only == "mixed" {
+		t.Run("mixed", func(t *testing.T) {
+			rep.Runs = append(rep.Runs, runMixed(t, p, seed))
+		})
+	}
 	t.Run("controls", func(t *testing.T) {
 		if only == "nemesis" || only == "mixed" {
 			t.Skip("IDEMQ_FAULTS_ONLY=" + only)
