@@ -167,7 +167,9 @@ func (l *Ledger) notTaken(req Request, v store.Verdict, r *store.ClaimRow) (res 
 	switch v {
 	case store.Cached:
 		l.observe(EventCacheHit, req.TaskType)
-		l.recordRow(HistoryDuplicate, req, r, "")
+		if !l.cfg.NoDuplicateHistory {
+			l.recordRow(HistoryDuplicate, req, r, "")
+		}
 		return ClaimResult{Completed: &Result{
 			Key: req.Key, Result: json.RawMessage(r.Result), Cached: true, Fence: r.Fence.Int64,
 			Attempts: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), CompletedAt: r.CompletedAt.Time,

@@ -387,3 +387,46 @@ func TestHistoryAsyncCommitStaysInTheEventsTransaction(t *testing.T) {
 		t.Fatalf("synchronous_commit in the job's transaction %q, on the connection after the finish %q; want on, on", inTx, after)
 	}
 }
+
+// With NoDuplicateHistory a delivery answered from the ledger records nothing in its
+// key's history (it is still observed as a cache hit), and a mismatch still does.
+func TestHistoryWithoutDuplicates(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	hits := 0
+	var mu sync.Mutex
+	l := New(pool, &Config{NoDuplicateHistory: true, Observe: func(ev Event, _ string) {
+		if ev == EventCacheHit {
+			mu.Lock()
+			hits++
+			mu.Unlock()
+		}
+	}})
+	defer l.Close()
+	ctx := testenv.Context(t, time.Minute)
+	run := func(payload string) error {
+		_, err := l.DoTx(ctx, Request{Key: "k", TaskType: "t", Fingerprint: Fingerprint("t", []byte(payload))},
+			func(context.Context, pgx.Tx) (json.RawMessage, error) { return json.RawMessage(`1`), nil })
+		return err
+	}
+	if err := run("a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := run("a"); err != nil { // a duplicate
+		t.Fatal(err)
+	}
+	var mismatch *MismatchError
+	if err := run("b"); !errors.As(err, &mismatch) {
+		t.Fatalf("another payload: %v, want a mismatch", err)
+	}
+	l.hist.write()
+	h, err := l.History(ctx, "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(h) != 1 || h[0].Kind != HistoryMismatch || hits != 1 {
+		t.Fatalf("history %+v and %d cache hits; want the mismatch alone and 1 hit", h, hits)
+	}
+}

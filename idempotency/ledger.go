@@ -143,6 +143,11 @@ type Config struct {
 	// written (HistoryWritten), dropped from a full buffer (HistoryDropped) or lost to a
 	// failed write (HistoryFailed). It must be fast and safe for concurrent use.
 	ObserveHistory func(outcome string, n int)
+	// NoDuplicateHistory leaves cached duplicates (a delivery of a completed key answered
+	// from the ledger) out of keys' histories; Observe still counts them (EventCacheHit).
+	// Each recorded duplicate costs a row: on a load whose deliveries are mostly
+	// duplicates, that row is most of what the ledger writes. Other kinds are recorded.
+	NoDuplicateHistory bool
 }
 
 // Ledger records, per idempotency key, whether a piece of work is claimed, completed or

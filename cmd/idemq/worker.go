@@ -111,9 +111,10 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		ReconcileGrace:  cfg.ReconcileGrace,
 		Logger:          log,
 		Ledger: &idempotency.Config{
-			MaxAge:          cfg.MaxAge,
-			HeartbeatPool:   db.Heartbeats,
-			UnsafeNoFencing: cfg.UnsafeNoFencing,
+			MaxAge:             cfg.MaxAge,
+			HeartbeatPool:      db.Heartbeats,
+			UnsafeNoFencing:    cfg.UnsafeNoFencing,
+			NoDuplicateHistory: !cfg.HistoryDuplicates,
 			Observe: func(ev idempotency.Event, taskType string) {
 				m.ObserveLedger(string(ev), taskType)
 			},

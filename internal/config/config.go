@@ -87,20 +87,21 @@ type Worker struct {
 	Redis
 	Database
 	Direct
-	Concurrency     int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" max:"10000" desc:"tasks one worker runs at once"`
-	Queues          []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, each once, optionally weighted as name:weight"`
-	Lease           time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" min:"500ms" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
-	LockTTL         time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" min:"500ms" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
-	ShutdownTimeout time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
-	MetricsAddr     string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
-	FakepayURL      string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
-	Retention       time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
-	MaxAge          time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
-	ReconcileGrace  time.Duration `envconfig:"IDEMQ_RECONCILE_GRACE" default:"3m" desc:"how long an accepted job may be missing from Redis before it is republished (above asynq's 60-120 s recovery)"`
-	LogLevel        string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
-	UnsafeNoGuards  bool          `envconfig:"IDEMQ_UNSAFE_NO_GUARDS" default:"false" desc:"DEMO AND TESTS ONLY: run handlers without the lock and the ledger, to show the duplicates they prevent"`
-	UnsafeNoFencing bool          `envconfig:"IDEMQ_UNSAFE_NO_FENCING" default:"false" desc:"TESTS ONLY (negative control): the ledger stops checking fence and owner on its writes and stops fencing itself, so a stale owner can finish what a newer one holds"`
-	UnsafeFaults    string        `envconfig:"IDEMQ_UNSAFE_FAULTS" desc:"TESTS ONLY (fault suite): comma-separated point:value, e.g. after_claim:0.02,after_effect:0.02 (SIGKILL itself with that probability right after the claim or right after the effect, before the completion) debit_delay:1s (random extra debit time) and debit_error:0.2 (a debit's first delivery fails after its insert, retried)"`
+	Concurrency       int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" max:"10000" desc:"tasks one worker runs at once"`
+	Queues            []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, each once, optionally weighted as name:weight"`
+	Lease             time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" min:"500ms" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
+	LockTTL           time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" min:"500ms" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
+	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
+	MetricsAddr       string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
+	FakepayURL        string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
+	Retention         time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
+	MaxAge            time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
+	ReconcileGrace    time.Duration `envconfig:"IDEMQ_RECONCILE_GRACE" default:"3m" desc:"how long an accepted job may be missing from Redis before it is republished (above asynq's 60-120 s recovery)"`
+	HistoryDuplicates bool          `envconfig:"IDEMQ_HISTORY_DUPLICATES" default:"true" desc:"record each delivery answered from the ledger (a cached duplicate) in its key's history; false leaves them out (still counted in idemq_ledger_events_total), sparing a duplicate-heavy load a row per duplicate"`
+	LogLevel          string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
+	UnsafeNoGuards    bool          `envconfig:"IDEMQ_UNSAFE_NO_GUARDS" default:"false" desc:"DEMO AND TESTS ONLY: run handlers without the lock and the ledger, to show the duplicates they prevent"`
+	UnsafeNoFencing   bool          `envconfig:"IDEMQ_UNSAFE_NO_FENCING" default:"false" desc:"TESTS ONLY (negative control): the ledger stops checking fence and owner on its writes and stops fencing itself, so a stale owner can finish what a newer one holds"`
+	UnsafeFaults      string        `envconfig:"IDEMQ_UNSAFE_FAULTS" desc:"TESTS ONLY (fault suite): comma-separated point:value, e.g. after_claim:0.02,after_effect:0.02 (SIGKILL itself with that probability right after the claim or right after the effect, before the completion) debit_delay:1s (random extra debit time) and debit_error:0.2 (a debit's first delivery fails after its insert, retried)"`
 }
 
 // API configures `idemq api`.
