@@ -24,28 +24,12 @@ func TestReleasesAnswerEachOthersCharges(t *testing.T) {
 	c2 := tasks.Charge{OrderID: "wire-new", CustomerID: "cust-w", AmountCents: 1700, Currency: "EUR"}
 	other := func(c tasks.Charge) outbox.Spec { c.AmountCents++; return chargeSpec(t, c) }
 
-	// The release charges c1, through its own outbox.
-	w := m.worker(true)
-	out := m.runOld("enqueue", "charge", "--order-id", c1.OrderID, "--customer-id", c1.CustomerID, "--amount-cents", "4200", "--currency", "EUR")
-	if !strings.Contains(out, c1.Key()) {
-		t.Fatalf("%s enqueue: %s", m.r.Version, out)
-	}
-	waitCompletedKey(t, m.ctx, m.pool, c1.Key())
-	m.stop(w)
-
-	// This commit reads the release's row: a duplicate is answered, another payload refused.
-	w = m.worker(false)
-	m.send(chargeSpec(t, c1), c1.Key()+"#dup-head", "completed")
-	m.send(other(c1), c1.Key()+"#other-head", "archived")
-	m.send(chargeSpec(t, c2), c2.Key(), "completed")
-	m.stop(w)
-
-	// The release reads this commit's row.
-	w = m.worker(true)
-	m.send(chargeSpec(t, c2), c2.Key()+"#dup-old", "completed")
-	m.send(other(c2), c2.Key()+"#other-old", "archived")
-	m.send(chargeSpec(t, c1), c1.Key()+"#dup-old", "completed")
-	m.stop(w)
+	m.takeTurns(func() {
+		out := m.runOld("enqueue", "charge", "--order-id", c1.OrderID, "--customer-id", c1.CustomerID, "--amount-cents", "4200", "--currency", "EUR")
+		if !strings.Contains(out, c1.Key()) {
+			t.Fatalf("%s enqueue: %s", m.r.Version, out)
+		}
+	}, turn{c1.Key(), chargeSpec(t, c1), other(c1)}, turn{c2.Key(), chargeSpec(t, c2), other(c2)})
 
 	if got := m.charges(); got != "wire-new:1 wire-old:1" {
 		t.Errorf("provider charges per order: %s; want one each", got)

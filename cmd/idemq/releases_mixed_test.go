@@ -263,3 +263,35 @@ func debitSpec(t *testing.T, d tasks.Debit) outbox.Spec {
 	}
 	return spec
 }
+
+// turn is one job of takeTurns: its key, its spec, and a spec of another payload under
+// its key.
+type turn struct {
+	key         string
+	spec, other outbox.Spec
+}
+
+// takeTurns has the release complete first (started by enqueueOld, through its own
+// outbox); then this commit's worker answer a duplicate of first from the release's row,
+// archive another payload under its key and complete second; then the release's worker
+// do the same to second's row (and answer first's again). The duplicates come from a plain
+// asynq producer.
+func (m *mixed) takeTurns(enqueueOld func(), first, second turn) {
+	m.t.Helper()
+	w := m.worker(true)
+	enqueueOld()
+	waitCompletedKey(m.t, m.ctx, m.pool, first.key)
+	m.stop(w)
+
+	w = m.worker(false)
+	m.send(first.spec, first.key+"#dup-head", "completed")
+	m.send(first.other, first.key+"#other-head", "archived")
+	m.send(second.spec, second.key, "completed")
+	m.stop(w)
+
+	w = m.worker(true)
+	m.send(second.spec, second.key+"#dup-old", "completed")
+	m.send(second.other, second.key+"#other-old", "archived")
+	m.send(first.spec, first.key+"#dup-old", "completed")
+	m.stop(w)
+}

@@ -23,25 +23,8 @@ func TestReleasesReadEachOthersRecords(t *testing.T) {
 	d2 := tasks.Debit{AccountID: "acct-w", AmountCents: 75, Reference: "wire-new"}
 	other := func(d tasks.Debit) outbox.Spec { d.AmountCents++; return debitSpec(t, d) }
 
-	// The release completes d1, through its own outbox.
-	w := m.worker(true)
-	m.enqueueDebit(true, d1)
-	waitCompletedKey(t, m.ctx, m.pool, d1.Key())
-	m.stop(w)
-
-	// This commit reads the release's row: a duplicate is answered, another payload refused.
-	w = m.worker(false)
-	m.send(debitSpec(t, d1), d1.Key()+"#dup-head", "completed")
-	m.send(other(d1), d1.Key()+"#other-head", "archived")
-	m.send(debitSpec(t, d2), d2.Key(), "completed")
-	m.stop(w)
-
-	// The release reads this commit's row, as it did its own before.
-	w = m.worker(true)
-	m.send(debitSpec(t, d2), d2.Key()+"#dup-old", "completed")
-	m.send(other(d2), d2.Key()+"#other-old", "archived")
-	m.send(debitSpec(t, d1), d1.Key()+"#dup-old", "completed")
-	m.stop(w)
+	m.takeTurns(func() { m.enqueueDebit(true, d1) },
+		turn{d1.Key(), debitSpec(t, d1), other(d1)}, turn{d2.Key(), debitSpec(t, d2), other(d2)})
 
 	if got := m.entries(); got != "wire-new:1 wire-old:1" {
 		t.Fatalf("wallet entries per reference: %s; want one each", got)
