@@ -5,9 +5,19 @@ PKGS    ?= ./...
 
 .PHONY: test build lint migrate up down cover demo screenshots
 
-## test: vet, format check, then every test with the race detector against real Redis and Postgres
+## test: vet, format check, then every test with the race detector against real Redis and
+## Postgres. A test that needs a program which is not installed (chromium, pgbouncer,
+## prometheus's promtool) skips, except under CI=true, where it fails; the last line then
+## says what was skipped and how to install it. The timeout leaves room for a loaded box:
+## cmd/idemq, the longest package, takes about 7 minutes on an idle 2-core one.
+TEST_TIMEOUT ?= 30m
 test: lint
-	$(GO) test -race -count=1 $(PKGS)
+	@echo "$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)"; skips=$$(mktemp); \
+	IDEMQ_SKIP_LOG=$$skips $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS); rc=$$?; \
+	if [ -s $$skips ]; then \
+		echo "make test: skipped $$(wc -l <$$skips) tests for want of: $$(sort $$skips | uniq -c | awk -F'\t' '{split($$1, a, " "); printf "%s%s (%s tests; %s)", sep, a[2], a[1], $$2; sep="; "}')"; \
+	fi; \
+	rm -f $$skips; exit $$rc
 
 ## build: the idemq binary in bin/
 build:
