@@ -17,7 +17,7 @@ import (
 // drops the schema. It panics, with the hint a test would fail with, when the server does
 // not answer.
 func ExamplePostgres(migrate bool) (pool *pgxpool.Pool, cleanup func()) {
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	base := firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL")
 	schema, err := localserver.CreateSchema(ctx, base, randomName("example_"), nil)
@@ -25,7 +25,7 @@ func ExamplePostgres(migrate bool) (pool *pgxpool.Pool, cleanup func()) {
 		panic(fmt.Sprintf("testenv: %v; %s", err, postgresHint))
 	}
 	drop := func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 		defer cancel()
 		if err := schema.Drop(ctx); err != nil {
 			panic(fmt.Sprintf("testenv: %v", err))

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"net/url"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -39,7 +38,7 @@ func EmptyPostgresURL(t testing.TB) string {
 // ends.
 func EmptyDatabaseURL(t testing.TB) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	base := firstEnv(DefaultDatabaseURL, "TEST_DATABASE_URL", "DATABASE_URL")
 	u, err := url.Parse(base)
@@ -56,7 +55,7 @@ func EmptyDatabaseURL(t testing.TB) string {
 		fatalf(t, "create database %s: %v", name, err)
 	}
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 		defer cancel()
 		conn, err := pgx.Connect(ctx, base)
 		if err == nil {
@@ -81,7 +80,7 @@ func Postgres(t testing.TB) *pgxpool.Pool {
 // Pool opens a pool on dsn and closes it when the test ends.
 func Pool(t testing.TB, dsn string) *pgxpool.Pool {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	pool, err := pgxpool.New(ctx, dsn)
 	if err != nil {
@@ -95,14 +94,14 @@ func Pool(t testing.TB, dsn string) *pgxpool.Pool {
 // returns its URL (search_path set to it); the schema is dropped when the test ends.
 func schemaURL(t testing.TB, base string, migrate bool) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	schema, err := localserver.CreateSchema(ctx, base, randomName("t_"+truncate(sanitize(t.Name()), 30)+"_"), nil)
 	if err != nil {
 		fatalf(t, "%v; %s", err, postgresHint)
 	}
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 		defer cancel()
 		if err := schema.Drop(ctx); err != nil {
 			t.Errorf("testenv: %v", err)

@@ -3,7 +3,6 @@ package testenv
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -12,7 +11,7 @@ import (
 // Exec runs sql on pool, failing the test on an error.
 func Exec(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	if _, err := pool.Exec(ctx, sql, args...); err != nil {
 		t.Fatalf("%s: %v", sql, err)
@@ -23,7 +22,7 @@ func Exec(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
 // test on an error.
 func Count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	var n int
 	if err := pool.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
@@ -36,7 +35,7 @@ func Count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
 // the test on an error.
 func Strings(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) []string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), setupTimeout)
 	defer cancel()
 	rows, err := pool.Query(ctx, sql, args...)
 	if err == nil {

@@ -26,6 +26,11 @@ const (
 	DefaultRedisURL    = "redis://127.0.0.1:6379/0"
 )
 
+// setupTimeout bounds what testenv does around a test (create, migrate and drop a schema
+// or a database, open a pool, run a helper statement). It is not a measure of anything: on
+// a box shared with a CPU hog, DROP DATABASE took over 30 s, so it is generous.
+const setupTimeout = 3 * time.Minute
+
 func firstEnv(def string, names ...string) string {
 	for _, n := range names {
 		if v := os.Getenv(n); v != "" {
