@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -15,18 +14,16 @@ import (
 	"github.com/idemq/idemq/internal/testenv"
 )
 
-// TestLedgerGrowthKeepsItsRate is a diagnostic, not part of the suite (it times a run):
-// with IDEMQ_GROWTH=1 it grows one connection's ledger from empty past 100,000 rows
-// through DoTx and Do, so that every statement is prepared and planned while the tables
-// are small, and prints the rate of each 10,000 rows. A plan that joins by scanning the
-// table would fall with its size (it once fell to a fifth by 50,000 rows); the test
-// fails if the last window runs at under half the first's rate.
-func TestLedgerGrowthKeepsItsRate(t *testing.T) {
-	if os.Getenv("IDEMQ_GROWTH") == "" {
-		t.Skip("a timed diagnostic: set IDEMQ_GROWTH=1 to run it")
-	}
+// BenchmarkLedgerGrowth is a diagnostic (it times a run, so it is a benchmark, not a
+// test: go test -run '^$' -bench LedgerGrowth -benchtime 1x ./idempotency/): it grows one
+// connection's ledger from empty past 100,000 rows through DoTx and Do, so that every
+// statement is prepared and planned while the tables are small, and prints the rate of
+// each 10,000 rows and the last window's rate over the first's. A plan that joins by
+// scanning the table would fall with its size (it once fell to a fifth by 50,000 rows);
+// the run fails if the last window runs at under half the first's rate.
+func BenchmarkLedgerGrowth(b *testing.B) {
 	for _, mode := range []string{"DoTx", "Do"} {
-		t.Run(mode, func(t *testing.T) {
+		b.Run(mode, func(t *testing.B) {
 			pool := testenv.Pool(t, testenv.PostgresURL(t)+"&pool_max_conns=1")
 			l := idempotency.New(pool, &idempotency.Config{HeartbeatPool: pool})
 			defer l.Close()
@@ -69,7 +66,9 @@ func TestLedgerGrowthKeepsItsRate(t *testing.T) {
 				rates = append(rates, rate)
 				t.Logf("%s: rows %6d..%6d: %6.0f/s", mode, w*per, (w+1)*per, rate)
 			}
-			if last, first := rates[len(rates)-1], rates[0]; last < first/2 {
+			last, first := rates[len(rates)-1], rates[0]
+			t.ReportMetric(last/first, "last/first")
+			if last < first/2 {
 				t.Errorf("%s: the rate fell from %.0f/s to %.0f/s as the ledger grew past %d rows", mode, first, last, windows*per)
 			}
 		})
