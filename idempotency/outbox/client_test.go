@@ -364,3 +364,62 @@ func TestCompletionSettlesIntentInTheSameTransaction(t *testing.T) {
 		t.Fatalf("%d intents left after the purge, want 1 (the unfinished one)", n)
 	}
 }
+
+// TestDuplicateEnqueueOfAReopenedIntentLeavesItToTheRelay: a duplicate Enqueue of a key an
+// operator re-ran finds its intent pending under the rerun's publish generation. It must
+// neither publish the key's first TaskID (the finished first run's task, which counts as
+// published) nor mark the intent published under generation 0: that hid the rerun from
+// the relays, and the next rerun reused a TaskID.
+func TestDuplicateEnqueueOfAReopenedIntentLeavesItToTheRelay(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	c := outbox.NewClient(pool, rdb, nil)
+	l := idempotency.New(pool, nil)
+	t.Cleanup(l.Close)
+	ctx := testenv.Context(t, time.Minute)
+	spec := debitSpec(t, "reopened", 5)
+	if res, err := c.Enqueue(ctx, spec); err != nil || res.State != outbox.IntentPublished {
+		t.Fatalf("Enqueue: %+v %v", res, err)
+	}
+	req := idempotency.Request{Key: spec.Key, TaskType: spec.Type, Fingerprint: idempotency.Fingerprint(spec.Type, spec.Payload)}
+	if _, err := l.DoTx(ctx, req, func(context.Context, pgx.Tx) (json.RawMessage, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	r, err := l.Rerun(ctx, spec.Key)
+	if err != nil || r.TaskID != spec.Key+"#r1" {
+		t.Fatalf("rerun: %+v %v; want TaskID %s#r1", r, err, spec.Key)
+	}
+	res, err := c.Enqueue(ctx, spec)
+	if err != nil || !res.Duplicate {
+		t.Fatalf("duplicate Enqueue: %+v %v", res, err)
+	}
+	info, err := c.Intent(ctx, spec.Key)
+	if err != nil || info.State != outbox.IntentPending || info.PublishGeneration != 1 {
+		t.Fatalf("intent after the duplicate: %+v (%v); want pending under publish generation 1", info, err)
+	}
+	// A relay publishes the rerun under its own TaskID.
+	relayCtx, stop := context.WithCancel(ctx)
+	relayDone := make(chan struct{})
+	go func() {
+		defer close(relayDone)
+		c.RunRelay(relayCtx)
+	}()
+	defer func() { stop(); <-relayDone }()
+	for {
+		info, err := c.Intent(ctx, spec.Key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State == outbox.IntentPublished {
+			if info.PublishGeneration != 1 || !taskExists(t, rdb, spec.Key+"#r1") {
+				t.Fatalf("intent after a relay round: %+v, task %s#r1 present %v; want both", info, spec.Key, taskExists(t, rdb, spec.Key+"#r1"))
+			}
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the relay never published the rerun: %+v", info)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}

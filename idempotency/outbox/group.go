@@ -153,7 +153,9 @@ func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) 
 		return EnqueueResult{}, op.err
 	}
 	res := op.res
-	if res.State != IntentPending {
+	if res.Duplicate || res.State != IntentPending {
+		// A duplicate's intent is the relays' to publish, under its own publish
+		// generation: pending after an operator's rerun, it is not generation 0.
 		return res, nil
 	}
 	if c.Publish(ctx, spec) {

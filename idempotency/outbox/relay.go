@@ -193,7 +193,7 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 	var failed []string
 	for i, r := range batch {
 		if published[i] {
-			done = append(done, store.Publish{Key: r.spec.Key, Generation: gens[i]})
+			done = append(done, store.Publish{Key: r.spec.Key, Taken: r.gen, Generation: gens[i]})
 		} else {
 			failed = append(failed, r.spec.Key)
 		}

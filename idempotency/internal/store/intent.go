@@ -184,14 +184,19 @@ func TakePending(ctx context.Context, q DB, p TakeParams) ([]IntentRow, error) {
 	return pgx.CollectRows(rows, scanIntentRow)
 }
 
-// Publish is one intent published: its key and the generation it went out under.
+// Publish is one intent published: its key, the publish generation it was taken under
+// and the generation it went out under (a publish moves past TaskIDs that other tasks
+// hold).
 type Publish struct {
 	Key        string
+	Taken      int
 	Generation int
 }
 
 // markPublishedSQL records the publishes of keys $1, each under the generation at the same
-// index of $2 (a publish moves past TaskIDs that other tasks hold).
+// index of $2, of intents still pending under the generation they were taken under ($3):
+// an intent an operator re-ran meanwhile (a new publish generation) waits for a publish
+// of its own.
 //
 // It and markPublishFailedSQL find their rows by key only: "state IS NOT DISTINCT FROM
 // 'pending'" keeps the planner off job_intents_pending_idx, which statistics make look
@@ -200,16 +205,17 @@ type Publish struct {
 const markPublishedSQL = `
 UPDATE job_intents i
 SET state = 'published', published_at = now(), publish_generation = p.gen, relay_until = NULL, last_error = NULL, updated_at = now()
-FROM unnest($1::text[], $2::int[]) AS p(key, gen)
-WHERE i.idempotency_key = p.key AND i.state IS NOT DISTINCT FROM 'pending'`
+FROM unnest($1::text[], $2::int[], $3::int[]) AS p(key, gen, taken)
+WHERE i.idempotency_key = p.key AND i.state IS NOT DISTINCT FROM 'pending' AND i.publish_generation = p.taken`
 
-// MarkPublished records ps's publishes of intents still pending.
+// MarkPublished records ps's publishes of intents still pending under the generation
+// they were taken under.
 func MarkPublished(ctx context.Context, q DB, ps []Publish) error {
-	keys, gens := make([]string, len(ps)), make([]int32, len(ps))
+	keys, gens, taken := make([]string, len(ps)), make([]int32, len(ps)), make([]int32, len(ps))
 	for i, p := range ps {
-		keys[i], gens[i] = p.Key, int32(p.Generation)
+		keys[i], gens[i], taken[i] = p.Key, int32(p.Generation), int32(p.Taken)
 	}
-	_, err := q.Exec(ctx, markPublishedSQL, PlanEach, keys, gens)
+	_, err := q.Exec(ctx, markPublishedSQL, PlanEach, keys, gens, taken)
 	return err
 }
 
