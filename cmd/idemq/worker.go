@@ -181,6 +181,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	}
 
 	m.Init(tasks.TypeCharge, tasks.TypeDebit, tasks.TypeCheckout, tasks.TypeSettle)
+	log.Info("this worker owns the queues of IDEMQ_QUEUES: a task of any type but the example's found there is archived; "+
+		"give your own task types a queue of their own, not in IDEMQ_QUEUES", "queues", cfg.Queues,
+		"task_types", []string{tasks.TypeCharge, tasks.TypeDebit, tasks.TypeCheckout, tasks.TypeSettle})
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

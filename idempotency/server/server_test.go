@@ -232,7 +232,7 @@ func TestRunArchivesWhatItCannotRun(t *testing.T) {
 	want := map[string]string{
 		"zero":    "cents: must be positive, got 0",
 		"variant": `Ref: field names are case-sensitive (did you mean "ref"?)`,
-		"unknown": `unknown task type "test:unknown": this worker handles test:transfer, test:notice`,
+		"unknown": `unknown task type "test:unknown" on queue "default": this worker handles test:transfer, test:notice and archives`,
 	}
 	insp := asynq.NewInspectorFromRedisClient(e.rdb)
 	deadline := time.Now().Add(30 * time.Second)

@@ -88,7 +88,7 @@ type Worker struct {
 	Database
 	Direct
 	Concurrency       int           `envconfig:"IDEMQ_CONCURRENCY" default:"10" max:"10000" desc:"tasks one worker runs at once"`
-	Queues            []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, each once, optionally weighted as name:weight"`
+	Queues            []string      `envconfig:"IDEMQ_QUEUES" default:"default" desc:"comma-separated queues to serve, each once, optionally weighted as name:weight; the worker owns them: a task of a type it does not run found there is archived, so your own types need a queue not listed here"`
 	Lease             time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" min:"500ms" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
 	LockTTL           time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" min:"500ms" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
 	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
