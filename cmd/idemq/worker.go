@@ -66,7 +66,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if cfg.MetricsAddr != "" {
 		metricsLn, err = net.Listen("tcp", cfg.MetricsAddr)
 		if err != nil {
-			return fmt.Errorf("IDEMQ_METRICS_ADDR=%s: %w: each worker on one host needs an address of its own "+
+			return fmt.Errorf("IDEMQ_METRICS_ADDR=%s: %w: each worker and scheduler on one host needs an address of its own "+
 				"(IDEMQ_METRICS_ADDR=:9092, :9093, …), or set it empty to serve no metrics", cfg.MetricsAddr, err)
 		}
 		defer metricsLn.Close()
