@@ -83,6 +83,14 @@ func curlExamples(t *testing.T, block string) []curlExample {
 // their comment lines say, and the dashboard's pages 200 with its user and password.
 func TestReadmeRunsAsPasted(t *testing.T) {
 	t.Parallel()
+	for _, tool := range []string{"bash", "openssl", "curl"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			if os.Getenv("CI") == "true" {
+				t.Fatalf("the README's steps need %s: %v", tool, err)
+			}
+			t.Skipf("the README's steps need %s (apt-get install %s): %v", tool, tool, err)
+		}
+	}
 	takeStackSlot(t)
 	var block string
 	for _, b := range shBlocks(t, "../../README.md") {
