@@ -41,6 +41,16 @@ var ErrLeaseEnding = errors.New("handlers: too little of the lease is left to ca
 // for the provider's records (never part of the idempotency key).
 const HeaderFence = "Idemq-Fence"
 
+// HeaderKey is the request header carrying the call's key, for the records of an
+// endpoint that honours no idempotency key (the receipt's). It is not Idempotency-Key on
+// purpose: Go's transport treats a POST with that header as safe to send again by itself
+// when a reused connection breaks, and such an endpoint would then act twice.
+const HeaderKey = "Idemq-Key"
+
+// errNotResent is what a call returns when its connection broke after the request may
+// have reached the provider: the transport does not send it again on its own.
+var errNotResent = errors.New("the connection broke after the request was sent; not sent again by this call (the job's retry sends it under its claim)")
+
 const (
 	// idleConns is how many connections to the provider a default Charger keeps open.
 	idleConns = 128
@@ -108,7 +118,7 @@ func DefaultClient() *http.Client {
 // min(MinCallTime, the fence margin) of it left, Charge returns ErrLeaseEnding
 // (retryable) without calling.
 func (ch *Charger) Charge(ctx context.Context, key string, c tasks.Charge) (json.RawMessage, error) {
-	raw, err := ch.post(ctx, ch.url, "charge", key, c)
+	raw, err := ch.post(ctx, ch.url, "charge", "Idempotency-Key", key, c)
 	if err != nil {
 		return nil, err
 	}
@@ -124,10 +134,16 @@ func (ch *Charger) Charge(ctx context.Context, key string, c tasks.Charge) (json
 	return json.Marshal(ChargeResult{ChargeID: got.ID, AmountCents: got.AmountCents, Currency: got.Currency, Replayed: got.Replayed})
 }
 
-// post sends body as JSON to url under key (and the claim's fence), within the lease's
-// self-fence deadline as Charge describes, and returns a 200 or 201 answer's body. what
-// names the call in errors.
-func (ch *Charger) post(ctx context.Context, url, what, key string, body any) ([]byte, error) {
+// post sends body as JSON to url with key in keyHeader (and the claim's fence), within
+// the lease's self-fence deadline as Charge describes, and returns a 2xx answer's body.
+// what names the call in errors.
+//
+// A call sends at most one request that may have reached the provider: when a reused
+// connection breaks after the request was written, the transport does not send it again
+// (it would for a POST with Idempotency-Key, net/http's rule for a replayable request),
+// the call fails, and the job's retry sends it again under a claim the ledger checks. A
+// request that never left (nothing written) is still retried on a new connection.
+func (ch *Charger) post(ctx context.Context, url, what, keyHeader, key string, body any) ([]byte, error) {
 	b, err := json.Marshal(body)
 	if err != nil {
 		return nil, err
@@ -148,8 +164,11 @@ func (ch *Charger) post(ctx context.Context, url, what, key string, body any) ([
 	if err != nil {
 		return nil, fmt.Errorf("%s %s: %w", what, key, err)
 	}
+	// The transport asks for the body again only to resend a request it already sent
+	// (an unsent one is sent with the body it has): refuse.
+	req.GetBody = func() (io.ReadCloser, error) { return nil, errNotResent }
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Idempotency-Key", key)
+	req.Header.Set(keyHeader, key)
 	if _, fence, ok := idempotency.FromContext(ctx); ok && fence > 0 {
 		req.Header.Set(HeaderFence, strconv.FormatInt(fence, 10))
 	}

@@ -70,10 +70,11 @@ func RecordOrder(ctx context.Context, tx pgx.Tx, c tasks.Checkout, chargeID stri
 }
 
 // SendReceipt is a checkout's third effect: the receipt, emailed through an endpoint that
-// honours no idempotency key (key is sent all the same, for the record). It returns the
-// provider's id of the email.
+// honours no idempotency key (key is sent all the same, for the record, as HeaderKey: an
+// Idempotency-Key would tell Go's transport the request is safe to send twice). It
+// returns the provider's id of the email.
 func (ch *Charger) SendReceipt(ctx context.Context, key string, c tasks.Checkout) (int64, error) {
-	raw, err := ch.post(ctx, ch.emails, "receipt", key, map[string]string{
+	raw, err := ch.post(ctx, ch.emails, "receipt", HeaderKey, key, map[string]string{
 		"to": c.Email, "subject": "Your receipt", "order_id": c.OrderID})
 	if err != nil {
 		return 0, err

@@ -89,7 +89,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	switch h.Dashboard() {
 	case api.AccessRefused:
 		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set (or is the placeholder "+api.PlaceholderPassword+") and IDEMQ_HTTP_ADDR is not a loopback address: "+
-			"/monitoring/ and /ledger/ answer 403 until a password is set; /v1/, /metrics, /healthz and /readyz are served", "addr", cfg.HTTPAddr)
+			"/monitoring/, /ledger/ and /schedule/ answer 403 until IDEMQ_DASHBOARD_USER and IDEMQ_DASHBOARD_PASSWORD are set; /v1/, /metrics, /healthz and /readyz are served", "addr", cfg.HTTPAddr)
 	case api.AccessLoopback:
 		log.Warn("IDEMQ_DASHBOARD_PASSWORD is not set: /monitoring/ and /ledger/ are open without a password to anyone on this machine "+
 			"(for requests to localhost or a loopback address; any other Host gets 421)", "addr", cfg.HTTPAddr)

@@ -98,7 +98,7 @@ func TestAPIDashboardWithoutPassword(t *testing.T) {
 	if code, body := get("/v1/jobs/charge:o-1"); code != 403 || !strings.Contains(body, "set IDEMQ_API_TOKEN") {
 		t.Errorf("/v1/jobs/charge:o-1: %d %s, want 403 naming IDEMQ_API_TOKEN", code, body)
 	}
-	if log := stderr.String(); !strings.Contains(log, "/monitoring/ and /ledger/ answer 403 until a password is set") {
+	if log := stderr.String(); !strings.Contains(log, "/monitoring/, /ledger/ and /schedule/ answer 403 until IDEMQ_DASHBOARD_USER and IDEMQ_DASHBOARD_PASSWORD are set") {
 		t.Errorf("no start-up line about the dashboard's 403:\n%s", log)
 	}
 	if log := stderr.String(); !strings.Contains(log, "/v1/ answers 403 until a token is set") {

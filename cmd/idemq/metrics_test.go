@@ -17,6 +17,7 @@ import (
 
 	"github.com/hibiken/asynq"
 
+	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/asynqmw"
 	"github.com/idemq/idemq/idempotency/outbox"
@@ -44,6 +45,9 @@ func newGatedProvider(keys ...string) *gatedProvider {
 
 func (p *gatedProvider) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	key := r.Header.Get("Idempotency-Key")
+	if key == "" {
+		key = r.Header.Get(handlers.HeaderKey) // a receipt
+	}
 	var c tasks.Charge
 	json.NewDecoder(r.Body).Decode(&c)
 	p.mu.Lock()

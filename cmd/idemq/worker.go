@@ -66,7 +66,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if cfg.MetricsAddr != "" {
 		metricsLn, err = net.Listen("tcp", cfg.MetricsAddr)
 		if err != nil {
-			return fmt.Errorf("IDEMQ_METRICS_ADDR=%s: %w: each worker on one host needs an address of its own "+
+			return fmt.Errorf("IDEMQ_METRICS_ADDR=%s: %w: each worker and scheduler on one host needs an address of its own "+
 				"(IDEMQ_METRICS_ADDR=:9092, :9093, …), or set it empty to serve no metrics", cfg.MetricsAddr, err)
 		}
 		defer metricsLn.Close()
@@ -181,6 +181,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	}
 
 	m.Init(tasks.TypeCharge, tasks.TypeDebit, tasks.TypeCheckout, tasks.TypeSettle)
+	log.Info("this worker owns the queues of IDEMQ_QUEUES: a task of any type but the example's found there is archived; "+
+		"give your own task types a queue of their own, not in IDEMQ_QUEUES", "queues", cfg.Queues,
+		"task_types", []string{tasks.TypeCharge, tasks.TypeDebit, tasks.TypeCheckout, tasks.TypeSettle})
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()

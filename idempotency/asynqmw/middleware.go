@@ -530,14 +530,25 @@ func (h *handler[T]) writeResult(ctx context.Context, t *asynq.Task, result json
 }
 
 // ArchiveUnknown hands mux the tasks it has a handler for and archives every other task
-// at once, with the reason (asynq.SkipRetry) naming the known types: asynq's own answer,
-// "handler not found", counts as a failure and is retried up to the task's MaxRetry
-// (asynq's default 25, over days). Serve it in place of mux: srv.Start(ArchiveUnknown(mux,
-// "payment:charge", "wallet:debit")).
+// at once, with the reason (asynq.SkipRetry) naming the type, the queue, the known types
+// and the fix: asynq's own answer, "handler not found", counts as a failure and is
+// retried up to the task's MaxRetry (asynq's default 25, over days). Serve it in place of
+// mux: srv.Start(ArchiveUnknown(mux, "payment:charge", "wallet:debit")).
+//
+// A worker so served owns the queues it serves: a task of another binary's type put on
+// one of them is archived, not left for that binary (asynq dequeues whatever is on a
+// queue, and a handler cannot hand a task back untouched; a retry would spend the task's
+// retries and delay it). Give each binary's task types a queue of their own.
 func ArchiveUnknown(mux *asynq.ServeMux, known ...string) asynq.Handler {
 	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 		if _, pattern := mux.Handler(t); pattern == "" {
-			return fmt.Errorf("unknown task type %.64q: this worker handles %s: %w", t.Type(), strings.Join(known, ", "), asynq.SkipRetry)
+			where := ""
+			if q, ok := asynq.GetQueueName(ctx); ok {
+				where = fmt.Sprintf(" on queue %.64q", q)
+			}
+			return fmt.Errorf("unknown task type %.64q%s: this worker handles %s and archives any other type on the queues it serves; "+
+				"give other task types a queue of their own (asynq.Queue), served only by the worker that runs them: %w",
+				t.Type(), where, strings.Join(known, ", "), asynq.SkipRetry)
 		}
 		return mux.ProcessTask(ctx, t)
 	})

@@ -553,7 +553,7 @@ func TestMiddlewareKeyScopedJobsSkipTheLock(t *testing.T) {
 }
 
 // A task whose type no handler serves is archived at once (SkipRetry) with the reason
-// naming the known types; a known one reaches its handler.
+// naming the known types and the fix; a known one reaches its handler.
 func TestArchiveUnknown(t *testing.T) {
 	t.Parallel()
 	mux := asynq.NewServeMux()
@@ -561,7 +561,8 @@ func TestArchiveUnknown(t *testing.T) {
 	mux.HandleFunc(tasks.TypeDebit, func(context.Context, *asynq.Task) error { ran++; return nil })
 	h := asynqmw.ArchiveUnknown(mux, tasks.TypeDebit)
 	err := h.ProcessTask(context.Background(), asynq.NewTask("foo:bar", nil))
-	if !errors.Is(err, asynq.SkipRetry) || !strings.Contains(err.Error(), `unknown task type "foo:bar": this worker handles wallet:debit`) {
+	if !errors.Is(err, asynq.SkipRetry) || !strings.Contains(err.Error(), `unknown task type "foo:bar": this worker handles wallet:debit and archives`) ||
+		!strings.Contains(err.Error(), "give other task types a queue of their own") {
 		t.Errorf("unknown type: %v; want SkipRetry naming the type and the known ones", err)
 	}
 	if err := h.ProcessTask(context.Background(), asynq.NewTask(tasks.TypeDebit, nil)); err != nil || ran != 1 {

@@ -93,7 +93,9 @@ type Config struct {
 	// Logger receives the Server's lines and, unless the nested configurations name
 	// their own, the ledger's, the middleware's, the lock's and the outbox's ("component"
 	// outbox), and asynq's ("component" asynq, at the level the Logger enables). Default:
-	// discard.
+	// slog.Default() as New finds it (Info and above, unless you set another default):
+	// failed deliveries, lost leases and an unreachable Redis or Postgres are logged. To
+	// discard everything, give slog.New(slog.DiscardHandler).
 	Logger *slog.Logger
 
 	// Ledger configures the ledger (idempotency.New). Its Observe and ObserveBatch feed
@@ -328,7 +330,7 @@ func withDefaults(cfg *Config) error {
 		cfg.Queues = maps.Clone(cfg.Queues)
 	}
 	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
+		cfg.Logger = slog.Default()
 	}
 	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -231,7 +232,7 @@ func TestRunArchivesWhatItCannotRun(t *testing.T) {
 	want := map[string]string{
 		"zero":    "cents: must be positive, got 0",
 		"variant": `Ref: field names are case-sensitive (did you mean "ref"?)`,
-		"unknown": `unknown task type "test:unknown": this worker handles test:transfer, test:notice`,
+		"unknown": `unknown task type "test:unknown" on queue "default": this worker handles test:transfer, test:notice and archives`,
 	}
 	insp := asynq.NewInspectorFromRedisClient(e.rdb)
 	deadline := time.Now().Add(30 * time.Second)
@@ -487,5 +488,58 @@ func TestRunSchedulesPeriodicJobs(t *testing.T) {
 	}
 	if n := testenv.Count(t, e.pool, `SELECT count(*) FROM job_intents WHERE idempotency_key LIKE 'cron:every-second:%'`); n < len(keys) {
 		t.Errorf("%d intents for %d ticks run", n, len(keys))
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// Without a Logger the Server logs to slog.Default, at the level its handler enables: a
+// failed delivery is not lost. Not parallel: it replaces the process's default logger.
+func TestNewLogsToTheDefaultLogger(t *testing.T) {
+	var out syncBuffer
+	prev := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(&out, &slog.HandlerOptions{Level: slog.LevelInfo})))
+	t.Cleanup(func() { slog.SetDefault(prev) })
+
+	e := newEnv(t)
+	ctx := testenv.Context(t, time.Minute)
+	s, err := server.New(server.Config{Postgres: e.pool, Redis: e.rdb, ShutdownTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	server.HandleLeased(s, typeNotice, func(ctx context.Context, j notice) (json.RawMessage, error) {
+		return nil, errors.New("provider said no")
+	})
+	run(t, s)
+	j := spec(t, typeNotice, notice{Order: "refused"})
+	j.MaxRetry = 0
+	if _, err := s.Outbox().Enqueue(ctx, j); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for !strings.Contains(out.String(), "provider said no") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no line about the failed delivery in slog.Default's output after 30s:\n%s", out.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if got := out.String(); !strings.Contains(got, "level=WARN msg=\"task failed\"") || !strings.Contains(got, "task_type="+typeNotice) {
+		t.Errorf("the failed delivery's line is not a warning naming the task type:\n%s", got)
 	}
 }

@@ -28,7 +28,8 @@ const (
 	// rebinding).
 	AccessLoopback
 	// AccessRefused: no password (or token), and a listen address that is not loopback:
-	// the routes answer 403 naming IDEMQ_DASHBOARD_PASSWORD (or IDEMQ_API_TOKEN).
+	// the routes answer 403 naming IDEMQ_DASHBOARD_USER and IDEMQ_DASHBOARD_PASSWORD (or
+	// IDEMQ_API_TOKEN).
 	// /metrics and the health endpoints are served all the same.
 	AccessRefused
 	// AccessToken: the API asks for a bearer token (Options.APITokens is set).
@@ -115,8 +116,8 @@ func (s *Server) page(csp string, h http.Handler) http.Handler {
 		h = s.auth(h)
 	case AccessRefused:
 		h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			writeError(w, http.StatusForbidden, "the dashboard and the ledger page need a password: set IDEMQ_DASHBOARD_PASSWORD "+
-				"(without one they are served only when IDEMQ_HTTP_ADDR is a loopback address such as 127.0.0.1:8080)")
+			writeError(w, http.StatusForbidden, "the dashboard and the ledger page need a user and a password: set IDEMQ_DASHBOARD_USER and IDEMQ_DASHBOARD_PASSWORD "+
+				"(without them they are served only when IDEMQ_HTTP_ADDR is a loopback address such as 127.0.0.1:8080)")
 		})
 	case AccessLoopback:
 		h = onlyLoopbackHost(h)

@@ -19,9 +19,9 @@ func TestLoopback(t *testing.T) {
 
 // TestDashboardNeedsPasswordOffLoopback: with no password (or the placeholder compose.yaml
 // ships) and a listen address that is not loopback, the dashboard and the ledger page
-// answer 403 naming IDEMQ_DASHBOARD_PASSWORD; the API (with its token), /metrics and the
-// health endpoints keep working. On loopback they are open; with a password they ask for
-// it.
+// answer 403 naming IDEMQ_DASHBOARD_USER and IDEMQ_DASHBOARD_PASSWORD; the API (with its
+// token), /metrics and the health endpoints keep working. On loopback they are open; with
+// a password they ask for it.
 func TestDashboardNeedsPasswordOffLoopback(t *testing.T) {
 	t.Parallel()
 	guarded := []string{"/monitoring/", "/monitoring/api/queues", "/monitoring/static/js/main.5adda2da.chunk.js", "/ledger/", "/ledger/charge:o-1"}
@@ -35,7 +35,8 @@ func TestDashboardNeedsPasswordOffLoopback(t *testing.T) {
 		}
 		a.publish(t, "o-1")
 		for _, path := range guarded {
-			a.do(t, "GET", path, "").wantError(t, 403, "set IDEMQ_DASHBOARD_PASSWORD")
+			// Both variables, since a password without a user stops idemq api at start.
+			a.do(t, "GET", path, "").wantError(t, 403, "set IDEMQ_DASHBOARD_USER and IDEMQ_DASHBOARD_PASSWORD")
 			a.do(t, "GET", path, "", "Authorization", basic("idemq", PlaceholderPassword)).wantError(t, 403, "IDEMQ_DASHBOARD_PASSWORD")
 		}
 		a.do(t, "POST", "/monitoring/api/queues/default:pause", "").wantError(t, 403, "IDEMQ_DASHBOARD_PASSWORD")

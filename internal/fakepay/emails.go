@@ -50,12 +50,13 @@ func (e EmailRequest) validate() error {
 func notPrintable(r rune) bool { return r > unicode.MaxASCII || !unicode.IsPrint(r) }
 
 // sendEmail stores every request it is given, as a provider without idempotency does:
-// an Idempotency-Key header is recorded, never honoured, so a receipt sent twice is two
-// rows of fakepay_emails (the fault suite counts them).
+// the key of its Idemq-Key header (or an older caller's Idempotency-Key) is recorded,
+// never honoured, so a receipt sent twice is two rows of fakepay_emails (the fault suite
+// counts them).
 func (s *Server) sendEmail(w http.ResponseWriter, r *http.Request) {
 	ctx := context.WithoutCancel(r.Context())
 	received := time.Now()
-	key, err := idempotencyKey(r.Header)
+	key, err := recordedKey(r.Header)
 	var f int64
 	if err == nil {
 		f, err = fence(r.Header)

@@ -87,3 +87,52 @@ func TestEmailRequestsAreChecked(t *testing.T) {
 		t.Fatalf("%d emails stored after bad requests (%v), want 0", n, err)
 	}
 }
+
+// The email endpoint records the key a caller sends in Idemq-Key (idemq's charger sends
+// no Idempotency-Key to an endpoint that honours none, so that Go's transport never sends
+// the request twice), and still the Idempotency-Key of an older caller; a bad or repeated
+// Idemq-Key is refused naming the header, and two different keys are refused.
+func TestEmailKeyHeaders(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	srv := httptest.NewServer(fakepay.New(pool, fakepay.Config{HonorKeys: true}))
+	defer srv.Close()
+	post := func(order string, h http.Header) (int, string) {
+		req, _ := http.NewRequest("POST", srv.URL+"/v1/emails", strings.NewReader(`{"to":"ann@example.com","subject":"Your receipt","order_id":"`+order+`"}`))
+		for k, vs := range h {
+			req.Header[k] = vs
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	for _, c := range []struct {
+		order string
+		h     http.Header
+		code  int
+		want  string // the stored key, or the error
+	}{
+		{"k-new", http.Header{"Idemq-Key": {"checkout:k-new#s/receipt"}, "Idemq-Fence": {"9"}}, http.StatusAccepted, "checkout:k-new#s/receipt"},
+		{"k-old", http.Header{"Idempotency-Key": {"checkout:k-old#s/receipt"}}, http.StatusAccepted, "checkout:k-old#s/receipt"},
+		{"k-both", http.Header{"Idemq-Key": {"checkout:k-both#s/receipt"}, "Idempotency-Key": {"checkout:k-both#s/receipt"}}, http.StatusAccepted, "checkout:k-both#s/receipt"},
+		{"k-differ", http.Header{"Idemq-Key": {"checkout:a#s/receipt"}, "Idempotency-Key": {"checkout:b#s/receipt"}}, http.StatusBadRequest, "Idemq-Key and Idempotency-Key headers differ"},
+		{"k-twice", http.Header{"Idemq-Key": {"a", "b"}}, http.StatusBadRequest, "Idemq-Key header: given 2 times"},
+		{"k-bad", http.Header{"Idemq-Key": {"has space"}}, http.StatusBadRequest, "Idemq-Key header:"},
+	} {
+		code, answer := post(c.order, c.h)
+		if code != c.code || (code != http.StatusAccepted && !strings.Contains(answer, c.want)) {
+			t.Errorf("%s: %d %s, want %d (%s)", c.order, code, answer, c.code, c.want)
+			continue
+		}
+		if code == http.StatusAccepted {
+			var key string
+			if err := pool.QueryRow(testenv.Context(t, 30*time.Second), `SELECT coalesce(idempotency_key, '') FROM fakepay_emails WHERE order_id = $1`, c.order).Scan(&key); err != nil || key != c.want {
+				t.Errorf("%s: stored key %q (%v), want %q", c.order, key, err, c.want)
+			}
+		}
+	}
+}

@@ -8,8 +8,9 @@
 // HonorKeys off it creates a charge per request, to show what the ledger alone prevents.
 //
 // POST /v1/emails stands for a provider without idempotency: it stores every request in
-// fakepay_emails (with its Idempotency-Key and Idemq-Fence headers, never honoured) and
-// answers 202, so an email sent twice is two rows.
+// fakepay_emails (with its key, from the Idemq-Key header or an older caller's
+// Idempotency-Key, and its Idemq-Fence header, never honoured) and answers 202, so an
+// email sent twice is two rows.
 //
 // A key follows the ledger's rules (idempotency.ValidateKey), or is a step's key
 // (<job key>#s/<name>); a request with a bad key gets 400. Errors are JSON {"error": "..."}; an internal failure answers "internal error" with
@@ -119,20 +120,47 @@ func fence(h http.Header) (int64, error) {
 	return n, nil
 }
 
+// headerKey is the request header in which a caller of the email endpoint, which honours
+// no key, sends its key for the record: an Idempotency-Key there would let Go's transport
+// send the request twice on its own (it treats a POST with that header as replayable).
+const headerKey = "Idemq-Key"
+
 // idempotencyKey returns the request's Idempotency-Key header, "" without one. A key is
 // stored and compared as text, so it must be given once and follow the ledger's key rules.
-func idempotencyKey(h http.Header) (string, error) {
-	keys := h.Values("Idempotency-Key")
+func idempotencyKey(h http.Header) (string, error) { return keyHeader(h, "Idempotency-Key") }
+
+// keyHeader returns the request's header name, checked as idempotencyKey checks it.
+func keyHeader(h http.Header, name string) (string, error) {
+	keys := h.Values(name)
 	switch {
 	case len(keys) == 0:
 		return "", nil
 	case len(keys) > 1:
-		return "", fmt.Errorf("Idempotency-Key header: given %d times, must be given once", len(keys))
+		return "", fmt.Errorf("%s header: given %d times, must be given once", name, len(keys))
 	}
 	if err := checkKey(keys[0]); err != nil {
-		return "", fmt.Errorf("Idempotency-Key header: %w", err)
+		return "", fmt.Errorf("%s header: %w", name, err)
 	}
 	return keys[0], nil
+}
+
+// recordedKey returns the key an email request carries for the record: its Idemq-Key
+// header, or the Idempotency-Key an older caller sends; both given must agree.
+func recordedKey(h http.Header) (string, error) {
+	key, err := keyHeader(h, headerKey)
+	if err != nil {
+		return "", err
+	}
+	old, err := idempotencyKey(h)
+	switch {
+	case err != nil:
+		return "", err
+	case key == "":
+		return old, nil
+	case old != "" && old != key:
+		return "", fmt.Errorf("%s and Idempotency-Key headers differ: send one key", headerKey)
+	}
+	return key, nil
 }
 
 // checkKey accepts a job key (idempotency.ValidateKey) or a step's key, the job's key with
