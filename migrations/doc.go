@@ -44,4 +44,7 @@
 // read from the schema's objects (processed_jobs for the core set, fakepay_requests for
 // the example's, then each later migration's table, column or constraint), never from
 // goose_db_version, whose rows may be the application's under the same numbers.
+//
+// Status and Check only read: they create no version table and carry nothing over, so a
+// schema they looked at (a dry run, a start refused) is left exactly as it was.
 package migrations

@@ -62,7 +62,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	}
 	defer db.Close()
 	pool := db.Pool
-	if err := requireSchema(ctx, pool); err != nil {
+	if err := requireSchema(ctx, pool, "api", exampleSchema); err != nil {
 		return err
 	}
 	reg := process.Start(ctx, pool, process.RoleAPI, log, nil)

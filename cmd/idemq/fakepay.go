@@ -35,7 +35,7 @@ func fakepayCommand() command {
 				return err
 			}
 			defer pool.Close()
-			if err := requireSchema(ctx, pool); err != nil {
+			if err := requireSchema(ctx, pool, "fakepay", exampleSchema); err != nil {
 				return err
 			}
 			srv := fakepay.New(pool, fakepay.Config{HonorKeys: cfg.HonorKeys, Delay: cfg.Delay, Logger: log})

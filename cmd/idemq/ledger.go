@@ -61,7 +61,7 @@ func ledgerCommand() command {
 				return err
 			}
 			defer pool.Close()
-			if err := requireSchema(ctx, pool); err != nil {
+			if err := requireSchema(ctx, pool, "ledger", coreSchema); err != nil {
 				return err
 			}
 			ledger := idempotency.New(pool, &idempotency.Config{HeartbeatPool: pool})
