@@ -13,13 +13,13 @@
 //     versions in idemq_example_db_version. Up never creates these tables: an
 //     application using the library does not need them.
 //
-// A library user applies the core set beside the application's own migrations:
+// A library user applies the core set beside the application's own migrations, through
+// the application's pgx pool or any *sql.DB whose connections use the schema:
 //
-//	db := stdlib.OpenDBFromPool(pool) // any *sql.DB whose connections use the schema
-//	defer db.Close()
-//	if _, err := migrations.Up(ctx, db); err != nil {
+//	if err := migrations.UpPool(ctx, pool); err != nil {
 //		return err
 //	}
+//	// or: if _, err := migrations.Up(ctx, db); err != nil { … }
 //
 // Neither set reads or writes goose's default version table (goose_db_version) or takes
 // goose's default lock, so an application that migrates its own schema with goose can run

@@ -9,6 +9,8 @@ import (
 	"io/fs"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 )
@@ -82,6 +84,17 @@ func NewExampleProvider(ctx context.Context, db *sql.DB) (*goose.Provider, error
 // processes at once, and from inside an application's own goose migration.
 func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	return core.up(ctx, db)
+}
+
+// UpPool is Up through a pgx pool, for an application that holds a *pgxpool.Pool rather
+// than a *sql.DB: it opens a database/sql handle on pool (stdlib.OpenDBFromPool), applies
+// the pending core migrations and closes the handle, leaving pool open. It returns Up's
+// error (a *ContractError when a contract step is refused).
+func UpPool(ctx context.Context, pool *pgxpool.Pool) error {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	_, err := Up(ctx, db)
+	return err
 }
 
 // UpExample applies every pending migration of the example set: the tables of the
