@@ -55,6 +55,12 @@ func ledgerCommand() command {
 			if op == "list" && (*limit < 1 || *limit > maxListLimit) {
 				return fmt.Errorf("ledger list: --limit: must be from 1 to %d, got %d", maxListLimit, *limit)
 			}
+			switch *status {
+			case "", idempotency.StatusInProgress, idempotency.StatusCompleted, idempotency.StatusFailed, idempotency.StatusNeedsAttention:
+			default:
+				return fmt.Errorf("ledger list: --status: unknown status %q: want %s, %s, %s or %s", *status,
+					idempotency.StatusInProgress, idempotency.StatusCompleted, idempotency.StatusFailed, idempotency.StatusNeedsAttention)
+			}
 
 			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 4)
 			if err != nil {
