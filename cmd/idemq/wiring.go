@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -40,6 +41,17 @@ func startTracing(ctx context.Context, service string, log *slog.Logger) (func()
 			log.Warn("tracing: flush the last spans", "err", err)
 		}
 	}, nil
+}
+
+// listen takes addr, which the variable name set, for a server: an address in use names
+// the variable to change. Taken before anything else starts, it stops a second process
+// given the same address at once.
+func listen(name, addr string) (net.Listener, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("%s=%s: %w: another process listens there; set %s to a free host:port", name, addr, err, name)
+	}
+	return ln, nil
 }
 
 // A schemaNeed is what a subcommand needs of the schema.
