@@ -272,8 +272,12 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 		if len(res) > 60 {
 			res = res[:57] + "..."
 		}
+		lease := "-" // only a row in progress holds a lease
+		if r.Status == idempotency.StatusInProgress {
+			lease = stamp(r.LockedUntil)
+		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.Key, r.TaskType, r.Status, r.Fence, r.Attempts,
-			stamp(r.LockedUntil), stamp(r.UpdatedAt), res)
+			lease, stamp(r.UpdatedAt), res)
 	}
 	if len(rs) == 0 {
 		fmt.Fprintln(tw, "(no rows)")
@@ -281,11 +285,13 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 	return tw.Flush()
 }
 
-// leaseText is r's lease end, saying whether an in-progress row's lease is still live.
+// leaseText is r's lease end, saying whether an in-progress row's lease is still live;
+// "-" for a row not in progress, which holds no lease (locked_until keeps the end of the
+// last one).
 func leaseText(r idempotency.Record) string {
 	switch {
 	case r.Status != idempotency.StatusInProgress:
-		return stamp(r.LockedUntil)
+		return "-"
 	case r.LeaseLive:
 		return stamp(r.LockedUntil) + " (live)"
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"net"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -34,5 +35,28 @@ func TestPortInUseNamesTheVariable(t *testing.T) {
 		if err == nil || !strings.Contains(stderr, tc.name+"="+addr) || !strings.Contains(stderr, "address already in use") {
 			t.Errorf("idemq %s on a port in use: %v, stderr %q; want it to name %s=%s", tc.cmd, err, stderr, tc.name, addr)
 		}
+	}
+}
+
+// A row that is not in progress holds no lease: `ledger show` and `ledger list` say "-",
+// the JSON says null, though a leased run's completion leaves locked_until set.
+func TestLedgerShowsNoLeaseForFinishedRows(t *testing.T) {
+	t.Parallel()
+	dsn := testenv.PostgresURL(t)
+	pool := testenv.Pool(t, dsn)
+	testenv.Exec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, owner, payload_sha256, result, attempts, locked_until, completed_at)
+		VALUES ('debit:done', 'wallet:debit', 'completed', nextval('processed_jobs_fence_seq'), gen_random_uuid(), sha256('x'), '{"entry_id":1}', 1, now() + interval '20 seconds', now())`)
+	env := []string{"DATABASE_URL=" + dsn}
+	out, stderr, err := idemq(t, env, "ledger", "show", "debit:done")
+	if err != nil || !regexp.MustCompile(`(?m)^lease until +-$`).MatchString(out) {
+		t.Errorf("ledger show of a completed row: %v, want \"lease until  -\":\n%s%s", err, out, stderr)
+	}
+	out, stderr, err = idemq(t, env, "ledger", "list")
+	if err != nil || !regexp.MustCompile(`(?m)^debit:done +wallet:debit +completed +\d+ +1 +- +\d{4}-`).MatchString(out) {
+		t.Errorf("ledger list with a completed row: %v, want its lease column \"-\":\n%s%s", err, out, stderr)
+	}
+	out, stderr, err = idemq(t, env, "ledger", "show", "debit:done", "--json")
+	if err != nil || !strings.Contains(out, `"locked_until":null`) {
+		t.Errorf("ledger show --json of a completed row: %v, want \"locked_until\":null:\n%s%s", err, out, stderr)
 	}
 }
