@@ -60,3 +60,33 @@ func TestLedgerShowsNoLeaseForFinishedRows(t *testing.T) {
 		t.Errorf("ledger show --json of a completed row: %v, want \"locked_until\":null:\n%s%s", err, out, stderr)
 	}
 }
+
+// Every subcommand's summary starts in one column of `idemq help`.
+func TestHelpAlignsSummaries(t *testing.T) {
+	t.Parallel()
+	out, _, err := idemq(t, nil, "help")
+	if err != nil {
+		t.Fatal(err)
+	}
+	section := out[strings.Index(out, "Subcommands:\n")+len("Subcommands:\n"):]
+	col := -1
+	for _, c := range commands() {
+		var line string
+		for _, l := range strings.Split(section, "\n") {
+			if strings.HasPrefix(l, "  "+c.name+" ") {
+				line = l
+				break
+			}
+		}
+		at := strings.Index(line, c.summary)
+		if line == "" || at < 0 {
+			t.Fatalf("idemq help has no row for %s:\n%s", c.name, out)
+		}
+		if col == -1 {
+			col = at
+		}
+		if at != col || line[at-1] != ' ' || line[at-2] != ' ' {
+			t.Errorf("%s's summary starts at column %d, want %d after at least two spaces:\n%s", c.name, at, col, line)
+		}
+	}
+}
