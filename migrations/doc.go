@@ -8,7 +8,8 @@
 //     Idempotency-Key headers (api_idempotency_keys), and the registry of running
 //     processes (idemq_processes). Up applies it and records its versions in idemq_db_version.
 //   - the example set (the example directory): the tables of the example handlers and of
-//     the stand-in payment provider (wallet_entries, fakepay_requests, fakepay_charges).
+//     the stand-in payment provider (wallet_entries, wallet_settlements, orders,
+//     fakepay_requests, fakepay_charges, fakepay_emails; docs/leases.md lists every table).
 //     `idemq migrate` applies it after the core set; UpExample applies it and records its
 //     versions in idemq_example_db_version. Up never creates these tables: an
 //     application using the library does not need them.
