@@ -44,3 +44,38 @@ func TestFinishedRowShowsNoLease(t *testing.T) {
 	}
 	a.do(t, "GET", "/v1/jobs/charge:live", "").want(t, 200, `"lease_live":true`, `"locked_until":"`)
 }
+
+// The ledger list keeps each date on one line, however narrow its columns get.
+func TestLedgerListDatesDoNotWrap(t *testing.T) {
+	t.Parallel()
+	a := newTestAPI(t, nil)
+	a.insertRow(t, "charge:o-wide", `{"charge_id":"`+strings.Repeat("x", 70)+`"}`)
+	body := a.do(t, "GET", "/ledger/", "").want(t, 200).body
+	nowrap := map[string]bool{}
+	for _, m := range regexp.MustCompile(`([a-z.,\s-]+)\{([^}]*)\}`).FindAllStringSubmatch(body, -1) {
+		if strings.Contains(m[2], "white-space:nowrap") {
+			for _, sel := range strings.Split(m[1], ",") {
+				nowrap[strings.TrimSpace(sel)] = true
+			}
+		}
+	}
+	stampRE := regexp.MustCompile(`^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ$`)
+	cells := regexp.MustCompile(`<td class="([^"]*)">([^<]*)</td>`).FindAllStringSubmatch(body, -1)
+	dates := 0
+	for _, c := range cells {
+		if !stampRE.MatchString(c[2]) {
+			continue
+		}
+		dates++
+		held := false
+		for _, class := range strings.Fields(c[1]) {
+			held = held || nowrap["td."+class] || nowrap["."+class]
+		}
+		if !held {
+			t.Errorf("date cell <td class=%q>%s</td> may wrap: no white-space:nowrap rule for its classes", c[1], c[2])
+		}
+	}
+	if dates < 2 {
+		t.Fatalf("found %d date cells in the list, want the row's started and updated:\n%s", dates, body)
+	}
+}
