@@ -141,3 +141,57 @@ func TestReadmeExampleCompiles(t *testing.T) {
 		t.Errorf("the README's example is %d lines, over 25", n)
 	}
 }
+
+// section returns the text of page's section under heading, up to the next heading of
+// its level or above.
+func section(t *testing.T, page, heading string) string {
+	t.Helper()
+	raw, err := os.ReadFile(page)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(raw)
+	i := strings.Index(s, "\n## "+heading+"\n")
+	if i < 0 {
+		t.Fatalf("%s has no section %q", page, heading)
+	}
+	s = s[i+len("\n## "+heading+"\n"):]
+	if j := strings.Index(s, "\n## "); j >= 0 {
+		s = s[:j]
+	}
+	return s
+}
+
+// TestSchemaTablesListedOnce: one page lists every table idemq's migrations create (both
+// sets, and their version tables), and the guide links to that list rather than keeping
+// one of its own.
+func TestSchemaTablesListedOnce(t *testing.T) {
+	core, _ := filepath.Glob("../migrations/*.sql")
+	example, _ := filepath.Glob("../migrations/example/*.sql")
+	tables := []string{"idemq_db_version", "idemq_example_db_version"}
+	create := regexp.MustCompile(`(?mi)^CREATE TABLE (?:IF NOT EXISTS )?([a-z_]+)`)
+	for _, f := range append(core, example...) {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range create.FindAllStringSubmatch(string(raw), -1) {
+			tables = append(tables, m[1])
+		}
+	}
+	list := section(t, "leases.md", "The schema beside yours")
+	for _, table := range tables {
+		if !strings.Contains(list, "`"+table+"`") {
+			t.Errorf("docs/leases.md#the-schema-beside-yours does not list table %s", table)
+		}
+	}
+	guide := section(t, "guide.md", "The schema beside yours")
+	if !strings.Contains(guide, "(leases.md#the-schema-beside-yours)") {
+		t.Errorf("docs/guide.md#the-schema-beside-yours does not link to the list of tables")
+	}
+	for _, table := range tables {
+		if table != "idemq_db_version" && strings.Contains(guide, "`"+table+"`") {
+			t.Errorf("docs/guide.md#the-schema-beside-yours names table %s: keep the one list in docs/leases.md", table)
+		}
+	}
+}

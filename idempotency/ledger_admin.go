@@ -101,6 +101,12 @@ func (l *Ledger) GetMany(ctx context.Context, keys []string) (map[string]*Record
 	return out, nil
 }
 
+// unknownStatus is the error for a status that is not one of the four, naming them.
+func unknownStatus(status string) error {
+	return fmt.Errorf("%w: unknown status %q: want %s, %s, %s or %s", ErrInvalidRequest, status,
+		StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention)
+}
+
 // List returns up to limit rows (all when limit <= 0) with the given status, or of every
 // status when status is "", most recently updated first. It scans the table; it is meant
 // for operators, not for hot paths. Safe for concurrent use.
@@ -108,7 +114,7 @@ func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, 
 	switch status {
 	case "", StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:
 	default:
-		return nil, fmt.Errorf("%w: unknown status %q", ErrInvalidRequest, status)
+		return nil, unknownStatus(status)
 	}
 	var lim any
 	if limit > 0 {
@@ -131,7 +137,7 @@ func (l *Ledger) CountStatus(ctx context.Context, status string) (int64, error) 
 	switch status {
 	case StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:
 	default:
-		return 0, fmt.Errorf("%w: unknown status %q", ErrInvalidRequest, status)
+		return 0, unknownStatus(status)
 	}
 	var n int64
 	if err := l.pool.QueryRow(ctx, store.CountSQL, status).Scan(&n); err != nil {

@@ -36,7 +36,7 @@ func (l *Ledger) Find(ctx context.Context, f Filter) ([]Record, error) {
 	switch f.Status {
 	case "", StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:
 	default:
-		return nil, fmt.Errorf("%w: unknown status %q", ErrInvalidRequest, f.Status)
+		return nil, unknownStatus(f.Status)
 	}
 	switch f.Lease {
 	case "", LeaseLive, LeaseLapsed:

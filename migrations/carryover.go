@@ -123,32 +123,9 @@ func (s *set) carryOverTx(ctx context.Context, conn *sql.Conn, store database.St
 		}
 	}
 
-	present, err := s.legacyPresent(ctx, conn)
+	k, err := s.legacyApplied(ctx, conn)
 	if err != nil {
 		return err
-	}
-	k, last := 0, -1
-	for k < len(present) && present[k] {
-		k++
-	}
-	for i, ok := range present {
-		if ok {
-			last = i
-		}
-	}
-	if last >= k {
-		var there, missing []string
-		for i, lv := range s.legacy[:last+1] {
-			if present[i] {
-				there = append(there, fmt.Sprintf("%s (version %d)", lv.object, lv.version))
-			} else {
-				missing = append(missing, fmt.Sprintf("%s (version %d)", lv.object, lv.version))
-			}
-		}
-		return fmt.Errorf("migrations: the schema holds %s of idemq's %s migrations, but not %s: "+
-			"not the objects of migrations applied in order, so which of them ran is unknown; "+
-			"rename those tables if they are not idemq's, or drop them if an older idemq left its migration half done, then migrate again",
-			strings.Join(there, ", "), s.name, strings.Join(missing, ", "))
 	}
 	if k == 0 {
 		return nil
@@ -179,9 +156,43 @@ func (s *set) carryOverTx(ctx context.Context, conn *sql.Conn, store database.St
 	return nil
 }
 
+// legacyApplied returns how many of the set's legacy versions an older idemq applied, read
+// from the schema's objects (see carryOver), or the refusal of a mix that is not the
+// objects of migrations applied in order. It only reads.
+func (s *set) legacyApplied(ctx context.Context, q querier) (int, error) {
+	present, err := s.legacyPresent(ctx, q)
+	if err != nil {
+		return 0, err
+	}
+	k, last := 0, -1
+	for k < len(present) && present[k] {
+		k++
+	}
+	for i, ok := range present {
+		if ok {
+			last = i
+		}
+	}
+	if last >= k {
+		var there, missing []string
+		for i, lv := range s.legacy[:last+1] {
+			if present[i] {
+				there = append(there, fmt.Sprintf("%s (version %d)", lv.object, lv.version))
+			} else {
+				missing = append(missing, fmt.Sprintf("%s (version %d)", lv.object, lv.version))
+			}
+		}
+		return 0, fmt.Errorf("migrations: the schema holds %s of idemq's %s migrations, but not %s: "+
+			"not the objects of migrations applied in order, so which of them ran is unknown; "+
+			"rename those tables if they are not idemq's, or drop them if an older idemq left its migration half done, then migrate again",
+			strings.Join(there, ", "), s.name, strings.Join(missing, ", "))
+	}
+	return k, nil
+}
+
 // legacyPresent reports, for each of the set's legacy versions, whether its object is in
 // the current schema, in one query.
-func (s *set) legacyPresent(ctx context.Context, conn *sql.Conn) ([]bool, error) {
+func (s *set) legacyPresent(ctx context.Context, q querier) ([]bool, error) {
 	cols := make([]string, len(s.legacy))
 	for i, lv := range s.legacy {
 		cols[i] = lv.exists
@@ -191,7 +202,7 @@ func (s *set) legacyPresent(ctx context.Context, conn *sql.Conn) ([]bool, error)
 	for i := range present {
 		dest[i] = &present[i]
 	}
-	if err := conn.QueryRowContext(ctx, "SELECT "+strings.Join(cols, ", ")).Scan(dest...); err != nil {
+	if err := q.QueryRowContext(ctx, "SELECT "+strings.Join(cols, ", ")).Scan(dest...); err != nil {
 		return nil, fmt.Errorf("migrations: carry over: read the schema's objects: %w", err)
 	}
 	return present, nil
@@ -199,8 +210,8 @@ func (s *set) legacyPresent(ctx context.Context, conn *sql.Conn) ([]bool, error)
 
 // tableExists reports whether the set's version table is in the current schema, where
 // goose looks for it.
-func (s *set) tableExists(ctx context.Context, conn *sql.Conn) (bool, error) {
+func (s *set) tableExists(ctx context.Context, q querier) (bool, error) {
 	var exists bool
-	err := conn.QueryRowContext(ctx, "SELECT "+relation(s.table)+" IS NOT NULL").Scan(&exists)
+	err := q.QueryRowContext(ctx, "SELECT "+relation(s.table)+" IS NOT NULL").Scan(&exists)
 	return exists, err
 }

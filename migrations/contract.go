@@ -7,8 +7,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/pressly/goose/v3"
 )
 
 // ProcessesTable is where idemq's long-running processes register (migration 00110).
@@ -81,8 +79,8 @@ func (e *ContractError) Error() string {
 }
 
 // check returns a *ContractError when a pending contract step of s may not run yet. A set
-// without contract steps costs no query.
-func (s *set) check(ctx context.Context, db *sql.DB, p *goose.Provider) error {
+// without contract steps costs no query. It only reads.
+func (s *set) check(ctx context.Context, db *sql.DB) error {
 	steps, err := readSteps(s.files)
 	if err != nil {
 		return err
@@ -90,32 +88,17 @@ func (s *set) check(ctx context.Context, db *sql.DB, p *goose.Provider) error {
 	if !slices.ContainsFunc(steps, func(st Step) bool { return st.Contract }) {
 		return nil
 	}
-	pending, err := pendingSteps(ctx, p, s.name, steps)
+	list, err := s.status(ctx, db)
 	if err != nil {
 		return err
 	}
+	var pending []Step
+	for _, m := range list {
+		if !m.Applied {
+			pending = append(pending, m.Step)
+		}
+	}
 	return s.checkContracts(ctx, db, pending)
-}
-
-// pendingSteps returns the steps that p reports pending, in order.
-func pendingSteps(ctx context.Context, p *goose.Provider, name string, steps []Step) ([]Step, error) {
-	st, err := p.Status(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("migrations: status (%s): %w", name, err)
-	}
-	pending := map[int64]bool{}
-	for _, m := range st {
-		if m.State == goose.StatePending {
-			pending[m.Source.Version] = true
-		}
-	}
-	var out []Step
-	for _, step := range steps {
-		if pending[step.Version] {
-			out = append(out, step)
-		}
-	}
-	return out, nil
 }
 
 // checkContracts returns a *ContractError for the first pending contract step a live

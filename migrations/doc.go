@@ -8,18 +8,19 @@
 //     Idempotency-Key headers (api_idempotency_keys), and the registry of running
 //     processes (idemq_processes). Up applies it and records its versions in idemq_db_version.
 //   - the example set (the example directory): the tables of the example handlers and of
-//     the stand-in payment provider (wallet_entries, fakepay_requests, fakepay_charges).
+//     the stand-in payment provider (wallet_entries, wallet_settlements, orders,
+//     fakepay_requests, fakepay_charges, fakepay_emails; docs/leases.md lists every table).
 //     `idemq migrate` applies it after the core set; UpExample applies it and records its
 //     versions in idemq_example_db_version. Up never creates these tables: an
 //     application using the library does not need them.
 //
-// A library user applies the core set beside the application's own migrations:
+// A library user applies the core set beside the application's own migrations, through
+// the application's pgx pool or any *sql.DB whose connections use the schema:
 //
-//	db := stdlib.OpenDBFromPool(pool) // any *sql.DB whose connections use the schema
-//	defer db.Close()
-//	if _, err := migrations.Up(ctx, db); err != nil {
+//	if err := migrations.UpPool(ctx, pool); err != nil {
 //		return err
 //	}
+//	// or: if _, err := migrations.Up(ctx, db); err != nil { … }
 //
 // Neither set reads or writes goose's default version table (goose_db_version) or takes
 // goose's default lock, so an application that migrates its own schema with goose can run
@@ -44,4 +45,7 @@
 // read from the schema's objects (processed_jobs for the core set, fakepay_requests for
 // the example's, then each later migration's table, column or constraint), never from
 // goose_db_version, whose rows may be the application's under the same numbers.
+//
+// Status and Check only read: they create no version table and carry nothing over, so a
+// schema they looked at (a dry run, a start refused) is left exactly as it was.
 package migrations

@@ -343,3 +343,28 @@ func TestCarryOverRefusesObjectsOutOfOrder(t *testing.T) {
 		}
 	}
 }
+
+// UpPool applies the core set through a pgx pool, as Up does through a *sql.DB, and
+// leaves the pool open.
+func TestUpPool(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	pool := testenv.Pool(t, testenv.EmptyPostgresURL(t))
+	if err := migrations.UpPool(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.UpPool(ctx, pool); err != nil {
+		t.Fatalf("UpPool on a current schema: %v", err)
+	}
+	for _, table := range coreTables {
+		if n := testenv.Count(t, pool, "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema() AND tablename = $1", table); n != 1 {
+			t.Errorf("table %s: %d, want 1", table, n)
+		}
+	}
+	if n := testenv.Count(t, pool, "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema() AND tablename = 'wallet_entries'"); n != 0 {
+		t.Errorf("UpPool created the example's tables")
+	}
+	if err := pool.Ping(ctx); err != nil {
+		t.Fatalf("the pool after UpPool: %v", err)
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"io/fs"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 )
@@ -84,6 +86,17 @@ func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	return core.up(ctx, db)
 }
 
+// UpPool is Up through a pgx pool, for an application that holds a *pgxpool.Pool rather
+// than a *sql.DB: it opens a database/sql handle on pool (stdlib.OpenDBFromPool), applies
+// the pending core migrations and closes the handle, leaving pool open. It returns Up's
+// error (a *ContractError when a contract step is refused).
+func UpPool(ctx context.Context, pool *pgxpool.Pool) error {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	_, err := Up(ctx, db)
+	return err
+}
+
 // UpExample applies every pending migration of the example set: the tables of the
 // example handlers (wallet_entries) and of the stand-in payment provider (fakepay_*). Only
 // the example needs them; `idemq migrate` calls it after Up. It refuses contract steps as
@@ -118,7 +131,7 @@ func (s *set) up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, err
 	if err != nil {
 		return nil, err
 	}
-	if err := s.check(ctx, db, p); err != nil {
+	if err := s.check(ctx, db); err != nil {
 		return nil, err
 	}
 	res, err := p.Up(ctx)
@@ -140,49 +153,34 @@ func lockID(schema string) int64 {
 type Migration struct {
 	Set string // "core" or "example"
 	Step
-	AppliedAt time.Time // zero while pending
+	Applied bool
+	// AppliedAt is when the set's version table recorded it: zero while pending, and for a
+	// migration an older idemq applied that the next Up records (see the package
+	// documentation).
+	AppliedAt time.Time
 }
 
-// Status lists the migrations of both sets, core first, each with its kind and when it
-// was applied. It applies nothing (it carries over a schema an older idemq recorded in
-// goose_db_version, as Up does).
+// Status lists the migrations of both sets, core first, each with its kind and whether
+// and when it was applied. It only reads: it creates no version table and carries
+// nothing over (a schema an older idemq recorded in goose_db_version shows what the next
+// Up would record), so a schema it looked at is left exactly as it was.
 func Status(ctx context.Context, db *sql.DB) ([]Migration, error) {
 	var out []Migration
 	for _, s := range []*set{core, example} {
-		p, err := s.provider(ctx, db)
+		list, err := s.status(ctx, db)
 		if err != nil {
 			return nil, err
 		}
-		steps, err := readSteps(s.files)
-		if err != nil {
-			return nil, err
-		}
-		st, err := p.Status(ctx)
-		if err != nil {
-			return nil, fmt.Errorf("migrations: status (%s): %w", s.name, err)
-		}
-		applied := map[int64]time.Time{}
-		for _, m := range st {
-			if m.State == goose.StateApplied {
-				applied[m.Source.Version] = m.AppliedAt
-			}
-		}
-		for _, step := range steps {
-			out = append(out, Migration{Set: s.name, Step: step, AppliedAt: applied[step.Version]})
-		}
+		out = append(out, list...)
 	}
 	return out, nil
 }
 
-// Check returns what Up followed by UpExample would refuse (a *ContractError), or nil,
-// and applies nothing.
+// Check returns what Up followed by UpExample would refuse (a *ContractError), or nil.
+// Like Status, it only reads.
 func Check(ctx context.Context, db *sql.DB) error {
 	for _, s := range []*set{core, example} {
-		p, err := s.provider(ctx, db)
-		if err != nil {
-			return err
-		}
-		if err := s.check(ctx, db, p); err != nil {
+		if err := s.check(ctx, db); err != nil {
 			return err
 		}
 	}

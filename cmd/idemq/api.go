@@ -42,6 +42,11 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	if cfg.DashboardPassword != "" && cfg.DashboardPassword != api.PlaceholderPassword && cfg.DashboardUser == "" {
 		return errors.New("api: IDEMQ_DASHBOARD_PASSWORD is set but IDEMQ_DASHBOARD_USER is empty: set the user name the dashboard and the ledger page admit")
 	}
+	ln, err := listen("IDEMQ_HTTP_ADDR", cfg.HTTPAddr)
+	if err != nil {
+		return err
+	}
+	defer ln.Close() // Serve closes it too
 	stopTracing, err := startTracing(ctx, "idemq-api", log)
 	if err != nil {
 		return err
@@ -62,7 +67,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	}
 	defer db.Close()
 	pool := db.Pool
-	if err := requireSchema(ctx, pool); err != nil {
+	if err := requireSchema(ctx, pool, "api", exampleSchema); err != nil {
 		return err
 	}
 	reg := process.Start(ctx, pool, process.RoleAPI, log, nil)
@@ -117,6 +122,7 @@ func runAPI(ctx context.Context, cfg *config.API, log *slog.Logger) error {
 	go func() { relayDone <- client.RunRelay(relayCtx) }()
 
 	err = httpserver.Serve(ctx, cfg.HTTPAddr, tracing.Handler(h, "idemq-api"), log, &httpserver.Options{
+		Listener:        ln,
 		ShutdownTimeout: cfg.ShutdownTimeout,
 		IdleTimeout:     cfg.HTTPIdleTimeout,
 		MaxConns:        cfg.HTTPMaxConns,

@@ -95,7 +95,7 @@ func enqueueCommand() command {
 				return err
 			}
 			defer pool.Close()
-			if err := requireSchema(ctx, pool); err != nil {
+			if err := requireSchema(ctx, pool, "enqueue", exampleSchema); err != nil {
 				return err
 			}
 			// Traced, the job's deliveries join the trace of this command: a span of its

@@ -25,6 +25,11 @@ func fakepayCommand() command {
 				return fmt.Errorf("fakepay: unexpected arguments %q", args)
 			}
 			log := newLogger(stderr, cfg.LogLevel).With("cmd", "fakepay")
+			ln, err := listen("IDEMQ_FAKEPAY_ADDR", cfg.Addr)
+			if err != nil {
+				return err
+			}
+			defer ln.Close() // Serve closes it too
 			stopTracing, err := startTracing(ctx, "idemq-fakepay", log)
 			if err != nil {
 				return err
@@ -35,14 +40,14 @@ func fakepayCommand() command {
 				return err
 			}
 			defer pool.Close()
-			if err := requireSchema(ctx, pool); err != nil {
+			if err := requireSchema(ctx, pool, "fakepay", exampleSchema); err != nil {
 				return err
 			}
 			srv := fakepay.New(pool, fakepay.Config{HonorKeys: cfg.HonorKeys, Delay: cfg.Delay, Logger: log})
 			log.Info("fakepay starting", "honor_keys", cfg.HonorKeys, "delay", cfg.Delay)
 			// A request may sleep up to cfg.Delay before it answers.
 			return httpserver.Serve(ctx, cfg.Addr, tracing.Handler(srv, "idemq-fakepay"), log, &httpserver.Options{
-				ShutdownTimeout: defaultShutdown, WriteTimeout: cfg.Delay + httpserver.DefaultWriteTimeout})
+				ShutdownTimeout: defaultShutdown, WriteTimeout: cfg.Delay + httpserver.DefaultWriteTimeout, Listener: ln})
 		},
 	}
 }

@@ -55,13 +55,19 @@ func ledgerCommand() command {
 			if op == "list" && (*limit < 1 || *limit > maxListLimit) {
 				return fmt.Errorf("ledger list: --limit: must be from 1 to %d, got %d", maxListLimit, *limit)
 			}
+			switch *status {
+			case "", idempotency.StatusInProgress, idempotency.StatusCompleted, idempotency.StatusFailed, idempotency.StatusNeedsAttention:
+			default:
+				return fmt.Errorf("ledger list: --status: unknown status %q: want %s, %s, %s or %s", *status,
+					idempotency.StatusInProgress, idempotency.StatusCompleted, idempotency.StatusFailed, idempotency.StatusNeedsAttention)
+			}
 
 			pool, err := dial.Postgres(ctx, cfg.DatabaseURL, 4)
 			if err != nil {
 				return err
 			}
 			defer pool.Close()
-			if err := requireSchema(ctx, pool); err != nil {
+			if err := requireSchema(ctx, pool, "ledger", coreSchema); err != nil {
 				return err
 			}
 			ledger := idempotency.New(pool, &idempotency.Config{HeartbeatPool: pool})
@@ -266,8 +272,12 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 		if len(res) > 60 {
 			res = res[:57] + "..."
 		}
+		lease := "-" // only a row in progress holds a lease
+		if r.Status == idempotency.StatusInProgress {
+			lease = stamp(r.LockedUntil)
+		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.Key, r.TaskType, r.Status, r.Fence, r.Attempts,
-			stamp(r.LockedUntil), stamp(r.UpdatedAt), res)
+			lease, stamp(r.UpdatedAt), res)
 	}
 	if len(rs) == 0 {
 		fmt.Fprintln(tw, "(no rows)")
@@ -275,11 +285,13 @@ func printRecords(w io.Writer, rs []idempotency.Record, asJSON, one bool) error 
 	return tw.Flush()
 }
 
-// leaseText is r's lease end, saying whether an in-progress row's lease is still live.
+// leaseText is r's lease end, saying whether an in-progress row's lease is still live;
+// "-" for a row not in progress, which holds no lease (locked_until keeps the end of the
+// last one).
 func leaseText(r idempotency.Record) string {
 	switch {
 	case r.Status != idempotency.StatusInProgress:
-		return stamp(r.LockedUntil)
+		return "-"
 	case r.LeaseLive:
 		return stamp(r.LockedUntil) + " (live)"
 	}

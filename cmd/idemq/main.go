@@ -114,8 +114,12 @@ func usage(w io.Writer) {
 	fmt.Fprintln(w, "idemq — exactly-once effects for asynq background jobs")
 	fmt.Fprintln(w, "\nUsage: idemq <subcommand> [arguments]   (idemq help <subcommand> for one)")
 	fmt.Fprintln(w, "\nSubcommands:")
+	width := 0
 	for _, c := range commands() {
-		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
+		width = max(width, len(c.name))
+	}
+	for _, c := range commands() {
+		fmt.Fprintf(w, "  %-*s  %s\n", width, c.name, c.summary)
 	}
 }
 

@@ -271,6 +271,7 @@ func TestCommandsRefuseBadInputNamingTheRule(t *testing.T) {
 		{[]string{"ledger", "list", "--limit", "-1"}, "--limit: must be from 1 to 10000, got -1"},
 		{[]string{"ledger", "list", "--limit", "0"}, "--limit: must be from 1 to 10000, got 0"},
 		{[]string{"ledger", "list", "--limit", "99999999999"}, "--limit: must be from 1 to 10000, got 99999999999"},
+		{[]string{"ledger", "list", "--status", "bogus"}, `--status: unknown status "bogus": want in_progress, completed, failed or needs_attention`},
 	} {
 		_, stderr, err := idemq(t, env, tc.args...)
 		if err == nil || !strings.Contains(stderr, tc.want) {

@@ -128,8 +128,11 @@ func printStatus(ctx context.Context, w io.Writer, db *sql.DB) error {
 	fmt.Fprintln(tw, "VERSION\tMIGRATION\tKIND\tSTATE\tAPPLIED AT")
 	for _, m := range list {
 		state, at := "pending", "-"
-		if !m.AppliedAt.IsZero() {
-			state, at = "applied", m.AppliedAt.Format("2006-01-02 15:04:05")
+		if m.Applied {
+			state = "applied"
+			if !m.AppliedAt.IsZero() {
+				at = m.AppliedAt.Format("2006-01-02 15:04:05")
+			}
 		}
 		fmt.Fprintf(tw, "%d\t%s%s\t%s\t%s\t%s\n", m.Version, prefix(m.Set), m.Path, kind(m), state, at)
 	}
@@ -155,6 +158,7 @@ func printStatus(ctx context.Context, w io.Writer, db *sql.DB) error {
 }
 
 // dryRunMigrate says what migrate would apply and whether it would refuse a contract step.
+// Like --status, it only reads: the schema is left exactly as it was.
 func dryRunMigrate(ctx context.Context, w io.Writer, db *sql.DB) error {
 	list, err := migrations.Status(ctx, db)
 	if err != nil {
@@ -162,7 +166,7 @@ func dryRunMigrate(ctx context.Context, w io.Writer, db *sql.DB) error {
 	}
 	n := 0
 	for _, m := range list {
-		if m.AppliedAt.IsZero() {
+		if !m.Applied {
 			fmt.Fprintf(w, "would apply %s%s (%s)\n", prefix(m.Set), m.Path, kind(m))
 			n++
 		}

@@ -123,7 +123,7 @@ func TestNewestReleaseRunsOnThisSchema(t *testing.T) {
 		return testenv.Count(t, pool, "SELECT count(*) FROM idemq_processes WHERE role = 'worker' AND schema_version = $1 AND pid = $2",
 			migrations.SchemaVersion(), newWorker.cmd.Process.Pid) == 1
 	})
-	series := fmt.Sprintf(`idemq_build_info{commit="",schema="%d",version="%s"}`, migrations.SchemaVersion(), release.Devel)
+	series := fmt.Sprintf(`idemq_build_info{commit="unknown",schema="%d",version="%s"}`, migrations.SchemaVersion(), release.Devel)
 	if v := scrape(t, fmt.Sprintf("http://127.0.0.1:%d/metrics", port), series); v != 1 {
 		t.Errorf("%s = %v, want 1", series, v)
 	}
@@ -201,7 +201,7 @@ func TestAPIAndSchedulerRegister(t *testing.T) {
 	apiPort, schedPort := testenv.FreePort(t), testenv.FreePort(t)
 	api := startIdemq(t, "api", append(env, fmt.Sprintf("IDEMQ_HTTP_ADDR=127.0.0.1:%d", apiPort)), "api")
 	sched := startIdemq(t, "scheduler", append(env, fmt.Sprintf("IDEMQ_METRICS_ADDR=127.0.0.1:%d", schedPort)), "scheduler")
-	series := fmt.Sprintf(`idemq_build_info{commit="",schema="%d",version="%s"}`, migrations.SchemaVersion(), release.Devel)
+	series := fmt.Sprintf(`idemq_build_info{commit="unknown",schema="%d",version="%s"}`, migrations.SchemaVersion(), release.Devel)
 	for _, port := range []int{apiPort, schedPort} {
 		testenv.WaitHTTP(t, fmt.Sprintf("http://127.0.0.1:%d/readyz", port), 30*time.Second)
 		if v := scrape(t, fmt.Sprintf("http://127.0.0.1:%d/metrics", port), series); v != 1 {

@@ -67,7 +67,7 @@ func runScheduler(ctx context.Context, cfg *config.Scheduler, log *slog.Logger) 
 		return err
 	}
 	defer pool.Close()
-	if err := requireSchema(ctx, pool); err != nil {
+	if err := requireSchema(ctx, pool, "scheduler", coreSchema); err != nil {
 		return err
 	}
 	reg := process.Start(ctx, pool, process.RoleScheduler, log, nil)
@@ -141,7 +141,7 @@ func scheduleCommand() command {
 				return err
 			}
 			defer pool.Close()
-			if err := requireSchema(ctx, pool); err != nil {
+			if err := requireSchema(ctx, pool, "schedule", coreSchema); err != nil {
 				return err
 			}
 			switch op {

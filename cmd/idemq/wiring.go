@@ -2,15 +2,14 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3"
 
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/tracing"
@@ -44,26 +43,69 @@ func startTracing(ctx context.Context, service string, log *slog.Logger) (func()
 	}, nil
 }
 
-// requireSchema refuses to start on a database that `idemq migrate` has not brought up to
-// date (the core set and the example's, whose tables the binary's handlers and fakepay
-// use), naming the fix.
-func requireSchema(ctx context.Context, pool *pgxpool.Pool) error {
+// listen takes addr, which the variable name set, for a server: an address in use names
+// the variable to change. Taken before anything else starts, it stops a second process
+// given the same address at once.
+func listen(name, addr string) (net.Listener, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("%s=%s: %w: another process listens there; set %s to a free host:port", name, addr, err, name)
+	}
+	return ln, nil
+}
+
+// A schemaNeed is what a subcommand needs of the schema.
+type schemaNeed int
+
+const (
+	// coreSchema is idemq's own tables (the ledger, the outbox, the schedule), which
+	// migrations.Up creates: enough for the operator's commands.
+	coreSchema schemaNeed = iota
+	// exampleSchema is those and the example's tables (the handlers' and fakepay's), which
+	// only `idemq migrate` (migrations.UpExample) creates: for what runs the example.
+	exampleSchema
+)
+
+// requireSchema refuses to start on a database whose schema lacks what the subcommand
+// (named in messages) uses, naming the fix. It only reads: a refused start leaves the
+// database as it was.
+func requireSchema(ctx context.Context, pool *pgxpool.Pool, cmd string, need schemaNeed) error {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	for _, newProvider := range []func(context.Context, *sql.DB) (*goose.Provider, error){
-		migrations.NewProvider, migrations.NewExampleProvider,
-	} {
-		p, err := newProvider(ctx, db)
-		if err != nil {
-			return dial.PoolerHint(err)
-		}
-		pending, err := p.HasPending(ctx)
-		if err != nil {
-			return dial.PoolerHint(fmt.Errorf("check schema version: %w", err))
-		}
-		if pending {
-			return fmt.Errorf("the database schema is not current: run `idemq migrate` first")
+	list, err := migrations.Status(ctx, db)
+	if err != nil {
+		return dial.PoolerHint(fmt.Errorf("check the schema: %w", err))
+	}
+	var core, example []string
+	for _, m := range list {
+		switch {
+		case m.Applied:
+		case m.Set == "core":
+			core = append(core, m.Path)
+		default:
+			example = append(example, setPrefix[1]+m.Path)
 		}
 	}
+	if len(core) > 0 {
+		return fmt.Errorf("the database schema is not current (%s): "+
+			"run `idemq migrate` first (or migrations.Up from your application, which adds idemq's tables only)", pendingList("idemq's", core))
+	}
+	if need == exampleSchema && len(example) > 0 {
+		return fmt.Errorf("idemq %s runs the example, and its tables are missing or not current (%s): "+
+			"run `idemq migrate`, which adds the example's tables (wallet_entries, orders, fakepay_*) beside idemq's; "+
+			"the operator's commands (ledger, schedule, migrate --status) need idemq's tables only", cmd, pendingList("the example's", example))
+	}
 	return nil
+}
+
+// pendingList says how many of whose migrations are pending, naming the first and last.
+func pendingList(whose string, paths []string) string {
+	s := fmt.Sprintf("%d of %s migrations pending: %s", len(paths), whose, paths[0])
+	switch len(paths) {
+	case 1:
+		return s
+	case 2:
+		return s + ", " + paths[1]
+	}
+	return s + " … " + paths[len(paths)-1]
 }

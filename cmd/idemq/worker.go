@@ -88,7 +88,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	}
 	defer db.Close()
 	pool := db.Pool
-	if err := requireSchema(ctx, pool); err != nil {
+	if err := requireSchema(ctx, pool, "worker", exampleSchema); err != nil {
 		return err
 	}
 	reg := process.Start(ctx, pool, process.RoleWorker, log, nil)

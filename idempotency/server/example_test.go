@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/server"
+	"github.com/idemq/idemq/migrations"
 )
 
 // Debit takes an amount from an account, once per reference. A job needs a key from
@@ -42,8 +43,11 @@ func sendEmail(ctx context.Context, key string, r Receipt) error { return nil }
 func Example() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL")) // idemq's migrations applied
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
+		log.Fatal(err)
+	}
+	if err := migrations.UpPool(ctx, pool); err != nil { // idemq's tables, beside yours
 		log.Fatal(err)
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"}) // the Redis asynq uses

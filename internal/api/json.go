@@ -19,7 +19,7 @@ type Record struct {
 	Attempts    int             `json:"attempts"`
 	LastError   string          `json:"last_error,omitempty"`
 	Result      json.RawMessage `json:"result,omitempty"`
-	LockedUntil *time.Time      `json:"locked_until,omitempty"`
+	LockedUntil *time.Time      `json:"locked_until"`         // in-progress rows only: the lease's end (null otherwise)
 	LeaseLive   *bool           `json:"lease_live,omitempty"` // in-progress rows only: false once the lease lapsed (the next delivery takes the key over)
 	CreatedAt   time.Time       `json:"created_at"`
 	UpdatedAt   time.Time       `json:"updated_at"`
@@ -88,7 +88,8 @@ func NewSteps(ss []idempotency.StepRecord) []Step {
 	return out
 }
 
-// NewRecord converts a ledger row to its JSON shape; zero times are left out.
+// NewRecord converts a ledger row to its JSON shape; zero times are left out, and
+// locked_until is null unless the row is in progress.
 func NewRecord(r idempotency.Record) Record {
 	opt := func(t time.Time) *time.Time {
 		if t.IsZero() {
@@ -96,13 +97,16 @@ func NewRecord(r idempotency.Record) Record {
 		}
 		return &t
 	}
+	// Only a row in progress holds a lease; a finished one keeps its last lease's end in
+	// locked_until, which is not shown.
 	var live *bool
+	var lockedUntil *time.Time
 	if r.Status == idempotency.StatusInProgress {
-		live = &r.LeaseLive
+		live, lockedUntil = &r.LeaseLive, opt(r.LockedUntil)
 	}
 	return Record{Key: r.Key, Type: r.TaskType, Status: r.Status, Fence: r.Fence, Owner: r.Owner,
 		Generation: r.Generation, Attempts: r.Attempts, LastError: r.LastError, Result: r.Result,
-		LockedUntil: opt(r.LockedUntil), LeaseLive: live, CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt), TraceID: r.TraceID}
+		LockedUntil: lockedUntil, LeaseLive: live, CreatedAt: r.CreatedAt, UpdatedAt: r.UpdatedAt, CompletedAt: opt(r.CompletedAt), TraceID: r.TraceID}
 }
 
 // writeJSON writes v with status code.

@@ -284,7 +284,7 @@ func checkField(key string, v any) error {
 	switch key {
 	case "REDIS_URL":
 		if err := checkRedisURL(v.(string)); err != nil {
-			return URLError(v.(string), err)
+			return RedisURLError(v.(string), err)
 		}
 	case "DATABASE_URL", "IDEMQ_DIRECT_DATABASE_URL":
 		if v.(string) == "" && key != "DATABASE_URL" {
@@ -389,6 +389,14 @@ func Usage(w io.Writer, spec any) error {
 
 // checkRedisURL parses u in the form it has: a Sentinel master (master_name=), a single
 // node, or a cluster's seeds (addr=, with options only a cluster takes).
+// RedisURLExample is what an error about REDIS_URL shows a valid one to look like.
+const RedisURLExample = "redis://localhost:6379/0 (rediss:// for TLS, redis://:PASSWORD@host:6379/0 with a password)"
+
+// RedisURLError is URLError for REDIS_URL, followed by an example of a valid one.
+func RedisURLError(raw string, err error) error {
+	return fmt.Errorf("%w; want a URL such as %s", URLError(raw, err), RedisURLExample)
+}
+
 func checkRedisURL(u string) error {
 	q := url.Values{}
 	if pu, err := url.Parse(u); err == nil {

@@ -61,21 +61,21 @@ func newRedis(redisURL string, cluster bool) (redis.UniversalClient, error) {
 	case cluster:
 		opt, err := redis.ParseClusterURL(redisURL)
 		if err != nil {
-			return nil, fmt.Errorf("REDIS_URL (IDEMQ_REDIS_CLUSTER=true): %w", config.URLError(redisURL, err))
+			return nil, fmt.Errorf("REDIS_URL (IDEMQ_REDIS_CLUSTER=true): %w", config.RedisURLError(redisURL, err))
 		}
 		opt.ContextTimeoutEnabled = true
 		return redis.NewClusterClient(opt), nil
 	case IsFailoverURL(redisURL):
 		opt, err := redis.ParseFailoverURL(redisURL)
 		if err != nil {
-			return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+			return nil, fmt.Errorf("REDIS_URL: %w", config.RedisURLError(redisURL, err))
 		}
 		opt.ContextTimeoutEnabled = true
 		return redis.NewFailoverClient(opt), nil
 	}
 	opt, err := redis.ParseURL(redisURL)
 	if err != nil {
-		return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+		return nil, fmt.Errorf("REDIS_URL: %w", config.RedisURLError(redisURL, err))
 	}
 	opt.ContextTimeoutEnabled = true
 	return redis.NewClient(opt), nil
@@ -95,14 +95,14 @@ func AsynqRedis(redisURL string, cluster bool) (asynq.RedisConnOpt, error) {
 	case cluster:
 		opt, err := redis.ParseClusterURL(redisURL)
 		if err != nil {
-			return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+			return nil, fmt.Errorf("REDIS_URL: %w", config.RedisURLError(redisURL, err))
 		}
 		return asynq.RedisClusterClientOpt{Addrs: opt.Addrs, Username: opt.Username, Password: opt.Password,
 			TLSConfig: opt.TLSConfig, DialTimeout: opt.DialTimeout, ReadTimeout: opt.ReadTimeout, WriteTimeout: opt.WriteTimeout}, nil
 	case IsFailoverURL(redisURL):
 		opt, err := redis.ParseFailoverURL(redisURL)
 		if err != nil {
-			return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+			return nil, fmt.Errorf("REDIS_URL: %w", config.RedisURLError(redisURL, err))
 		}
 		return asynq.RedisFailoverClientOpt{MasterName: opt.MasterName, SentinelAddrs: opt.SentinelAddrs,
 			SentinelPassword: opt.SentinelPassword, Username: opt.Username, Password: opt.Password, DB: opt.DB,
@@ -110,7 +110,7 @@ func AsynqRedis(redisURL string, cluster bool) (asynq.RedisConnOpt, error) {
 	}
 	opt, err := redis.ParseURL(redisURL)
 	if err != nil {
-		return nil, fmt.Errorf("REDIS_URL: %w", config.URLError(redisURL, err))
+		return nil, fmt.Errorf("REDIS_URL: %w", config.RedisURLError(redisURL, err))
 	}
 	return asynq.RedisClientOpt{Network: opt.Network, Addr: opt.Addr, Username: opt.Username, Password: opt.Password, DB: opt.DB,
 		TLSConfig: opt.TLSConfig, DialTimeout: opt.DialTimeout, ReadTimeout: opt.ReadTimeout, WriteTimeout: opt.WriteTimeout}, nil

@@ -128,8 +128,8 @@ func New() *Metrics {
 	b := release.Current()
 	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        "idemq_build_info",
-		Help:        "Always 1; its labels name the binary: version (a release, or devel), commit and schema (the highest core migration it embeds).",
-		ConstLabels: prometheus.Labels{"version": b.Version, "commit": b.Revision(), "schema": strconv.FormatInt(b.Schema, 10)},
+		Help:        "Always 1; its labels name the binary: version (a release, or devel), commit (unknown for a build without version control information) and schema (the highest core migration it embeds).",
+		ConstLabels: prometheus.Labels{"version": b.Version, "commit": b.RevisionOrUnknown(), "schema": strconv.FormatInt(b.Schema, 10)},
 	})
 	buildInfo.Set(1)
 	m.Registry.MustRegister(

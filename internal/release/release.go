@@ -171,6 +171,15 @@ func (b Build) Revision() string {
 	return b.Commit
 }
 
+// RevisionOrUnknown is Revision, or "unknown" for a build without version control
+// information, for what must not be empty (a metric's label).
+func (b Build) RevisionOrUnknown() string {
+	if r := b.Revision(); r != "" {
+		return r
+	}
+	return "unknown"
+}
+
 // String is the build on one line: "v0.1.0 (commit af04e0e6115a, schema 61, go1.26.8)".
 func (b Build) String() string {
 	c := b.Commit

@@ -106,3 +106,20 @@ func TestLinkerValuesWin(t *testing.T) {
 		t.Fatalf("String() = %q", s)
 	}
 }
+
+// RevisionOrUnknown is what a label shows: never empty.
+func TestRevisionOrUnknown(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		b    Build
+		want string
+	}{
+		{Build{}, "unknown"},
+		{Build{Commit: "af04e0e6115a"}, "af04e0e6115a"},
+		{Build{Commit: "af04e0e6115a", Modified: true}, "af04e0e6115a+modified"},
+	} {
+		if got := tc.b.RevisionOrUnknown(); got != tc.want {
+			t.Errorf("%+v: %q, want %q", tc.b, got, tc.want)
+		}
+	}
+}
