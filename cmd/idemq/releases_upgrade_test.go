@@ -112,9 +112,8 @@ func TestReleaseServesThroughTheMigration(t *testing.T) {
 		q, err = m.insp.GetQueueInfo(tasks.Queue)
 		return err == nil && q.Pending+q.Active+q.Scheduled+q.Retry == 0
 	})
-	var entries, maxPer, done int
+	var entries, maxPer int
 	m.pool.QueryRow(m.ctx, `SELECT count(*), coalesce(max(n), 0) FROM (SELECT count(*) n FROM wallet_entries GROUP BY reference) x`).Scan(&entries, &maxPer)
-	m.pool.QueryRow(m.ctx, `SELECT count(*) FILTER (WHERE state = 'done') FROM job_intents`).Scan(&done)
 	t.Logf("%d debits (%d with a plain duplicate) over %s's api and workers; this commit's migrate took %s under it; %d tasks processed",
 		l.accepted, l.dups, m.r.Version, took.Round(time.Millisecond), q.ProcessedTotal)
 	if entries != l.accepted || maxPer != 1 {
@@ -123,10 +122,50 @@ func TestReleaseServesThroughTheMigration(t *testing.T) {
 	if q.Archived != 0 || q.FailedTotal != 0 {
 		t.Errorf("asynq: %d archived, %d failed; want none", q.Archived, q.FailedTotal)
 	}
-	if done != l.accepted {
-		t.Errorf("%d intents done, want %d", done, l.accepted)
-	}
+	m.waitIntentsDone(l.accepted)
 	if l.accepted < 50 {
 		t.Errorf("only %d debits sent: the load did not run through the migration", l.accepted)
+	}
+}
+
+// releaseReconcileEvery is how often the release's reconciler runs its round (not
+// configurable in v0.1.0); each round first settles done every published intent whose
+// key the ledger holds completed.
+const releaseReconcileEvery = 30 * time.Second
+
+// waitIntentsDone waits until all n intents are done, each with its first publish (no
+// republish), and fails the test otherwise. The release's workers settle an intent in the
+// transaction that completes its key, except in a shared transaction whose finish meets
+// the intent's row still being marked published (docs/releases.md, "v0.1.0 settles
+// intents by key"): those are settled by the release's reconciler at its next round. So
+// an intent still open once the queue is idle must have its key completed in the ledger,
+// and must be done within a round. Rather than wait up to 30 s for the round, the test
+// removes the queue's epoch marker when an intent is open: the release's reconciler then
+// runs its round at once (within its 2 s probe), without grace. Every task is still in
+// Redis, so nothing is republished.
+func (m *mixed) waitIntentsDone(n int) {
+	m.t.Helper()
+	open := testenv.Strings(m.t, m.pool, `SELECT i.idempotency_key || ' ' || i.state || ', ledger ' || coalesce(p.status, 'none')
+		FROM job_intents i LEFT JOIN processed_jobs p USING (idempotency_key) WHERE i.state <> 'done' ORDER BY 1`)
+	for _, o := range open {
+		if !strings.HasSuffix(o, " published, ledger completed") {
+			m.t.Errorf("intent %s once the queue is idle; want done, or published with its key completed", o)
+		}
+	}
+	began := time.Now()
+	if len(open) > 0 {
+		m.loseQueue()
+	}
+	ctx, cancel := context.WithTimeout(m.ctx, releaseReconcileEvery+15*time.Second)
+	defer cancel()
+	waitUntil(m.t, ctx, fmt.Sprintf("%d intents done", n), func() bool {
+		return testenv.Count(m.t, m.pool, `SELECT count(*) FROM job_intents WHERE state = 'done' AND publish_generation = 0`) == n
+	})
+	if len(open) > 0 {
+		m.t.Logf("%d intents were still published with their keys completed once the queue was idle (%s); the release's reconciler settled them %s later (its round run at once)",
+			len(open), strings.Join(open, "; "), time.Since(began).Round(100*time.Millisecond))
+	}
+	if got := testenv.Count(m.t, m.pool, `SELECT count(*) FROM job_intents`); got != n {
+		m.t.Errorf("%d intents, want %d", got, n)
 	}
 }
