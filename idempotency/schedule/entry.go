@@ -203,12 +203,16 @@ func compile(e Entry, label string) (*plan, error) {
 	case strings.HasPrefix(expr, "TZ=") || strings.HasPrefix(expr, "CRON_TZ="):
 		return bad("schedule", fmt.Errorf("%q: give the zone in time_zone, not in the expression", expr))
 	default:
+		// Without a time zone the expression is read in UTC, never in the host's zone:
+		// replicas on hosts in different zones must name the same instants.
+		zone := "UTC"
 		if e.TimeZone != "" {
 			if _, err := time.LoadLocation(e.TimeZone); err != nil {
 				return bad("time_zone", fmt.Errorf("%q is not an IANA time zone this system knows: %v", e.TimeZone, err))
 			}
-			expr = "CRON_TZ=" + e.TimeZone + " " + expr
+			zone = e.TimeZone
 		}
+		expr = "CRON_TZ=" + zone + " " + expr
 		s, err := cron.ParseStandard(expr)
 		if err != nil {
 			return bad("schedule", fmt.Errorf("%q: %v", e.Schedule, err))
