@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -66,6 +68,13 @@ type Config struct {
 	// Logger gets what is worth knowing (catch-ups, mismatches, errors). Default
 	// slog.Default().
 	Logger *slog.Logger
+	// TaskTypes, when set, are the task types this scheduler may enqueue, each with the
+	// check its handler makes of a job's payload (nil: none), given the payload of the
+	// entry's next tick and of a manual run (the entry's payload with the tick's fields).
+	// New refuses an entry of another type (field task_type) or whose job the check
+	// refuses (field payload); a round skips such an entry that another replica wrote to
+	// the table, logging why once per revision. Default nil: any task type, unchecked.
+	TaskTypes map[string]func(payload []byte) error
 	// Observe, when set, is called once per tick and event, with the entry's name.
 	Observe func(ev Event, entry string)
 	// UnsafeWallClockKeys is for TESTS ONLY (negative control): key each due tick by
@@ -88,6 +97,7 @@ type Scheduler struct {
 
 	mu      sync.Mutex
 	cursors map[string]*cursor
+	refused map[string]int64 // entries of the table refused by TaskTypes, by revision
 }
 
 // cursor is what a replica knows of one entry: the revision it compiled, and the instant
@@ -104,7 +114,7 @@ type cursor struct {
 // (Validate) and each CatchUpWindow against cfg.Retention: errors name the entry and
 // the field.
 func New(pool *pgxpool.Pool, client *outbox.Client, entries []Entry, cfg *Config) (*Scheduler, error) {
-	s := &Scheduler{pool: pool, outbox: client, cursors: map[string]*cursor{}}
+	s := &Scheduler{pool: pool, outbox: client, cursors: map[string]*cursor{}, refused: map[string]int64{}}
 	if cfg != nil {
 		s.cfg = *cfg
 	}
@@ -135,6 +145,9 @@ func New(pool *pgxpool.Pool, client *outbox.Client, entries []Entry, cfg *Config
 			if err := s.checkWindow(p); err != nil {
 				errs = append(errs, err)
 			}
+			if err := s.checkTask(p); err != nil {
+				errs = append(errs, err)
+			}
 		}
 		if err := errors.Join(errs...); err != nil {
 			return nil, err
@@ -148,6 +161,40 @@ func (s *Scheduler) checkWindow(p *plan) error {
 	if p.CatchUpWindow >= s.cfg.Retention {
 		return &EntryError{Entry: fmt.Sprintf("%q", p.Name), Field: "catch_up_window",
 			Err: fmt.Errorf("%v must be shorter than the ledger's retention (%v): a tick older than that can no longer be recognised as enqueued", p.CatchUpWindow, s.cfg.Retention)}
+	}
+	return nil
+}
+
+// checkTask checks p against Config.TaskTypes: its task type is one of them, and the
+// jobs of its next tick and of a manual run pass the type's check.
+func (s *Scheduler) checkTask(p *plan) error {
+	if s.cfg.TaskTypes == nil {
+		return nil
+	}
+	bad := func(field string, err error) error {
+		return &EntryError{Entry: fmt.Sprintf("%q", p.Name), Field: field, Err: err}
+	}
+	check, ok := s.cfg.TaskTypes[p.TaskType]
+	if !ok {
+		known := make([]string, 0, len(s.cfg.TaskTypes))
+		for t := range s.cfg.TaskTypes {
+			known = append(known, t)
+		}
+		slices.Sort(known)
+		return bad("task_type", fmt.Errorf("%q is not a task type this scheduler enqueues (%s)", p.TaskType, strings.Join(known, ", ")))
+	}
+	if check == nil {
+		return nil
+	}
+	at := p.sched.Next(s.cfg.Now())
+	if at.IsZero() {
+		at = s.cfg.Now()
+	}
+	at = at.UTC().Truncate(time.Second)
+	for _, t := range []Tick{{Entry: p.Name, At: at}, {Entry: p.Name, At: at, Manual: "check"}} {
+		if err := check(t.payload(p.Payload)); err != nil {
+			return bad("payload", fmt.Errorf("its task %s refuses a tick's job: %w", p.TaskType, err))
+		}
 	}
 	return nil
 }
@@ -270,6 +317,17 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 		if err != nil {
 			return err
 		}
+		if err := s.checkTask(p); err != nil {
+			// Another replica's entry that this one's task types refuse: skipped, said once
+			// per revision.
+			if s.refused[r.Name] != r.Revision {
+				s.refused[r.Name] = r.Revision
+				s.log.ErrorContext(ctx, "schedule: an entry of the table is refused; its ticks are not enqueued", "entry", r.Name, "revision", r.Revision, "err", err)
+			}
+			delete(s.cursors, r.Name)
+			return nil
+		}
+		delete(s.refused, r.Name)
 		if !known {
 			// A first look: the ticks missed since the newest any replica enqueued, within
 			// the window and after the entry's revision, by the catch-up policy.

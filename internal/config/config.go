@@ -67,7 +67,7 @@ type Ledger struct {
 type Scheduler struct {
 	Redis
 	Database
-	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); unset, the replica schedules from the table as other replicas wrote it"`
+	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); each entry is checked then as its ticks would be (a task type this binary serves, a payload its task accepts, max_retry 0..2147483647), or the scheduler does not start; unset, the replica schedules from the table as other replicas wrote it"`
 	Retention    time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
 	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker on one host needs its own (:9092, :9093, …)"`
 	// UnsafeWallClock is schedule.Config.UnsafeWallClockKeys.
