@@ -378,3 +378,31 @@ func TestUnsafeWallClockKeysNameATickTwice(t *testing.T) {
 		}
 	}
 }
+
+// TestReaddedEntryReplacesTheOldOnAReplicaThatWasAway: an entry removed and then added
+// again with another definition starts again at revision 1; a replica that ran no round
+// meanwhile enqueues the new definition, not the one it knew under that revision.
+func TestReaddedEntryReplacesTheOldOnAReplicaThatWasAway(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	away := f.replica([]schedule.Entry{{Name: "re", Schedule: "* * * * *", TaskType: "t", Payload: []byte(`{"v":1}`)}}, 0)
+	f.tick(away)
+	f.replica([]schedule.Entry{}, 0) // removes it
+	f.replica([]schedule.Entry{{Name: "re", Schedule: "* * * * *", TaskType: "t", Payload: []byte(`{"v":2}`)}}, 0)
+	before := f.jobs("re")
+	f.clock.now = f.clock.now.Add(3 * time.Minute)
+	f.tick(away)
+	var n int
+	for k, p := range f.jobs("re") {
+		if _, old := before[k]; old {
+			continue
+		}
+		n++
+		if !strings.Contains(p, `"v":2`) {
+			t.Errorf("%s after the entry was re-added with v 2: %s", k, p)
+		}
+	}
+	if n == 0 {
+		t.Errorf("no job of the re-added entry in 3 minutes")
+	}
+}

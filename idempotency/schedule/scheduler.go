@@ -1,6 +1,7 @@
 package schedule
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -104,6 +105,7 @@ type Scheduler struct {
 // up to which it has handled the entry's ticks.
 type cursor struct {
 	revision int64
+	sum      []byte // the spec's sha256: an entry removed and re-added restarts at revision 1
 	plan     *plan
 	upTo     time.Time
 }
@@ -312,7 +314,7 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 	var due []time.Time
 	catchUp := false
 	switch {
-	case !known || c.revision != r.Revision:
+	case !known || c.revision != r.Revision || !bytes.Equal(c.sum, r.Sum):
 		p, err := readPlan(r)
 		if err != nil {
 			return err
@@ -354,7 +356,7 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 			// A new revision applies from its first tick after it.
 			due = p.ticks(latest(c.upTo, r.RevisedAt), now, s.cfg.MaxCatchUp)
 		}
-		c.revision, c.plan = r.Revision, p
+		c.revision, c.sum, c.plan = r.Revision, r.Sum, p
 	default:
 		due = c.plan.ticks(c.upTo, now, s.cfg.MaxCatchUp)
 	}

@@ -25,6 +25,7 @@ type ScheduleEntryRow struct {
 	Name      string
 	Revision  int64
 	Spec      []byte
+	Sum       []byte // spec_sha256: tells an entry re-added under a revision it had before
 	Paused    bool
 	RevisedAt time.Time
 	LastTick  pgtype.Timestamptz
@@ -62,7 +63,7 @@ func UpsertSchedule(ctx context.Context, tx pgx.Tx, entries []ScheduleEntryParam
 
 // ReadScheduleSQL reads every entry with the outbox state of its last tick's job.
 const ReadScheduleSQL = `
-SELECT s.name, s.revision, s.spec::text, s.paused, s.revised_at, s.last_tick, s.last_key, i.state
+SELECT s.name, s.revision, s.spec::text, s.spec_sha256, s.paused, s.revised_at, s.last_tick, s.last_key, i.state
 FROM schedule_entries s LEFT JOIN job_intents i ON i.idempotency_key = s.last_key
 ORDER BY s.name`
 
@@ -75,7 +76,7 @@ func ReadSchedule(ctx context.Context, q querier) ([]ScheduleEntryRow, error) {
 	var out []ScheduleEntryRow
 	var r ScheduleEntryRow
 	var spec string
-	_, err = pgx.ForEachRow(rows, []any{&r.Name, &r.Revision, &spec, &r.Paused, &r.RevisedAt, &r.LastTick, &r.LastKey, &r.LastState}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&r.Name, &r.Revision, &spec, &r.Sum, &r.Paused, &r.RevisedAt, &r.LastTick, &r.LastKey, &r.LastState}, func() error {
 		r.Spec = []byte(spec)
 		out = append(out, r)
 		r = ScheduleEntryRow{}
