@@ -228,7 +228,8 @@ func (s *Scheduler) Sync(ctx context.Context) error {
 // Run syncs this replica's entries (Sync), then enqueues every tick as it comes, and the
 // ticks missed while no replica ran (each entry's CatchUp policy), until ctx ends. It
 // reads the table at each tick and every Config.Poll. A failed round (Postgres out of
-// reach) is logged and tried again: the ticks it missed are enqueued late, not lost.
+// reach) is logged and tried again after a wait that doubles from 100 ms to 5 s: the
+// ticks it missed are enqueued late, not lost.
 // A Sync that fails (Postgres out of reach) is logged and tried again every Config.Poll:
 // until it succeeds, this replica schedules nothing. It returns nil when ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
@@ -244,14 +245,21 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		case <-time.After(s.cfg.Poll):
 		}
 	}
+	var backoff time.Duration
 	for {
+		var wait time.Duration
 		if _, err := s.Tick(ctx); err != nil && ctx.Err() == nil {
-			s.log.WarnContext(ctx, "schedule: round failed; trying again", "err", err)
-		}
-		wait := s.cfg.Poll
-		now := s.cfg.Now()
-		if n, ok := s.nextTick(); ok {
-			wait = min(wait, max(n.Sub(now), 10*time.Millisecond))
+			// The failed round's ticks are due still: wait a growing while, as the relay
+			// does, rather than the 10 ms before a due tick.
+			backoff = min(max(2*backoff, 100*time.Millisecond), 5*time.Second)
+			wait = backoff
+			s.log.WarnContext(ctx, "schedule: round failed; trying again", "err", err, "retry_in", backoff)
+		} else {
+			backoff = 0
+			wait = s.cfg.Poll
+			if n, ok := s.nextTick(); ok {
+				wait = min(wait, max(n.Sub(s.cfg.Now()), 10*time.Millisecond))
+			}
 		}
 		select {
 		case <-ctx.Done():
