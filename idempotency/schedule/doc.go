@@ -23,7 +23,8 @@
 // (the default: every missed tick within CatchUpWindow, 1h by default), CatchUpLatest or
 // CatchUpNone. The window must be shorter than the ledger's retention: a tick's job is
 // recognised as enqueued by its ledger row and intent, which retention purges. A paused
-// entry (Pause) skips its ticks until Resume, without catching them up; OverlapSkip skips
+// entry (Pause) skips its ticks until Resume, without catching them up, even on a replica
+// that starts after the Resume; OverlapSkip skips
 // a tick while the previous tick's job is unfinished; RunNow enqueues a manual run, keyed
 // ManualKey(name, id).
 //

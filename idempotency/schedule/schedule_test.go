@@ -406,3 +406,60 @@ func TestReaddedEntryReplacesTheOldOnAReplicaThatWasAway(t *testing.T) {
 		t.Errorf("no job of the re-added entry in 3 minutes")
 	}
 }
+
+// TestPausedTicksAreNotCaughtUpAfterResume: a replica that starts after an entry was
+// paused and resumed catches up the ticks missed before the pause and after the resume,
+// never those of the pause.
+func TestPausedTicksAreNotCaughtUpAfterResume(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	ctx := testenv.Context(t, time.Minute)
+	client := outbox.NewClient(pool, testenv.Redis(t), nil)
+	entries := []schedule.Entry{{Name: "p", Schedule: "@every 1s", TaskType: "t"}}
+	first, err := schedule.New(pool, client, entries, &schedule.Config{Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.Tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	dbNow := func() time.Time {
+		var now time.Time
+		if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&now); err != nil {
+			t.Fatal(err)
+		}
+		return now
+	}
+	// The first replica stops; the entry is paused for 3 s, then resumed.
+	if err := schedule.Pause(ctx, pool, "p"); err != nil {
+		t.Fatal(err)
+	}
+	pausedBy := dbNow()
+	for dbNow().Before(pausedBy.Add(3 * time.Second)) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	resumedFrom := dbNow()
+	if err := schedule.Resume(ctx, pool, "p"); err != nil {
+		t.Fatal(err)
+	}
+	later, err := schedule.New(pool, client, nil, &schedule.Config{Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := later.Tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rows := testenv.Strings(t, pool, `SELECT idempotency_key FROM job_intents ORDER BY 1`)
+	for _, k := range rows {
+		tick, err := time.Parse(schedule.TickLayout, strings.TrimPrefix(k, "cron:p:"))
+		if err != nil {
+			t.Fatalf("key %q: %v", k, err)
+		}
+		if tick.After(pausedBy) && tick.Before(resumedFrom) {
+			t.Errorf("%s: a tick of the pause (%s to %s) was caught up", k, pausedBy.UTC().Format(time.RFC3339Nano), resumedFrom.UTC().Format(time.RFC3339Nano))
+		}
+	}
+}

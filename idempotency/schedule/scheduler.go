@@ -368,6 +368,14 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 	default:
 		due = c.plan.ticks(c.upTo, now, s.cfg.MaxCatchUp)
 	}
+	if n := len(due); n > 0 {
+		// The ticks of the entry's last pause are skipped, by whoever sees them late.
+		due = slices.DeleteFunc(due, func(t time.Time) bool { return inPause(r, t) })
+		if skipped := n - len(due); skipped > 0 {
+			s.count(EventSkipped, r.Name, skipped, &st.Skipped)
+		}
+		catchUp = catchUp && len(due) > 0
+	}
 	switch {
 	case len(due) == 0:
 	case r.Paused:
@@ -390,6 +398,18 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 	}
 	c.upTo = latest(c.upTo, now)
 	return nil
+}
+
+// inPause reports whether tick t fell in entry r's last pause, [paused_at, resumed_at]
+// (before resumed_at when the pause was made by a build that did not record paused_at).
+func inPause(r store.ScheduleEntryRow, t time.Time) bool {
+	if !r.ResumedAt.Valid || t.After(r.ResumedAt.Time) {
+		return false
+	}
+	if r.PausedAt.Valid && r.PausedAt.Time.After(r.ResumedAt.Time) {
+		return false // paused again since, and resumed by a build that does not record it
+	}
+	return !r.PausedAt.Valid || !t.Before(r.PausedAt.Time)
 }
 
 // enqueue records the jobs of p's ticks in one transaction, with the newest as the
