@@ -57,7 +57,7 @@ func TestRoundSkipsATableEntryItsTaskTypesRefuse(t *testing.T) {
 	t.Parallel()
 	f := newFleet(t)
 	f.replica([]schedule.Entry{{Name: "typo", Schedule: "@every 1m", TaskType: "wallet:setle"}}, 0)
-	s, err := schedule.New(f.pool, f.client, nil, &schedule.Config{Logger: quiet, Now: func() time.Time { return f.clock.now },
+	s, err := schedule.New(f.pool, f.client, nil, &schedule.Config{Logger: quiet, Now: f.dbNow, DatabaseNow: f.dbNow,
 		TaskTypes: map[string]func([]byte) error{"wallet:settle": nil}})
 	if err != nil {
 		t.Fatal(err)

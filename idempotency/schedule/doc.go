@@ -5,7 +5,8 @@
 // ticks at the multiples of D since the Unix epoch), a task type and a payload. Each
 // tick becomes one job keyed TickKey(name, tick), cron:<name>:<tick in UTC>, recorded
 // through the outbox: replicas that see the same tick record one intent, and a replica
-// whose clock is off by seconds still names the same tick. Replicas upsert their entries
+// whose clock is off by seconds still names the same tick. A tick is due by the
+// database's clock, read at each round, so that no replica enqueues one early. Replicas upsert their entries
 // into the table schedule_entries (Sync, with a revision per change) and every replica
 // schedules from that table, so they cannot disagree for longer than a round.
 //

@@ -47,7 +47,7 @@ func newFleet(t *testing.T) *fleet {
 func (f *fleet) replica(entries []schedule.Entry, offset time.Duration) *schedule.Scheduler {
 	f.t.Helper()
 	s, err := schedule.New(f.pool, f.client, entries, &schedule.Config{Logger: quiet,
-		Now: func() time.Time { return f.clock.now.Add(offset) }})
+		Now: func() time.Time { return f.clock.now.Add(offset) }, DatabaseNow: f.dbNow})
 	if err != nil {
 		f.t.Fatal(err)
 	}
@@ -56,6 +56,9 @@ func (f *fleet) replica(entries []schedule.Entry, offset time.Duration) *schedul
 	}
 	return s
 }
+
+// dbNow is the database's clock in the simulation: its time, without a replica's offset.
+func (f *fleet) dbNow() time.Time { return f.clock.now }
 
 func (f *fleet) tick(s *schedule.Scheduler) schedule.TickStats {
 	f.t.Helper()
@@ -345,7 +348,7 @@ func TestUnsafeWallClockKeysNameATickTwice(t *testing.T) {
 		var replicas []*schedule.Scheduler
 		for _, offset := range []time.Duration{0, 700 * time.Millisecond} {
 			s, err := schedule.New(f.pool, f.client, entries, &schedule.Config{Logger: quiet, UnsafeWallClockKeys: wall,
-				Now: func() time.Time { return f.clock.now.Add(offset) }})
+				Now: func() time.Time { return f.clock.now.Add(offset) }, DatabaseNow: f.dbNow})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -461,5 +464,35 @@ func TestPausedTicksAreNotCaughtUpAfterResume(t *testing.T) {
 		if tick.After(pausedBy) && tick.Before(resumedFrom) {
 			t.Errorf("%s: a tick of the pause (%s to %s) was caught up", k, pausedBy.UTC().Format(time.RFC3339Nano), resumedFrom.UTC().Format(time.RFC3339Nano))
 		}
+	}
+}
+
+// TestAReplicaWhoseClockRunsAheadEnqueuesNoTickEarly: a replica whose clock reads past
+// the next hour while the database's has not reached it enqueues nothing; its tick is
+// due by the database's clock, which every replica shares.
+func TestAReplicaWhoseClockRunsAheadEnqueuesNoTickEarly(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	ctx := testenv.Context(t, time.Minute)
+	var dbNow time.Time
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&dbNow); err != nil {
+		t.Fatal(err)
+	}
+	next := dbNow.UTC().Truncate(time.Hour).Add(time.Hour)
+	skew := next.Add(5 * time.Second).Sub(dbNow) // up to an hour ahead: 5 s past the next hour
+	s, err := schedule.New(pool, outbox.NewClient(pool, testenv.Redis(t), nil),
+		[]schedule.Entry{{Name: "hourly", Schedule: "0 * * * *", TaskType: "t"}},
+		&schedule.Config{Logger: quiet, Now: func() time.Time { return time.Now().Add(skew) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if keys := testenv.Strings(t, pool, `SELECT idempotency_key FROM job_intents`); len(keys) != 0 {
+		t.Errorf("a replica %v ahead enqueued %q before the database's clock reached %s", skew.Round(time.Second), keys, next.Format(schedule.TickLayout))
 	}
 }

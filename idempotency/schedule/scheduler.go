@@ -64,8 +64,15 @@ type Config struct {
 	// MaxCatchUp bounds the ticks one entry catches up at a start (the newest are kept).
 	// Default DefaultMaxCatchUp.
 	MaxCatchUp int
-	// Now is the clock. Default time.Now.
+	// Now is this replica's clock, by which it waits between rounds (and keys ticks with
+	// UnsafeWallClockKeys). Default time.Now. Which ticks are due is judged on the
+	// database's clock, not on this one: a replica whose clock runs ahead enqueues no
+	// tick before its instant.
 	Now func() time.Time
+	// DatabaseNow is for TESTS ONLY (a simulated day): it stands in for the database's
+	// clock, by which a round judges which ticks are due. Default nil: Postgres's
+	// clock_timestamp(), read at the start of each round.
+	DatabaseNow func() time.Time
 	// Logger gets what is worth knowing (catch-ups, mismatches, errors). Default
 	// slog.Default().
 	Logger *slog.Logger
@@ -97,6 +104,7 @@ type Scheduler struct {
 	log     *slog.Logger
 
 	mu      sync.Mutex
+	offset  time.Duration // the database's clock minus this replica's, at the last round
 	cursors map[string]*cursor
 	refused map[string]int64 // entries of the table refused by TaskTypes, by revision
 }
@@ -258,7 +266,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			backoff = 0
 			wait = s.cfg.Poll
 			if n, ok := s.nextTick(); ok {
-				wait = min(wait, max(n.Sub(s.cfg.Now()), 10*time.Millisecond))
+				wait = min(wait, max(n.Sub(s.dbNowEstimate()), 10*time.Millisecond))
 			}
 		}
 		select {
@@ -282,12 +290,28 @@ func (s *Scheduler) nextTick() (time.Time, bool) {
 	return first, !first.IsZero()
 }
 
+// dbNowEstimate is the database's clock as this replica's reads it, by the offset
+// between the two measured at the last round.
+func (s *Scheduler) dbNowEstimate() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cfg.Now().Add(s.offset)
+}
+
+// dbNow reads the database's clock (Config.DatabaseNow in tests).
+func (s *Scheduler) dbNow(ctx context.Context) (time.Time, error) {
+	if s.cfg.DatabaseNow != nil {
+		return s.cfg.DatabaseNow(), nil
+	}
+	return store.DatabaseNow(ctx, s.pool)
+}
+
 // TickStats counts what one round did, over all entries.
 type TickStats struct {
 	Enqueued, Duplicate, CaughtUp, Skipped, Mismatch int
 }
 
-// Tick is one round at Config.Now: it reads the schedule table and, for each entry,
+// Tick is one round at the database's clock (Config.DatabaseNow in tests): it reads the schedule table and, for each entry,
 // enqueues the ticks due since this replica last handled it (on its first look at an
 // entry: the missed ticks its CatchUp policy keeps, within its window, after the newest
 // tick any replica enqueued). Run calls it; tests call it with an injected clock.
@@ -295,7 +319,13 @@ func (s *Scheduler) Tick(ctx context.Context) (TickStats, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var st TickStats
-	now := s.cfg.Now()
+	// Due is judged on the database's clock: every replica reads the same one, and a
+	// replica whose own clock runs ahead enqueues nothing early.
+	now, err := s.dbNow(ctx)
+	if err != nil {
+		return st, fmt.Errorf("schedule: read the database's clock: %w", err)
+	}
+	s.offset = now.Sub(s.cfg.Now())
 	rows, err := store.ReadSchedule(ctx, s.pool)
 	if err != nil {
 		return st, fmt.Errorf("schedule: read the schedule table: %w", err)

@@ -116,3 +116,15 @@ func PauseSchedule(ctx context.Context, q interface {
 	tag, err := q.Exec(ctx, PauseScheduleSQL, name, paused)
 	return tag.RowsAffected() == 1, err
 }
+
+// DatabaseNowSQL reads the database's clock.
+const DatabaseNowSQL = `SELECT clock_timestamp()`
+
+// DatabaseNow returns the database's clock, by which schedulers judge a tick due.
+func DatabaseNow(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (time.Time, error) {
+	var now time.Time
+	err := q.QueryRow(ctx, DatabaseNowSQL).Scan(&now)
+	return now, err
+}
