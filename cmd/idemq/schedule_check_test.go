@@ -44,3 +44,13 @@ func TestSchedulerRefusesAtStartWhatEveryTickWouldRefuse(t *testing.T) {
 		}
 	}
 }
+
+// `idemq scheduler -h` speaks of the scheduler's processes, not of workers.
+func TestSchedulerHelpSpeaksOfItsOwnProcesses(t *testing.T) {
+	t.Parallel()
+	out, stderr, _ := idemq(t, nil, "scheduler", "-h")
+	help := out + stderr
+	if !strings.Contains(help, "IDEMQ_METRICS_ADDR") || strings.Contains(strings.ToLower(help), "worker") {
+		t.Errorf("scheduler -h mentions a worker (or lacks IDEMQ_METRICS_ADDR):\n%s", help)
+	}
+}
