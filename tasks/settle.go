@@ -21,7 +21,8 @@ var _ idempotency.Job = Settle{}
 // Settle is the payload of wallet:settle, a periodic job: the scheduler's fields (its
 // entry and tick, schedule.Tick, which also give its key cron:<entry>:<tick> and its lock
 // scope, the key) and the entry's period, a Go duration: the settlement sums the wallet
-// entries created in (tick - period, tick].
+// entries created in (tick - period, tick], and those created earlier whose transactions
+// committed after the settlement of their own period (handlers.Settle).
 type Settle struct {
 	schedule.Tick
 	Period string `json:"period"`

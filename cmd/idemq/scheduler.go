@@ -20,6 +20,7 @@ import (
 	"github.com/idemq/idemq/internal/dial"
 	"github.com/idemq/idemq/internal/metrics"
 	"github.com/idemq/idemq/internal/process"
+	"github.com/idemq/idemq/tasks"
 )
 
 func schedulerCommand() command {
@@ -78,7 +79,7 @@ func runScheduler(ctx context.Context, cfg *config.Scheduler, log *slog.Logger) 
 	if cfg.UnsafeWallClock {
 		log.Warn("IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK is set: ticks are keyed by this replica's clock, not by their scheduled instant; replicas will enqueue a tick twice or not at all (tests only)")
 	}
-	s, err := schedule.New(pool, client, entries, &schedule.Config{Retention: cfg.Retention, Logger: log,
+	s, err := schedule.New(pool, client, entries, &schedule.Config{Retention: cfg.Retention, Logger: log, TaskTypes: servedTaskTypes,
 		UnsafeWallClockKeys: cfg.UnsafeWallClock,
 		Observe:             func(ev schedule.Event, entry string) { m.ScheduleTicks.WithLabelValues(entry, string(ev)).Inc() }})
 	if err != nil {
@@ -106,6 +107,16 @@ func runScheduler(ctx context.Context, cfg *config.Scheduler, log *slog.Logger) 
 		return nil
 	}
 	return err
+}
+
+// servedTaskTypes are the task types this binary's workers serve, each with its handler's
+// check of a payload: a scheduler refuses, at its start, an entry of another type or whose
+// job the handler would refuse.
+var servedTaskTypes = map[string]func([]byte) error{
+	tasks.TypeCharge:   func(b []byte) error { _, err := tasks.DecodeCharge(b); return err },
+	tasks.TypeDebit:    func(b []byte) error { _, err := tasks.DecodeDebit(b); return err },
+	tasks.TypeCheckout: func(b []byte) error { _, err := tasks.DecodeCheckout(b); return err },
+	tasks.TypeSettle:   func(b []byte) error { _, err := tasks.DecodeSettle(b); return err },
 }
 
 func scheduleCommand() command {

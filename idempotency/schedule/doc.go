@@ -5,7 +5,8 @@
 // ticks at the multiples of D since the Unix epoch), a task type and a payload. Each
 // tick becomes one job keyed TickKey(name, tick), cron:<name>:<tick in UTC>, recorded
 // through the outbox: replicas that see the same tick record one intent, and a replica
-// whose clock is off by seconds still names the same tick. Replicas upsert their entries
+// whose clock is off by seconds still names the same tick. A tick is due by the
+// database's clock, read at each round, so that no replica enqueues one early. Replicas upsert their entries
 // into the table schedule_entries (Sync, with a revision per change) and every replica
 // schedules from that table, so they cannot disagree for longer than a round.
 //
@@ -23,7 +24,8 @@
 // (the default: every missed tick within CatchUpWindow, 1h by default), CatchUpLatest or
 // CatchUpNone. The window must be shorter than the ledger's retention: a tick's job is
 // recognised as enqueued by its ledger row and intent, which retention purges. A paused
-// entry (Pause) skips its ticks until Resume, without catching them up; OverlapSkip skips
+// entry (Pause) skips its ticks until Resume, without catching them up, even on a replica
+// that starts after the Resume; OverlapSkip skips
 // a tick while the previous tick's job is unfinished; RunNow enqueues a manual run, keyed
 // ManualKey(name, id).
 //

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 
@@ -46,6 +47,8 @@ const (
 	MaxName = 64
 	// MaxManualID is the longest id of a manual run, in bytes.
 	MaxManualID = 64
+	// MaxMaxRetry is the largest MaxRetry (the outbox stores it as a 32-bit integer).
+	MaxMaxRetry = math.MaxInt32
 	// TickLayout formats a tick in its job's key: UTC, to the second.
 	TickLayout = "2006-01-02T15:04:05Z"
 )
@@ -203,12 +206,16 @@ func compile(e Entry, label string) (*plan, error) {
 	case strings.HasPrefix(expr, "TZ=") || strings.HasPrefix(expr, "CRON_TZ="):
 		return bad("schedule", fmt.Errorf("%q: give the zone in time_zone, not in the expression", expr))
 	default:
+		// Without a time zone the expression is read in UTC, never in the host's zone:
+		// replicas on hosts in different zones must name the same instants.
+		zone := "UTC"
 		if e.TimeZone != "" {
 			if _, err := time.LoadLocation(e.TimeZone); err != nil {
 				return bad("time_zone", fmt.Errorf("%q is not an IANA time zone this system knows: %v", e.TimeZone, err))
 			}
-			expr = "CRON_TZ=" + e.TimeZone + " " + expr
+			zone = e.TimeZone
 		}
+		expr = "CRON_TZ=" + zone + " " + expr
 		s, err := cron.ParseStandard(expr)
 		if err != nil {
 			return bad("schedule", fmt.Errorf("%q: %v", e.Schedule, err))
@@ -235,11 +242,17 @@ func compile(e Entry, label string) (*plan, error) {
 			return bad("payload", fmt.Errorf("%q is the scheduler's field (schedule.Tick): rename it", f))
 		}
 	}
-	if len(e.Payload) > idempotency.MaxPayloadBytes {
-		return bad("payload", fmt.Errorf("%d bytes; the limit is %d", len(e.Payload), idempotency.MaxPayloadBytes))
+	if err := checkNoNUL(e.Payload); err != nil {
+		return bad("payload", err)
 	}
-	if e.MaxRetry < 0 {
-		return bad("max_retry", errors.New("must not be negative"))
+	// The largest job this entry makes: a manual run with the longest id.
+	longest := Tick{Entry: e.Name, At: time.Date(2006, 1, 2, 15, 4, 5, 0, time.UTC), Manual: strings.Repeat("x", MaxManualID)}
+	if n := len(longest.payload(e.Payload)); n > idempotency.MaxPayloadBytes {
+		return bad("payload", fmt.Errorf("%d bytes, %d with the tick's fields (schedule_entry, tick, manual_run); the limit is %d",
+			len(e.Payload), n, idempotency.MaxPayloadBytes))
+	}
+	if e.MaxRetry < 0 || e.MaxRetry > MaxMaxRetry {
+		return bad("max_retry", fmt.Errorf("%d is out of range: 0..%d", e.MaxRetry, MaxMaxRetry))
 	}
 	if e.Timeout < 0 {
 		return bad("timeout", errors.New("must not be negative"))
@@ -265,6 +278,21 @@ func compile(e Entry, label string) (*plan, error) {
 		return bad("overlap", fmt.Errorf("%q: must be allow or skip", e.Overlap))
 	}
 	return &plan{Entry: e, sched: sched}, nil
+}
+
+// checkNoNUL refuses a JSON text with a NUL character (\u0000) in a key or a string:
+// Postgres's jsonb, which stores an entry's payload, cannot hold one.
+func checkNoNUL(payload []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(payload))
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return nil // the end; the text was checked as JSON already
+		}
+		if str, ok := tok.(string); ok && strings.IndexByte(str, 0) >= 0 {
+			return errors.New(`a NUL character (\u0000) in a key or a string: the schedule table (jsonb) cannot store it`)
+		}
+	}
 }
 
 func checkName(name string) error {

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/idemq/idemq/idempotency"
 )
 
 func mustPlan(t *testing.T, e Entry) *plan {
@@ -84,7 +86,7 @@ func TestCronAcrossDaylightSaving(t *testing.T) {
 }
 
 func TestEntryErrorsNameTheField(t *testing.T) {
-	for _, c := range []struct {
+	for i, c := range []struct {
 		e     Entry
 		field string
 	}{
@@ -102,11 +104,17 @@ func TestEntryErrorsNameTheField(t *testing.T) {
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", CatchUp: "some"}, "catch_up"},
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Overlap: "queue"}, "overlap"},
 		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", CatchUpWindow: -time.Second}, "catch_up_window"},
+		// What every tick would refuse is refused at the start.
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Payload: []byte(`{"note":"a\u0000b"}`)}, "payload"},
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Payload: []byte(`{"a\u0000":1}`)}, "payload"},
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", Payload: []byte(`{"pad":"` + strings.Repeat("x", idempotency.MaxPayloadBytes-20) + `"}`)}, "payload"},
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", MaxRetry: 1 << 32}, "max_retry"},
+		{Entry{Name: "a", Schedule: "@hourly", TaskType: "t", MaxRetry: -1}, "max_retry"},
 	} {
 		err := Validate([]Entry{c.e})
 		var ee *EntryError
 		if !errors.As(err, &ee) || ee.Field != c.field || !errors.Is(err, ErrInvalidEntry) {
-			t.Errorf("%+v: %v, want an *EntryError on %s", c.e, err, c.field)
+			t.Errorf("case %d (%s of %d bytes, max_retry %d): %.200v, want an *EntryError on %s", i, c.field, len(c.e.Payload), c.e.MaxRetry, err, c.field)
 		}
 	}
 	err := Validate([]Entry{{Name: "a", Schedule: "@hourly", TaskType: "t"}, {Name: "a", Schedule: "@daily", TaskType: "t"}})

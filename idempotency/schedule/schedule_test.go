@@ -47,7 +47,7 @@ func newFleet(t *testing.T) *fleet {
 func (f *fleet) replica(entries []schedule.Entry, offset time.Duration) *schedule.Scheduler {
 	f.t.Helper()
 	s, err := schedule.New(f.pool, f.client, entries, &schedule.Config{Logger: quiet,
-		Now: func() time.Time { return f.clock.now.Add(offset) }})
+		Now: func() time.Time { return f.clock.now.Add(offset) }, DatabaseNow: f.dbNow})
 	if err != nil {
 		f.t.Fatal(err)
 	}
@@ -56,6 +56,9 @@ func (f *fleet) replica(entries []schedule.Entry, offset time.Duration) *schedul
 	}
 	return s
 }
+
+// dbNow is the database's clock in the simulation: its time, without a replica's offset.
+func (f *fleet) dbNow() time.Time { return f.clock.now }
 
 func (f *fleet) tick(s *schedule.Scheduler) schedule.TickStats {
 	f.t.Helper()
@@ -345,7 +348,7 @@ func TestUnsafeWallClockKeysNameATickTwice(t *testing.T) {
 		var replicas []*schedule.Scheduler
 		for _, offset := range []time.Duration{0, 700 * time.Millisecond} {
 			s, err := schedule.New(f.pool, f.client, entries, &schedule.Config{Logger: quiet, UnsafeWallClockKeys: wall,
-				Now: func() time.Time { return f.clock.now.Add(offset) }})
+				Now: func() time.Time { return f.clock.now.Add(offset) }, DatabaseNow: f.dbNow})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -376,5 +379,120 @@ func TestUnsafeWallClockKeysNameATickTwice(t *testing.T) {
 		if !slices.Equal(got, want) {
 			t.Errorf("UnsafeWallClockKeys=%t: the tick %s was recorded as %q, want %q", wall, tick.Format(schedule.TickLayout), got, want)
 		}
+	}
+}
+
+// TestReaddedEntryReplacesTheOldOnAReplicaThatWasAway: an entry removed and then added
+// again with another definition starts again at revision 1; a replica that ran no round
+// meanwhile enqueues the new definition, not the one it knew under that revision.
+func TestReaddedEntryReplacesTheOldOnAReplicaThatWasAway(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	away := f.replica([]schedule.Entry{{Name: "re", Schedule: "* * * * *", TaskType: "t", Payload: []byte(`{"v":1}`)}}, 0)
+	f.tick(away)
+	f.replica([]schedule.Entry{}, 0) // removes it
+	f.replica([]schedule.Entry{{Name: "re", Schedule: "* * * * *", TaskType: "t", Payload: []byte(`{"v":2}`)}}, 0)
+	before := f.jobs("re")
+	f.clock.now = f.clock.now.Add(3 * time.Minute)
+	f.tick(away)
+	var n int
+	for k, p := range f.jobs("re") {
+		if _, old := before[k]; old {
+			continue
+		}
+		n++
+		if !strings.Contains(p, `"v":2`) {
+			t.Errorf("%s after the entry was re-added with v 2: %s", k, p)
+		}
+	}
+	if n == 0 {
+		t.Errorf("no job of the re-added entry in 3 minutes")
+	}
+}
+
+// TestPausedTicksAreNotCaughtUpAfterResume: a replica that starts after an entry was
+// paused and resumed catches up the ticks missed before the pause and after the resume,
+// never those of the pause.
+func TestPausedTicksAreNotCaughtUpAfterResume(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	ctx := testenv.Context(t, time.Minute)
+	client := outbox.NewClient(pool, testenv.Redis(t), nil)
+	entries := []schedule.Entry{{Name: "p", Schedule: "@every 1s", TaskType: "t"}}
+	first, err := schedule.New(pool, client, entries, &schedule.Config{Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.Tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	dbNow := func() time.Time {
+		var now time.Time
+		if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&now); err != nil {
+			t.Fatal(err)
+		}
+		return now
+	}
+	// The first replica stops; the entry is paused for 3 s, then resumed.
+	if err := schedule.Pause(ctx, pool, "p"); err != nil {
+		t.Fatal(err)
+	}
+	pausedBy := dbNow()
+	for dbNow().Before(pausedBy.Add(3 * time.Second)) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	resumedFrom := dbNow()
+	if err := schedule.Resume(ctx, pool, "p"); err != nil {
+		t.Fatal(err)
+	}
+	later, err := schedule.New(pool, client, nil, &schedule.Config{Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := later.Tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rows := testenv.Strings(t, pool, `SELECT idempotency_key FROM job_intents ORDER BY 1`)
+	for _, k := range rows {
+		tick, err := time.Parse(schedule.TickLayout, strings.TrimPrefix(k, "cron:p:"))
+		if err != nil {
+			t.Fatalf("key %q: %v", k, err)
+		}
+		if tick.After(pausedBy) && tick.Before(resumedFrom) {
+			t.Errorf("%s: a tick of the pause (%s to %s) was caught up", k, pausedBy.UTC().Format(time.RFC3339Nano), resumedFrom.UTC().Format(time.RFC3339Nano))
+		}
+	}
+}
+
+// TestAReplicaWhoseClockRunsAheadEnqueuesNoTickEarly: a replica whose clock reads past
+// the next hour while the database's has not reached it enqueues nothing; its tick is
+// due by the database's clock, which every replica shares.
+func TestAReplicaWhoseClockRunsAheadEnqueuesNoTickEarly(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	ctx := testenv.Context(t, time.Minute)
+	var dbNow time.Time
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&dbNow); err != nil {
+		t.Fatal(err)
+	}
+	next := dbNow.UTC().Truncate(time.Hour).Add(time.Hour)
+	skew := next.Add(5 * time.Second).Sub(dbNow) // up to an hour ahead: 5 s past the next hour
+	s, err := schedule.New(pool, outbox.NewClient(pool, testenv.Redis(t), nil),
+		[]schedule.Entry{{Name: "hourly", Schedule: "0 * * * *", TaskType: "t"}},
+		&schedule.Config{Logger: quiet, Now: func() time.Time { return time.Now().Add(skew) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if keys := testenv.Strings(t, pool, `SELECT idempotency_key FROM job_intents`); len(keys) != 0 {
+		t.Errorf("a replica %v ahead enqueued %q before the database's clock reached %s", skew.Round(time.Second), keys, next.Format(schedule.TickLayout))
 	}
 }

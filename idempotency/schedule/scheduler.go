@@ -1,12 +1,15 @@
 package schedule
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -61,11 +64,25 @@ type Config struct {
 	// MaxCatchUp bounds the ticks one entry catches up at a start (the newest are kept).
 	// Default DefaultMaxCatchUp.
 	MaxCatchUp int
-	// Now is the clock. Default time.Now.
+	// Now is this replica's clock, by which it waits between rounds (and keys ticks with
+	// UnsafeWallClockKeys). Default time.Now. Which ticks are due is judged on the
+	// database's clock, not on this one: a replica whose clock runs ahead enqueues no
+	// tick before its instant.
 	Now func() time.Time
+	// DatabaseNow is for TESTS ONLY (a simulated day): it stands in for the database's
+	// clock, by which a round judges which ticks are due. Default nil: Postgres's
+	// clock_timestamp(), read at the start of each round.
+	DatabaseNow func() time.Time
 	// Logger gets what is worth knowing (catch-ups, mismatches, errors). Default
 	// slog.Default().
 	Logger *slog.Logger
+	// TaskTypes, when set, are the task types this scheduler may enqueue, each with the
+	// check its handler makes of a job's payload (nil: none), given the payload of the
+	// entry's next tick and of a manual run (the entry's payload with the tick's fields).
+	// New refuses an entry of another type (field task_type) or whose job the check
+	// refuses (field payload); a round skips such an entry that another replica wrote to
+	// the table, logging why once per revision. Default nil: any task type, unchecked.
+	TaskTypes map[string]func(payload []byte) error
 	// Observe, when set, is called once per tick and event, with the entry's name.
 	Observe func(ev Event, entry string)
 	// UnsafeWallClockKeys is for TESTS ONLY (negative control): key each due tick by
@@ -87,13 +104,16 @@ type Scheduler struct {
 	log     *slog.Logger
 
 	mu      sync.Mutex
+	offset  time.Duration // the database's clock minus this replica's, at the last round
 	cursors map[string]*cursor
+	refused map[string]int64 // entries of the table refused by TaskTypes, by revision
 }
 
 // cursor is what a replica knows of one entry: the revision it compiled, and the instant
 // up to which it has handled the entry's ticks.
 type cursor struct {
 	revision int64
+	sum      []byte // the spec's sha256: an entry removed and re-added restarts at revision 1
 	plan     *plan
 	upTo     time.Time
 }
@@ -104,7 +124,7 @@ type cursor struct {
 // (Validate) and each CatchUpWindow against cfg.Retention: errors name the entry and
 // the field.
 func New(pool *pgxpool.Pool, client *outbox.Client, entries []Entry, cfg *Config) (*Scheduler, error) {
-	s := &Scheduler{pool: pool, outbox: client, cursors: map[string]*cursor{}}
+	s := &Scheduler{pool: pool, outbox: client, cursors: map[string]*cursor{}, refused: map[string]int64{}}
 	if cfg != nil {
 		s.cfg = *cfg
 	}
@@ -135,6 +155,9 @@ func New(pool *pgxpool.Pool, client *outbox.Client, entries []Entry, cfg *Config
 			if err := s.checkWindow(p); err != nil {
 				errs = append(errs, err)
 			}
+			if err := s.checkTask(p); err != nil {
+				errs = append(errs, err)
+			}
 		}
 		if err := errors.Join(errs...); err != nil {
 			return nil, err
@@ -148,6 +171,40 @@ func (s *Scheduler) checkWindow(p *plan) error {
 	if p.CatchUpWindow >= s.cfg.Retention {
 		return &EntryError{Entry: fmt.Sprintf("%q", p.Name), Field: "catch_up_window",
 			Err: fmt.Errorf("%v must be shorter than the ledger's retention (%v): a tick older than that can no longer be recognised as enqueued", p.CatchUpWindow, s.cfg.Retention)}
+	}
+	return nil
+}
+
+// checkTask checks p against Config.TaskTypes: its task type is one of them, and the
+// jobs of its next tick and of a manual run pass the type's check.
+func (s *Scheduler) checkTask(p *plan) error {
+	if s.cfg.TaskTypes == nil {
+		return nil
+	}
+	bad := func(field string, err error) error {
+		return &EntryError{Entry: fmt.Sprintf("%q", p.Name), Field: field, Err: err}
+	}
+	check, ok := s.cfg.TaskTypes[p.TaskType]
+	if !ok {
+		known := make([]string, 0, len(s.cfg.TaskTypes))
+		for t := range s.cfg.TaskTypes {
+			known = append(known, t)
+		}
+		slices.Sort(known)
+		return bad("task_type", fmt.Errorf("%q is not a task type this scheduler enqueues (%s)", p.TaskType, strings.Join(known, ", ")))
+	}
+	if check == nil {
+		return nil
+	}
+	at := p.sched.Next(s.cfg.Now())
+	if at.IsZero() {
+		at = s.cfg.Now()
+	}
+	at = at.UTC().Truncate(time.Second)
+	for _, t := range []Tick{{Entry: p.Name, At: at}, {Entry: p.Name, At: at, Manual: "check"}} {
+		if err := check(t.payload(p.Payload)); err != nil {
+			return bad("payload", fmt.Errorf("its task %s refuses a tick's job: %w", p.TaskType, err))
+		}
 	}
 	return nil
 }
@@ -179,7 +236,8 @@ func (s *Scheduler) Sync(ctx context.Context) error {
 // Run syncs this replica's entries (Sync), then enqueues every tick as it comes, and the
 // ticks missed while no replica ran (each entry's CatchUp policy), until ctx ends. It
 // reads the table at each tick and every Config.Poll. A failed round (Postgres out of
-// reach) is logged and tried again: the ticks it missed are enqueued late, not lost.
+// reach) is logged and tried again after a wait that doubles from 100 ms to 5 s: the
+// ticks it missed are enqueued late, not lost.
 // A Sync that fails (Postgres out of reach) is logged and tried again every Config.Poll:
 // until it succeeds, this replica schedules nothing. It returns nil when ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
@@ -195,14 +253,21 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		case <-time.After(s.cfg.Poll):
 		}
 	}
+	var backoff time.Duration
 	for {
+		var wait time.Duration
 		if _, err := s.Tick(ctx); err != nil && ctx.Err() == nil {
-			s.log.WarnContext(ctx, "schedule: round failed; trying again", "err", err)
-		}
-		wait := s.cfg.Poll
-		now := s.cfg.Now()
-		if n, ok := s.nextTick(); ok {
-			wait = min(wait, max(n.Sub(now), 10*time.Millisecond))
+			// The failed round's ticks are due still: wait a growing while, as the relay
+			// does, rather than the 10 ms before a due tick.
+			backoff = min(max(2*backoff, 100*time.Millisecond), 5*time.Second)
+			wait = backoff
+			s.log.WarnContext(ctx, "schedule: round failed; trying again", "err", err, "retry_in", backoff)
+		} else {
+			backoff = 0
+			wait = s.cfg.Poll
+			if n, ok := s.nextTick(); ok {
+				wait = min(wait, max(n.Sub(s.dbNowEstimate()), 10*time.Millisecond))
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -225,12 +290,28 @@ func (s *Scheduler) nextTick() (time.Time, bool) {
 	return first, !first.IsZero()
 }
 
+// dbNowEstimate is the database's clock as this replica's reads it, by the offset
+// between the two measured at the last round.
+func (s *Scheduler) dbNowEstimate() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cfg.Now().Add(s.offset)
+}
+
+// dbNow reads the database's clock (Config.DatabaseNow in tests).
+func (s *Scheduler) dbNow(ctx context.Context) (time.Time, error) {
+	if s.cfg.DatabaseNow != nil {
+		return s.cfg.DatabaseNow(), nil
+	}
+	return store.DatabaseNow(ctx, s.pool)
+}
+
 // TickStats counts what one round did, over all entries.
 type TickStats struct {
 	Enqueued, Duplicate, CaughtUp, Skipped, Mismatch int
 }
 
-// Tick is one round at Config.Now: it reads the schedule table and, for each entry,
+// Tick is one round at the database's clock (Config.DatabaseNow in tests): it reads the schedule table and, for each entry,
 // enqueues the ticks due since this replica last handled it (on its first look at an
 // entry: the missed ticks its CatchUp policy keeps, within its window, after the newest
 // tick any replica enqueued). Run calls it; tests call it with an injected clock.
@@ -238,7 +319,13 @@ func (s *Scheduler) Tick(ctx context.Context) (TickStats, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var st TickStats
-	now := s.cfg.Now()
+	// Due is judged on the database's clock: every replica reads the same one, and a
+	// replica whose own clock runs ahead enqueues nothing early.
+	now, err := s.dbNow(ctx)
+	if err != nil {
+		return st, fmt.Errorf("schedule: read the database's clock: %w", err)
+	}
+	s.offset = now.Sub(s.cfg.Now())
 	rows, err := store.ReadSchedule(ctx, s.pool)
 	if err != nil {
 		return st, fmt.Errorf("schedule: read the schedule table: %w", err)
@@ -265,11 +352,22 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 	var due []time.Time
 	catchUp := false
 	switch {
-	case !known || c.revision != r.Revision:
+	case !known || c.revision != r.Revision || !bytes.Equal(c.sum, r.Sum):
 		p, err := readPlan(r)
 		if err != nil {
 			return err
 		}
+		if err := s.checkTask(p); err != nil {
+			// Another replica's entry that this one's task types refuse: skipped, said once
+			// per revision.
+			if s.refused[r.Name] != r.Revision {
+				s.refused[r.Name] = r.Revision
+				s.log.ErrorContext(ctx, "schedule: an entry of the table is refused; its ticks are not enqueued", "entry", r.Name, "revision", r.Revision, "err", err)
+			}
+			delete(s.cursors, r.Name)
+			return nil
+		}
+		delete(s.refused, r.Name)
 		if !known {
 			// A first look: the ticks missed since the newest any replica enqueued, within
 			// the window and after the entry's revision, by the catch-up policy.
@@ -296,9 +394,17 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 			// A new revision applies from its first tick after it.
 			due = p.ticks(latest(c.upTo, r.RevisedAt), now, s.cfg.MaxCatchUp)
 		}
-		c.revision, c.plan = r.Revision, p
+		c.revision, c.sum, c.plan = r.Revision, r.Sum, p
 	default:
 		due = c.plan.ticks(c.upTo, now, s.cfg.MaxCatchUp)
+	}
+	if n := len(due); n > 0 {
+		// The ticks of the entry's last pause are skipped, by whoever sees them late.
+		due = slices.DeleteFunc(due, func(t time.Time) bool { return inPause(r, t) })
+		if skipped := n - len(due); skipped > 0 {
+			s.count(EventSkipped, r.Name, skipped, &st.Skipped)
+		}
+		catchUp = catchUp && len(due) > 0
 	}
 	switch {
 	case len(due) == 0:
@@ -322,6 +428,18 @@ func (s *Scheduler) entryRound(ctx context.Context, r store.ScheduleEntryRow, no
 	}
 	c.upTo = latest(c.upTo, now)
 	return nil
+}
+
+// inPause reports whether tick t fell in entry r's last pause, [paused_at, resumed_at]
+// (before resumed_at when the pause was made by a build that did not record paused_at).
+func inPause(r store.ScheduleEntryRow, t time.Time) bool {
+	if !r.ResumedAt.Valid || t.After(r.ResumedAt.Time) {
+		return false
+	}
+	if r.PausedAt.Valid && r.PausedAt.Time.After(r.ResumedAt.Time) {
+		return false // paused again since, and resumed by a build that does not record it
+	}
+	return !r.PausedAt.Valid || !t.Before(r.PausedAt.Time)
 }
 
 // enqueue records the jobs of p's ticks in one transaction, with the newest as the

@@ -22,7 +22,8 @@ func (a *testAPI) schedule(t *testing.T, entries ...schedule.Entry) []schedule.S
 	ctx := testenv.Context(t, 30*time.Second)
 	s, err := schedule.New(a.pool, a.client, entries, &schedule.Config{
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Now:    func() time.Time { return time.Now().Add(3 * time.Minute) },
+		// Three minutes on, so that a round enqueues the entries' ticks.
+		DatabaseNow: func() time.Time { return time.Now().Add(3 * time.Minute) },
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -67,9 +67,9 @@ type Ledger struct {
 type Scheduler struct {
 	Redis
 	Database
-	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); unset, the replica schedules from the table as other replicas wrote it"`
+	ScheduleFile string        `envconfig:"IDEMQ_SCHEDULE_FILE" desc:"YAML file of periodic entries, upserted into schedule_entries at start (the table every replica schedules from); each entry is checked then as its ticks would be (a task type this binary serves, a payload its task accepts, max_retry 0..2147483647), or the scheduler does not start; unset, the replica schedules from the table as other replicas wrote it"`
 	Retention    time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
-	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker and scheduler on one host needs its own (:9092, :9093, …)"`
+	MetricsAddr  string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each process on one host needs its own (:9092, :9093, …)"`
 	// UnsafeWallClock is schedule.Config.UnsafeWallClockKeys.
 	UnsafeWallClock bool `envconfig:"IDEMQ_UNSAFE_SCHEDULE_WALLCLOCK" default:"false" desc:"TESTS ONLY (negative control): key each due tick by this replica's clock reading at enqueue, to the second, instead of the scheduled instant, so that replicas name one tick differently"`
 	Log
@@ -92,7 +92,7 @@ type Worker struct {
 	Lease             time.Duration `envconfig:"IDEMQ_LEASE" default:"30s" min:"500ms" desc:"ledger lease of a claim; heartbeats extend it every lease/3"`
 	LockTTL           time.Duration `envconfig:"IDEMQ_LOCK_TTL" default:"30s" min:"500ms" desc:"TTL of the Redis lock; a watchdog refreshes it while the handler runs"`
 	ShutdownTimeout   time.Duration `envconfig:"IDEMQ_SHUTDOWN_TIMEOUT" default:"30s" desc:"how long SIGTERM waits for running tasks before they are handed back"`
-	MetricsAddr       string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each worker and scheduler on one host needs its own (:9092, :9093, …)"`
+	MetricsAddr       string        `envconfig:"IDEMQ_METRICS_ADDR" default:":9091" desc:"address serving /metrics, /healthz and /readyz; empty disables; each process on one host needs its own (:9092, :9093, …)"`
 	FakepayURL        string        `envconfig:"IDEMQ_FAKEPAY_URL" default:"http://127.0.0.1:8090" desc:"base URL of the payment provider used by payment:charge"`
 	Retention         time.Duration `envconfig:"IDEMQ_RETENTION" default:"720h" desc:"how long completed and failed ledger rows are kept (a scheduler's catch-up windows must be shorter)"`
 	MaxAge            time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`

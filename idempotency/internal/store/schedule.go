@@ -25,8 +25,13 @@ type ScheduleEntryRow struct {
 	Name      string
 	Revision  int64
 	Spec      []byte
+	Sum       []byte // spec_sha256: tells an entry re-added under a revision it had before
 	Paused    bool
 	RevisedAt time.Time
+	// PausedAt and ResumedAt bound the entry's last pause (migration 00111); ResumedAt is
+	// not valid while it was never resumed.
+	PausedAt  pgtype.Timestamptz
+	ResumedAt pgtype.Timestamptz
 	LastTick  pgtype.Timestamptz
 	LastKey   pgtype.Text
 	// LastState is the outbox state of LastKey's intent (pending, published, done, dead),
@@ -62,7 +67,7 @@ func UpsertSchedule(ctx context.Context, tx pgx.Tx, entries []ScheduleEntryParam
 
 // ReadScheduleSQL reads every entry with the outbox state of its last tick's job.
 const ReadScheduleSQL = `
-SELECT s.name, s.revision, s.spec::text, s.paused, s.revised_at, s.last_tick, s.last_key, i.state
+SELECT s.name, s.revision, s.spec::text, s.spec_sha256, s.paused, s.revised_at, s.paused_at, s.resumed_at, s.last_tick, s.last_key, i.state
 FROM schedule_entries s LEFT JOIN job_intents i ON i.idempotency_key = s.last_key
 ORDER BY s.name`
 
@@ -75,7 +80,7 @@ func ReadSchedule(ctx context.Context, q querier) ([]ScheduleEntryRow, error) {
 	var out []ScheduleEntryRow
 	var r ScheduleEntryRow
 	var spec string
-	_, err = pgx.ForEachRow(rows, []any{&r.Name, &r.Revision, &spec, &r.Paused, &r.RevisedAt, &r.LastTick, &r.LastKey, &r.LastState}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&r.Name, &r.Revision, &spec, &r.Sum, &r.Paused, &r.RevisedAt, &r.PausedAt, &r.ResumedAt, &r.LastTick, &r.LastKey, &r.LastState}, func() error {
 		r.Spec = []byte(spec)
 		out = append(out, r)
 		r = ScheduleEntryRow{}
@@ -96,8 +101,13 @@ func AdvanceSchedule(ctx context.Context, tx pgx.Tx, name string, tick time.Time
 	return err
 }
 
-// PauseScheduleSQL pauses ($2 true) or resumes entry $1; it reports whether it exists.
-const PauseScheduleSQL = `UPDATE schedule_entries SET paused = $2, updated_at = now() WHERE name = $1`
+// PauseScheduleSQL pauses ($2 true) or resumes entry $1, recording when an active entry
+// was paused and when a paused one was resumed; it reports whether it exists.
+const PauseScheduleSQL = `
+UPDATE schedule_entries SET paused = $2, updated_at = now(),
+    paused_at = CASE WHEN $2 AND NOT paused THEN now() ELSE paused_at END,
+    resumed_at = CASE WHEN NOT $2 AND paused THEN now() ELSE resumed_at END
+WHERE name = $1`
 
 // PauseSchedule pauses or resumes entry name: false when there is no such entry.
 func PauseSchedule(ctx context.Context, q interface {
@@ -105,4 +115,16 @@ func PauseSchedule(ctx context.Context, q interface {
 }, name string, paused bool) (bool, error) {
 	tag, err := q.Exec(ctx, PauseScheduleSQL, name, paused)
 	return tag.RowsAffected() == 1, err
+}
+
+// DatabaseNowSQL reads the database's clock.
+const DatabaseNowSQL = `SELECT clock_timestamp()`
+
+// DatabaseNow returns the database's clock, by which schedulers judge a tick due.
+func DatabaseNow(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (time.Time, error) {
+	var now time.Time
+	err := q.QueryRow(ctx, DatabaseNowSQL).Scan(&now)
+	return now, err
 }
