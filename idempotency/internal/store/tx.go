@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -244,6 +246,14 @@ func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []stri
 	return sendCommit(ctx, conn, batch, 0)
 }
 
+// stmtName names a prepared statement of sql: prefix and a hash of sql, so that each
+// variant of a statement has a name of its own on a connection.
+func stmtName(prefix, sql string) string {
+	h := fnv.New64a()
+	h.Write([]byte(sql))
+	return prefix + strconv.FormatUint(h.Sum64(), 36)
+}
+
 // finishTxOIDs are finishTxSQL's parameter types.
 var finishTxOIDs = []uint32{pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int8ArrayOID, pgtype.UUIDArrayOID,
 	pgtype.ByteaArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int4ArrayOID,
@@ -255,8 +265,7 @@ var finishTxOIDs = []uint32{pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int
 // processed_job_events' lock with no bound (a VACUUM FULL would hold the finish until it
 // ends, and a failure would abort the transaction). Here every statement goes unnamed with
 // fixed parameter types, and the events' statement is parsed only in their own
-// transaction, after the COMMIT and a Sync, under EventsLockTimeout. The finish statement
-// is then planned for each such finish instead of once per connection; the round trip is
+// transaction, after the COMMIT and a Sync, under EventsLockTimeout. The round trip is
 // the same.
 func (w *Writes) finishWithEvents(ctx context.Context, conn *pgx.Conn, pre []string, lockTimeout string, ps []FinishParams, events []EventParams) (eventsErr, err error) {
 	m := conn.TypeMap()
@@ -264,13 +273,30 @@ func (w *Writes) finishWithEvents(ctx context.Context, conn *pgx.Conn, pre []str
 	if err != nil {
 		return nil, err
 	}
+	// Where the pool prepares statements, the finish goes as a named statement too
+	// (prepared once per connection; processed_jobs, not the history), so that it is not
+	// planned again for each finish that carries events.
+	var settings, finish *pgconn.StatementDescription
+	if conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		if settings, err = conn.Prepare(ctx, stmtName("idemq_settings_", claimSettingsSQL), claimSettingsSQL); err != nil {
+			return nil, err
+		}
+		if finish, err = conn.Prepare(ctx, stmtName("idemq_finish_tx_", w.FinishTx), w.FinishTx); err != nil {
+			return nil, err
+		}
+	}
 	pipe := conn.PgConn().StartPipeline(ctx)
 	defer pipe.Close()
 	for _, s := range pre {
 		pipe.SendQueryParams(s, nil, nil, nil, nil)
 	}
-	pipe.SendQueryParams(claimSettingsSQL, [][]byte{[]byte(lockTimeout)}, []uint32{pgtype.TextOID}, nil, nil)
-	pipe.SendQueryParams(w.FinishTx, params, finishTxOIDs, formats, nil)
+	if finish != nil {
+		pipe.SendQueryStatement(settings, [][]byte{[]byte(lockTimeout)}, nil, nil)
+		pipe.SendQueryStatement(finish, params, formats, nil)
+	} else {
+		pipe.SendQueryParams(claimSettingsSQL, [][]byte{[]byte(lockTimeout)}, []uint32{pgtype.TextOID}, nil, nil)
+		pipe.SendQueryParams(w.FinishTx, params, finishTxOIDs, formats, nil)
+	}
 	pipe.SendQueryParams("COMMIT", nil, nil, nil, nil)
 	pipe.SendPipelineSync()
 	if err := queueEvents(pipe, m, events); err != nil {
