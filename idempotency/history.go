@@ -231,13 +231,20 @@ func (h *history) TakeForCommit() []store.EventParams {
 
 // Done reports a DoTx finish that carried es: when its COMMIT did not happen (commitErr),
 // neither did their statement, and they wait for the next round; else eventsErr is
-// theirs.
+// theirs. Events the server refused (processed_job_events locked past
+// store.EventsLockTimeout, say) are counted lost, and for historyAlone finishes carry
+// none, so that no other finish waits for that lock even briefly.
 func (h *history) Done(es []store.EventParams, commitErr, eventsErr error) {
-	if commitErr == nil {
-		h.done(es, eventsErr)
+	if commitErr != nil {
+		h.giveBack(es, false)
 		return
 	}
-	h.giveBack(es, false)
+	if eventsErr != nil && store.Answered(eventsErr) {
+		h.mu.Lock()
+		h.aloneUntil = time.Now().Add(historyAlone)
+		h.mu.Unlock()
+	}
+	h.done(es, eventsErr)
 }
 
 // flush writes what no round carried within HistoryFlushDelay, in a statement of its own:

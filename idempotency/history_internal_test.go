@@ -430,3 +430,81 @@ func TestHistoryWithoutDuplicates(t *testing.T) {
 		t.Fatalf("history %+v and %d cache hits; want the mismatch alone and 1 hit", h, hits)
 	}
 }
+
+// A lock on processed_job_events (VACUUM FULL, a migration's ALTER) never holds a
+// delivery: the history is best-effort. With the table locked ACCESS EXCLUSIVE by another
+// session, DoTx and leased deliveries that carry events complete and commit while the lock
+// is still held, on connections that never sent the events statement before (nothing
+// prepared, no cached description), and the events they could not write are counted.
+func TestHistoryLockedTableNeverHoldsADelivery(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	var counts historyCounts
+	l := New(pool, &Config{ObserveHistory: counts.observe})
+	defer l.Close()
+	l.hist.delay = time.Hour
+	l.hist.proven.Store(true) // finishes carry events, as after a first written statement
+	ctx := testenv.Context(t, time.Minute)
+
+	locker, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Release()
+	if _, err := locker.Exec(ctx, `BEGIN; LOCK TABLE processed_job_events IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Exec(context.Background(), `ROLLBACK`)
+	lockHeld := func() bool {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE pid = $1 AND granted
+			AND mode = 'AccessExclusiveLock' AND relation = 'processed_job_events'::regclass`, locker.Conn().PgConn().PID()).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 1
+	}
+
+	// Each delivery gets 20 s, far below what it would wait for the lock (forever): one
+	// that waited would fail with its deadline.
+	// A refused events statement keeps rounds from carrying events for a while; each
+	// delivery here is to carry some.
+	carry := func(key string) {
+		l.hist.mu.Lock()
+		l.hist.aloneUntil = time.Time{}
+		l.hist.mu.Unlock()
+		l.Record(HistoryEvent{Key: "ev-" + key, Kind: HistoryBusy})
+	}
+	for _, key := range []string{"tx-1", "tx-2"} {
+		carry(key)
+		dctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		_, err := l.DoTx(dctx, Request{Key: key, TaskType: "t"}, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
+			_, err := tx.Exec(ctx, `SELECT 1`)
+			return json.RawMessage(`1`), err
+		})
+		cancel()
+		if err != nil {
+			t.Fatalf("DoTx %s with processed_job_events locked: %v", key, err)
+		}
+	}
+	for _, key := range []string{"leased-1", "leased-2"} {
+		carry(key)
+		dctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		_, err := l.Do(dctx, Request{Key: key, TaskType: "t"}, func(context.Context) (json.RawMessage, error) {
+			return json.RawMessage(`1`), nil
+		})
+		cancel()
+		if err != nil {
+			t.Fatalf("Do %s with processed_job_events locked: %v", key, err)
+		}
+	}
+	l.hist.write() // the background write gives up too
+	if !lockHeld() {
+		t.Fatal("the lock on processed_job_events was no longer held when the deliveries completed")
+	}
+	if n := testenv.Count(t, pool, `SELECT count(*) FROM processed_jobs WHERE status = 'completed'`); n != 4 {
+		t.Fatalf("%d rows completed, want 4", n)
+	}
+	if lost := counts.get(HistoryFailed) + counts.get(HistoryDropped); lost != 4 || counts.get(HistoryWritten) != 0 {
+		t.Fatalf("events counted %v; want 4 lost (failed or dropped), none written", counts.n)
+	}
+}

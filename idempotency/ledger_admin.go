@@ -217,10 +217,13 @@ func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error
 }
 
 // Purge deletes completed and failed rows that completed more than olderThan ago, with
-// their outbox intents, in transactions of at most batch rows (default 1000 when
-// batch <= 0), until none is left or ctx ends. In-progress and needs_attention rows are never purged. It returns how many
-// rows it deleted. A key delivered again after its row is purged runs again: keep the
-// window longer than anything can still deliver the key. Safe for concurrent use.
+// their outbox intents, and then dead intents that finished more than olderThan ago and
+// whose key has no row (their task's payload was refused, say), in transactions of at
+// most batch rows (default 1000 when batch <= 0), until none is left or ctx ends.
+// In-progress and needs_attention rows (and their intents) are never purged. It returns
+// how many rows and dead intents it deleted; the dead intents are also logged, as such. A
+// key delivered or enqueued again after it is purged runs again: keep the window longer
+// than anything can still deliver the key. Safe for concurrent use.
 func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) (int64, error) {
 	if olderThan < 0 {
 		return 0, fmt.Errorf("%w: negative purge window %s", ErrInvalidRequest, olderThan)
@@ -228,11 +231,28 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	if batch <= 0 {
 		batch = 1000
 	}
+	rows, err := l.purgeBatches(ctx, store.PurgeSQL, olderThan, batch)
+	if err != nil {
+		return rows, fmt.Errorf("idempotency: purge: %w", err)
+	}
+	dead, err := l.purgeBatches(ctx, store.PurgeDeadIntentsSQL, olderThan, batch)
+	if dead > 0 {
+		l.log.Info("idempotency: purged dead intents without a ledger row", "count", dead, "older_than", olderThan)
+	}
+	if err != nil {
+		return rows + dead, fmt.Errorf("idempotency: purge dead intents: %w", err)
+	}
+	return rows + dead, nil
+}
+
+// purgeBatches runs sql, a purge of one batch answering how many it deleted, until a
+// batch deletes fewer than batch.
+func (l *Ledger) purgeBatches(ctx context.Context, sql string, olderThan time.Duration, batch int) (int64, error) {
 	var total int64
 	for {
 		var n int64
-		if err := l.pool.QueryRow(ctx, store.PurgeSQL, olderThan.Microseconds(), batch).Scan(&n); err != nil {
-			return total, fmt.Errorf("idempotency: purge: %w", err)
+		if err := l.pool.QueryRow(ctx, sql, olderThan.Microseconds(), batch).Scan(&n); err != nil {
+			return total, err
 		}
 		total += n
 		if n < int64(batch) {

@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -49,5 +50,46 @@ func TestRunRetentionPurgesOnItsTurn(t *testing.T) {
 	}
 	if ctx.Err() != nil {
 		t.Fatal("the expired row was not purged")
+	}
+}
+
+// Purge removes dead intents whose key has no ledger row (a payload the decoder refused,
+// say) by the same window as rows, with their history, in bounded batches, and keeps a
+// dead intent inside the window, one whose key has a row not purged, and live intents.
+// It works without the index migration 00112 adds, as on the previous schema.
+func TestPurgeRemovesDeadIntentsWithoutARow(t *testing.T) {
+	t.Parallel()
+	for _, withIndex := range []bool{true, false} {
+		l, pool := newLedger(t, nil)
+		ctx := testenv.Context(t, 30*time.Second)
+		if !withIndex {
+			mustExec(t, pool, `DROP INDEX IF EXISTS job_intents_dead_idx`)
+		}
+		mustExec(t, pool, `INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry,
+				timeout_ms, retention_ms, state, published_at, finished_at, last_error)
+			SELECT k, 't', '\x00', sha256('\x00'), 'default', 0, 0, 0, s, now() - interval '3 days', f, 'invalid payload'
+			FROM (VALUES ('dead-old-1', 'dead', now() - interval '2 days'), ('dead-old-2', 'dead', now() - interval '2 days'),
+			             ('dead-old-3', 'dead', now() - interval '2 days'),
+			             ('dead-new', 'dead', now()), ('dead-with-row', 'dead', now() - interval '2 days'),
+			             ('published-old', 'published', NULL)) AS v(k, s, f)`)
+		mustExec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, started_at)
+			VALUES ('dead-with-row', 't', 'needs_attention', nextval('processed_jobs_fence_seq'), now() - interval '3 days')`)
+		mustExec(t, pool, `INSERT INTO processed_job_events (idempotency_key, generation, kind, at)
+			VALUES ('dead-old-1', 0, 'mismatch', now() - interval '2 days'), ('dead-new', 0, 'mismatch', now())`)
+		n, err := l.Purge(ctx, 24*time.Hour, 2) // two batches of at most 2
+		if err != nil {
+			t.Fatal(err)
+		}
+		left := testenv.Strings(t, pool, `SELECT idempotency_key FROM job_intents ORDER BY 1`)
+		want := []string{"dead-new", "dead-with-row", "published-old"}
+		if n != 3 || fmt.Sprint(left) != fmt.Sprint(want) {
+			t.Fatalf("index %v: purged %d, intents left %q; want 3 purged, %q left", withIndex, n, left, want)
+		}
+		if e := count(t, pool, `SELECT count(*) FROM processed_job_events WHERE idempotency_key = 'dead-old-1'`); e != 0 {
+			t.Fatalf("index %v: %d history events of a purged dead intent left", withIndex, e)
+		}
+		if e := count(t, pool, `SELECT count(*) FROM processed_job_events WHERE idempotency_key = 'dead-new'`); e != 1 {
+			t.Fatalf("index %v: the history of a dead intent inside the window: %d events, want 1", withIndex, e)
+		}
 	}
 }

@@ -127,7 +127,7 @@ func ledgerCommand() command {
 					return err
 				}
 				return printDone(stdout, *asJSON, map[string]any{"purged": n, "older_than": olderThan.String()},
-					"purged %d completed or failed rows older than %s", n, *olderThan)
+					"purged %d completed or failed rows and dead intents without a row older than %s", n, *olderThan)
 			}
 		},
 	}

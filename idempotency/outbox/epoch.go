@@ -192,3 +192,50 @@ func parseRunID(info string) string {
 	}
 	return ""
 }
+
+// repairEmptyQueue undoes what earlier releases did when Enqueue published a Spec without
+// a queue: they registered the queue "" with asynq (whose Inspector, and so the dashboard,
+// then fails for every queue), recorded an epoch row (and a marker) for it, and left
+// DefaultQueue, where the task went, without either. When Redis or Postgres still holds
+// the queue "", DefaultQueue is marked first (markEpochs, EnsureEpoch), then "" is
+// removed from both, so that a process stopping midway leaves something to repair on the
+// next round. Every step is idempotent and safe on every replica at once; a round where
+// neither holds "" costs one round trip to each.
+func (c *Client) repairEmptyQueue(ctx context.Context) error {
+	var member *redis.BoolCmd
+	var marker *redis.IntCmd
+	if _, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		member = p.SIsMember(ctx, asynqkeys.AllQueues, "")
+		marker = p.Exists(ctx, epochKey(""))
+		return nil
+	}); err != nil {
+		return fmt.Errorf("outbox: look for the queue \"\": %w", err)
+	}
+	row, err := store.HasEpoch(ctx, c.pool, "")
+	if err != nil {
+		return fmt.Errorf("outbox: look for the queue \"\": %w", err)
+	}
+	if !member.Val() && marker.Val() == 0 && !row {
+		return nil
+	}
+	marks, err := c.markEpochs(ctx, []string{DefaultQueue})
+	if err != nil {
+		return err
+	}
+	if err := store.EnsureEpoch(ctx, c.pool, DefaultQueue, marks[DefaultQueue]); err != nil {
+		return fmt.Errorf("outbox: record epoch of queue %s: %w", DefaultQueue, err)
+	}
+	c.epochQueues.Store(DefaultQueue, true)
+	if err := store.DeleteEpoch(ctx, c.pool, ""); err != nil {
+		return fmt.Errorf("outbox: remove the queue \"\": %w", err)
+	}
+	if _, err := c.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		p.SRem(ctx, asynqkeys.AllQueues, "")
+		p.Del(ctx, epochKey(""))
+		return nil
+	}); err != nil {
+		return fmt.Errorf("outbox: remove the queue \"\": %w", err)
+	}
+	c.log.Info("removed the queue \"\" that an earlier release registered; marked queue default instead")
+	return nil
+}

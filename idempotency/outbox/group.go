@@ -169,7 +169,7 @@ func (c *Client) Enqueue(ctx context.Context, spec Spec) (EnqueueResult, error) 
 // concurrent calls, instead of waiting for a relay, and reports whether it did. A failure
 // is logged and left to the relays.
 func (c *Client) Publish(ctx context.Context, spec Spec) bool {
-	op := &publishOp{spec: spec}
+	op := &publishOp{spec: spec.withDefaults()}
 	if err := c.pub.Run(ctx, 0, op); err != nil {
 		c.log.Warn("publish at enqueue failed; a relay will retry", "key", spec.Key, "err", err)
 	}

@@ -67,9 +67,9 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(specs[a].Key, specs[b].Key) })
 	ps := make([]store.IntentParams, len(order))
 	for j, i := range order {
-		s := specs[i]
+		s := specs[i].withDefaults()
 		ps[j] = store.IntentParams{Key: s.Key, TaskType: s.Type, Payload: s.Payload, Fingerprint: idempotency.Fingerprint(s.Type, s.Payload),
-			Queue: cmp.Or(s.Queue, DefaultQueue), MaxRetry: s.MaxRetry, Timeout: s.Timeout, Retention: s.Retention, TraceParent: s.TraceParent}
+			Queue: s.Queue, MaxRetry: s.MaxRetry, Timeout: s.Timeout, Retention: s.Retention, TraceParent: s.TraceParent}
 	}
 	inserted, err := store.InsertIntents(ctx, tx, ps, hold) // key → state
 	if err != nil {

@@ -39,8 +39,13 @@ type ReconcileStats struct {
 // task's last error: no delivery will settle it.
 // It republishes at most Config.RepublishPerSecond per second. If Redis loses data
 // during the round (a queue's epoch marker changes), the round runs again without grace.
+// Each round first removes the queue "" that earlier releases registered for a Spec
+// without a queue (see repairEmptyQueue).
 // Safe for concurrent use.
 func (c *Client) Reconcile(ctx context.Context, grace time.Duration) (ReconcileStats, error) {
+	if err := c.repairEmptyQueue(ctx); err != nil {
+		return ReconcileStats{}, err
+	}
 	st, _, err := c.reconcile(ctx, grace, nil)
 	return st, err
 }

@@ -45,3 +45,21 @@ func SettleEpoch(ctx context.Context, q DB, e Epoch) error {
 	_, err := q.Exec(ctx, settleEpochSQL, e.Queue, e.Epoch, e.RedisRunID)
 	return err
 }
+
+const (
+	hasEpochSQL    = `SELECT EXISTS (SELECT 1 FROM redis_epochs WHERE queue = $1)`
+	deleteEpochSQL = `DELETE FROM redis_epochs WHERE queue = $1`
+)
+
+// HasEpoch reports whether queue has an epoch row.
+func HasEpoch(ctx context.Context, q DB, queue string) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, hasEpochSQL, queue).Scan(&ok)
+	return ok, err
+}
+
+// DeleteEpoch removes queue's epoch row, if it has one.
+func DeleteEpoch(ctx context.Context, q DB, queue string) error {
+	_, err := q.Exec(ctx, deleteEpochSQL, queue)
+	return err
+}

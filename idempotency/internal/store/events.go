@@ -9,7 +9,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // A key's history: the exceptional events of its deliveries, in processed_job_events.
@@ -70,14 +72,25 @@ WHERE e.rn + (SELECT count(*) FROM processed_job_events x
               WHERE x.idempotency_key = e.key AND x.generation = e.gen) <= 50 -- MaxEventsPerGeneration
 ORDER BY e.ord`
 
-// asyncCommitSQL makes the transaction it runs in commit asynchronously: a crash of
-// Postgres may lose what it wrote in the last moments (at most three times
-// wal_writer_delay), never anything another transaction depends on. Only events'
-// transactions use it.
-const asyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
+// EventsLockTimeout bounds how long an events statement waits for a lock on
+// processed_job_events (VACUUM FULL, a migration's ALTER, a partition being attached):
+// past it the statement fails and its events are counted lost, so that a finish never
+// waits on the history.
+const EventsLockTimeout = "100ms"
 
-// InsertEvents is the events statement, a Part of a round or sent alone.
-var InsertEvents = &Statement{Name: "idemq_insert_events", SQL: insertEventsSQL}
+// eventsSettingsSQL starts the events' own transaction (the one after a DoTx finish's
+// COMMIT, or the background write's): it commits asynchronously (a crash of Postgres may
+// lose what it wrote in the last moments, at most three times wal_writer_delay, never
+// anything another transaction depends on) and waits at most EventsLockTimeout for a
+// lock.
+const eventsSettingsSQL = `SELECT set_config('synchronous_commit', 'off', true), set_config('lock_timeout', '` + EventsLockTimeout + `', true)`
+
+// InsertEvents is the events statement, a Part of a round or sent alone. Its parameter
+// types are fixed: it is never prepared nor described, as that would take the table's
+// lock outside any lock_timeout (see Statement).
+var InsertEvents = &Statement{Name: "idemq_insert_events", SQL: insertEventsSQL, ParamOIDs: []uint32{
+	pgtype.TextArrayOID, pgtype.Int4ArrayOID, pgtype.TimestamptzArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID,
+	pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int8ArrayOID, pgtype.Int8ArrayOID, pgtype.TextArrayOID}}
 
 // EventArgs returns InsertEvents' arguments for es.
 func EventArgs(es []EventParams) []any {
@@ -100,16 +113,84 @@ func EventArgs(es []EventParams) []any {
 
 // EventsPart is InsertEvents for es as a Part of a Round: it answers no rows.
 func EventsPart(es []EventParams) Part {
-	return Part{Stmt: InsertEvents, Args: EventArgs(es), Rows: len(es), Read: func(int, pgx.Rows) error { return nil }, Optional: true}
+	return Part{Stmt: InsertEvents, Args: EventArgs(es), Rows: len(es), Read: func(int, pgx.Rows) error { return nil }, Optional: true,
+		LockTimeout: EventsLockTimeout}
 }
 
-// WriteEvents records es in a statement of its own.
-func WriteEvents(ctx context.Context, q DB, es []EventParams) error {
+// WriteEvents records es in a transaction of their own on a connection of pool, which
+// waits at most EventsLockTimeout for the table's lock (see eventsSettingsSQL).
+func WriteEvents(ctx context.Context, pool *pgxpool.Pool, es []EventParams) error {
 	if len(es) == 0 {
 		return nil
 	}
-	_, err := q.Exec(ctx, insertEventsSQL, EventArgs(es)...)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	pipe := conn.Conn().PgConn().StartPipeline(ctx)
+	defer pipe.Close()
+	if err := queueEvents(pipe, conn.Conn().TypeMap(), es); err != nil {
+		return err
+	}
+	if err := pipe.Sync(); err != nil {
+		return err
+	}
+	return readEvents(pipe)
+}
+
+// queueEvents queues es's own transaction on pipe: its settings (eventsSettingsSQL) and
+// InsertEvents, sent unnamed with their fixed types; a Sync must follow.
+func queueEvents(pipe *pgconn.Pipeline, m *pgtype.Map, es []EventParams) error {
+	params, formats, err := encodeArgs(m, InsertEvents.ParamOIDs, EventArgs(es))
+	if err != nil {
+		return err
+	}
+	pipe.SendQueryParams(eventsSettingsSQL, nil, nil, nil, nil)
+	pipe.SendQueryParams(insertEventsSQL, params, InsertEvents.ParamOIDs, formats, nil)
+	return nil
+}
+
+// readEvents reads the answers to queueEvents's statements and the Sync after them, and
+// returns the first error.
+func readEvents(pipe *pgconn.Pipeline) error {
+	var first error
+	for range 2 {
+		if err := closeResult(pipe); err != nil && first == nil {
+			first = err
+		}
+	}
+	if _, err := pipe.GetResults(); err != nil && first == nil { // the Sync
+		first = err
+	}
+	return first
+}
+
+// closeResult reads one statement's answer from pipe and returns its error.
+func closeResult(pipe *pgconn.Pipeline) error {
+	res, err := pipe.GetResults()
+	if err != nil {
+		return err
+	}
+	rr, ok := res.(*pgconn.ResultReader)
+	if !ok {
+		return fmt.Errorf("unexpected pipeline result %T", res)
+	}
+	_, err = rr.Close()
 	return err
+}
+
+// encodeArgs encodes args in the binary format for the parameter types oids.
+func encodeArgs(m *pgtype.Map, oids []uint32, args []any) ([][]byte, []int16, error) {
+	params, formats := make([][]byte, len(args)), make([]int16, len(args))
+	for j, a := range args {
+		var err error
+		if params[j], err = m.Encode(oids[j], pgtype.BinaryFormatCode, a, nil); err != nil {
+			return nil, nil, fmt.Errorf("argument %d: %w", j+1, err)
+		}
+		formats[j] = pgtype.BinaryFormatCode
+	}
+	return params, formats, nil
 }
 
 // cleanText makes s a value Postgres text takes (valid UTF-8, no NUL), of at most limit

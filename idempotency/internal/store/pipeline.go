@@ -21,7 +21,13 @@ type Part struct {
 	Read func(ord int, rows pgx.Rows) error
 	// Optional marks a part the round may do without: its failure wraps ErrOptionalPart.
 	Optional bool
+	// LockTimeout, if set, bounds this part's lock waits instead of RoundOptions'
+	// (as "100ms"): the round sets it before the part and puts the round's back after it.
+	LockTimeout string
 }
+
+// lockTimeoutSQL sets the transaction's lock_timeout to $1.
+const lockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 
 // ErrOptionalPart is wrapped by the error of a round that failed at an Optional part.
 var ErrOptionalPart = errors.New("an optional statement of the round failed")
@@ -55,7 +61,7 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 	stmts := make([]stmt, len(parts))
 	for i, p := range parts {
 		var s stmt
-		if opt.Prepared {
+		if opt.Prepared && p.Stmt.ParamOIDs == nil {
 			if s.sd, err = conn.Prepare(ctx, p.Stmt.Name, p.Stmt.SQL); s.sd != nil { // once per connection
 				s.oids = s.sd.ParamOIDs
 			}
@@ -82,6 +88,9 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 	defer pipe.Close()
 	pipe.SendQueryParams(claimSettingsSQL, [][]byte{[]byte(opt.LockTimeout)}, nil, nil, nil)
 	for i, s := range stmts {
+		if parts[i].LockTimeout != "" {
+			pipe.SendQueryParams(lockTimeoutSQL, [][]byte{[]byte(parts[i].LockTimeout)}, nil, nil, nil)
+		}
 		formats := make([]int16, len(s.params))
 		for j := range formats {
 			formats[j] = pgtype.BinaryFormatCode
@@ -90,6 +99,9 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 			pipe.SendQueryStatement(s.sd, s.params, formats, nil) // text results
 		} else {
 			pipe.SendQueryParams(parts[i].Stmt.SQL, s.params, s.oids, formats, nil)
+		}
+		if parts[i].LockTimeout != "" {
+			pipe.SendQueryParams(lockTimeoutSQL, [][]byte{[]byte(opt.LockTimeout)}, nil, nil, nil)
 		}
 	}
 	if opt.ReadFirst {
@@ -121,7 +133,17 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 		return false, err
 	}
 	for _, p := range parts {
-		if err := readPart(pipe, m, p); err != nil {
+		err := error(nil)
+		if p.LockTimeout != "" {
+			err = closeResult(pipe)
+		}
+		if err == nil {
+			err = readPart(pipe, m, p)
+		}
+		if err == nil && p.LockTimeout != "" {
+			err = closeResult(pipe)
+		}
+		if err != nil {
 			abort()
 			if p.Optional {
 				err = fmt.Errorf("%w: %w", ErrOptionalPart, err)

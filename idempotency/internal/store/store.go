@@ -40,9 +40,13 @@ const (
 )
 
 // Statement is a statement sent by Round: named and prepared once per connection when
-// the pool prepares, otherwise unnamed with its parameter types described once.
+// the pool prepares, otherwise unnamed with its parameter types described once. One with
+// ParamOIDs is never prepared nor described: it is sent unnamed with those types, so that
+// the server reads its tables (and takes their locks) only when it runs, under the
+// lock_timeout of its transaction.
 type Statement struct {
 	Name, SQL string
+	ParamOIDs []uint32
 
 	mu        sync.Mutex
 	paramOIDs []uint32
@@ -51,6 +55,9 @@ type Statement struct {
 // paramTypes returns the statement's parameter types, described by the server (as an
 // unnamed statement) the first time.
 func (s *Statement) paramTypes(ctx context.Context, conn *pgconn.PgConn) ([]uint32, error) {
+	if s.ParamOIDs != nil {
+		return s.ParamOIDs, nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.paramOIDs == nil {

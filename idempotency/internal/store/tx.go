@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -228,9 +230,12 @@ func CheckResult(ctx context.Context, conn *pgx.Conn, pre []string, result strin
 // which Conflict reports true.
 //
 // events, if any, ride the same round trip after the COMMIT, in a transaction of their
-// own: their statement cannot undo the commit, and its error (eventsErr) is not the
-// commit's.
+// own (see finishWithEvents): their statement cannot undo the commit, waits at most
+// EventsLockTimeout for the table, and its error (eventsErr) is not the commit's.
 func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []string, lockTimeout string, ps []FinishParams, events []EventParams) (eventsErr, err error) {
+	if len(events) > 0 {
+		return w.finishWithEvents(ctx, conn, pre, lockTimeout, ps, events)
+	}
 	batch := &pgx.Batch{}
 	for _, s := range pre {
 		batch.Queue(s)
@@ -238,16 +243,96 @@ func (w *Writes) FinishAndCommit(ctx context.Context, conn *pgx.Conn, pre []stri
 	batch.Queue(claimSettingsSQL, lockTimeout) // the bound on its row-lock waits, its plans
 	batch.Queue(w.FinishTx, finishTxArgs(ps)...)
 	batch.Queue("COMMIT")
-	after := 0
-	if len(events) > 0 {
-		// The events' own transaction commits without waiting for its WAL to reach disk:
-		// the history is best-effort, and a second flush would hold the finish's answer
-		// (and every delivery the shared transaction carried) for another fsync.
-		batch.Queue(asyncCommitSQL)
-		batch.Queue(insertEventsSQL, EventArgs(events)...)
-		after = 2
+	return sendCommit(ctx, conn, batch, 0)
+}
+
+// stmtName names a prepared statement of sql: prefix and a hash of sql, so that each
+// variant of a statement has a name of its own on a connection.
+func stmtName(prefix, sql string) string {
+	h := fnv.New64a()
+	h.Write([]byte(sql))
+	return prefix + strconv.FormatUint(h.Sum64(), 36)
+}
+
+// finishTxOIDs are finishTxSQL's parameter types.
+var finishTxOIDs = []uint32{pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int8ArrayOID, pgtype.UUIDArrayOID,
+	pgtype.ByteaArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int4ArrayOID,
+	pgtype.Int4ArrayOID, pgtype.TextArrayOID, pgtype.ByteaArrayOID, pgtype.BoolArrayOID}
+
+// finishWithEvents is FinishAndCommit with events, sent on the protocol's pipeline rather
+// than as a pgx batch: a batch would first prepare (or describe) the events statement on a
+// connection that has not sent it yet, inside the caller's transaction, and that takes
+// processed_job_events' lock with no bound (a VACUUM FULL would hold the finish until it
+// ends, and a failure would abort the transaction). Here every statement goes unnamed with
+// fixed parameter types, and the events' statement is parsed only in their own
+// transaction, after the COMMIT and a Sync, under EventsLockTimeout. The round trip is
+// the same.
+func (w *Writes) finishWithEvents(ctx context.Context, conn *pgx.Conn, pre []string, lockTimeout string, ps []FinishParams, events []EventParams) (eventsErr, err error) {
+	m := conn.TypeMap()
+	params, formats, err := encodeArgs(m, finishTxOIDs, finishTxArgs(ps))
+	if err != nil {
+		return nil, err
 	}
-	return sendCommit(ctx, conn, batch, after)
+	// Where the pool prepares statements, the finish goes as a named statement too
+	// (prepared once per connection; processed_jobs, not the history), so that it is not
+	// planned again for each finish that carries events.
+	var settings, finish *pgconn.StatementDescription
+	if conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		if settings, err = conn.Prepare(ctx, stmtName("idemq_settings_", claimSettingsSQL), claimSettingsSQL); err != nil {
+			return nil, err
+		}
+		if finish, err = conn.Prepare(ctx, stmtName("idemq_finish_tx_", w.FinishTx), w.FinishTx); err != nil {
+			return nil, err
+		}
+	}
+	pipe := conn.PgConn().StartPipeline(ctx)
+	defer pipe.Close()
+	for _, s := range pre {
+		pipe.SendQueryParams(s, nil, nil, nil, nil)
+	}
+	if finish != nil {
+		pipe.SendQueryStatement(settings, [][]byte{[]byte(lockTimeout)}, nil, nil)
+		pipe.SendQueryStatement(finish, params, formats, nil)
+	} else {
+		pipe.SendQueryParams(claimSettingsSQL, [][]byte{[]byte(lockTimeout)}, []uint32{pgtype.TextOID}, nil, nil)
+		pipe.SendQueryParams(w.FinishTx, params, finishTxOIDs, formats, nil)
+	}
+	pipe.SendQueryParams("COMMIT", nil, nil, nil, nil)
+	pipe.SendPipelineSync()
+	if err := queueEvents(pipe, m, events); err != nil {
+		return nil, err
+	}
+	if err := pipe.Sync(); err != nil {
+		return nil, err
+	}
+	var tag pgconn.CommandTag
+	for range len(pre) + 3 {
+		res, rerr := pipe.GetResults()
+		if rerr != nil {
+			err = rerr
+			break
+		}
+		rr, ok := res.(*pgconn.ResultReader)
+		if !ok {
+			err = fmt.Errorf("unexpected pipeline result %T", res)
+			break
+		}
+		if tag, err = rr.Close(); err != nil {
+			break
+		}
+	}
+	if err == nil && tag.String() != "COMMIT" {
+		err = fmt.Errorf("commit answered %q", tag.String())
+	}
+	if err != nil {
+		// The server skipped the rest up to the Sync; the events' transaction runs
+		// after it, in the aborted transaction or a new one: they count as not written.
+		return err, err
+	}
+	if _, err := pipe.GetResults(); err != nil { // the Sync after the COMMIT
+		return err, err
+	}
+	return readEvents(pipe), nil
 }
 
 // finishTxArgs returns finishTxSQL's arguments for ps.
