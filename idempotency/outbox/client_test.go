@@ -398,13 +398,7 @@ func TestDuplicateEnqueueOfAReopenedIntentLeavesItToTheRelay(t *testing.T) {
 		t.Fatalf("intent after the duplicate: %+v (%v); want pending under publish generation 1", info, err)
 	}
 	// A relay publishes the rerun under its own TaskID.
-	relayCtx, stop := context.WithCancel(ctx)
-	relayDone := make(chan struct{})
-	go func() {
-		defer close(relayDone)
-		c.RunRelay(relayCtx)
-	}()
-	defer func() { stop(); <-relayDone }()
+	defer runRelay(ctx, c)()
 	for {
 		info, err := c.Intent(ctx, spec.Key)
 		if err != nil {

@@ -1,7 +1,6 @@
 package outbox_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -154,13 +153,7 @@ func TestSelfPublishedIntentFallsBackToTheRelay(t *testing.T) {
 	const hold = 700 * time.Millisecond
 	c := outbox.NewClient(pool, rdb, &outbox.Config{RelayHold: hold, RelayPoll: 50 * time.Millisecond})
 	ctx := testenv.Context(t, 30*time.Second)
-	relayCtx, stop := context.WithCancel(ctx)
-	relayDone := make(chan struct{})
-	go func() {
-		defer close(relayDone)
-		c.RunRelay(relayCtx)
-	}()
-	defer func() { stop(); <-relayDone }()
+	defer runRelay(ctx, c)()
 
 	committed := time.Now()
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {

@@ -168,13 +168,9 @@ func readEvents(pipe *pgconn.Pipeline) error {
 
 // closeResult reads one statement's answer from pipe and returns its error.
 func closeResult(pipe *pgconn.Pipeline) error {
-	res, err := pipe.GetResults()
+	rr, err := nextResult(pipe)
 	if err != nil {
 		return err
-	}
-	rr, ok := res.(*pgconn.ResultReader)
-	if !ok {
-		return fmt.Errorf("unexpected pipeline result %T", res)
 	}
 	_, err = rr.Close()
 	return err

@@ -167,15 +167,24 @@ func Round(ctx context.Context, conn *pgx.Conn, opt RoundOptions, parts []Part) 
 	return false, nil
 }
 
-// readPart hands each answered row of p to p.Read with its ordinal (1-based).
-func readPart(pipe *pgconn.Pipeline, m *pgtype.Map, p Part) error {
+// nextResult reads the next statement's answer from pipe.
+func nextResult(pipe *pgconn.Pipeline) (*pgconn.ResultReader, error) {
 	res, err := pipe.GetResults()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	rr, ok := res.(*pgconn.ResultReader)
 	if !ok {
-		return fmt.Errorf("unexpected pipeline result %T", res)
+		return nil, fmt.Errorf("unexpected pipeline result %T", res)
+	}
+	return rr, nil
+}
+
+// readPart hands each answered row of p to p.Read with its ordinal (1-based).
+func readPart(pipe *pgconn.Pipeline, m *pgtype.Map, p Part) error {
+	rr, err := nextResult(pipe)
+	if err != nil {
+		return err
 	}
 	rows := pgx.RowsFromResultReader(m, rr)
 	defer rows.Close()
