@@ -370,7 +370,13 @@ func demoPhase(ctx context.Context, o demoOptions, exe, redisURL, dbURL string, 
 			run.nudges += int64(n)
 			lastNudge = time.Now()
 		}
-		time.Sleep(250 * time.Millisecond)
+		// Until the kill, look often: a fast run can go from under a quarter to done
+		// between two looks, and the demo would then show no kill at all.
+		if run.killed {
+			time.Sleep(250 * time.Millisecond)
+		} else {
+			time.Sleep(25 * time.Millisecond)
+		}
 	}
 	if tty {
 		fmt.Fprintln(out)
