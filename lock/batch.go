@@ -50,6 +50,8 @@ type Batcher struct {
 		idle    *sync.Cond // signalled when it stops
 	}
 
+	node *node // the wake-ups between processes (wake.go)
+
 	kept struct {
 		mu      sync.Mutex
 		locks   map[*kept]struct{}
@@ -61,7 +63,7 @@ type Batcher struct {
 
 // NewBatcher returns a Batcher for the locks of l.
 func NewBatcher(l *Locker) *Batcher {
-	b := &Batcher{locker: l}
+	b := &Batcher{locker: l, node: newNode(l.prefix)}
 	b.writes.idle = sync.NewCond(&b.writes.mu)
 	b.kept.locks = map[*kept]struct{}{}
 	b.kept.wake = make(chan struct{}, 1)
@@ -73,7 +75,10 @@ func NewBatcher(l *Locker) *Batcher {
 // release. Its results and errors are Locker.Obtain's. When ctx ends while its try is in
 // flight, Obtain waits for that round trip.
 func (b *Batcher) Obtain(ctx context.Context, key string, ttl time.Duration, opts *Options) (*Lock, error) {
-	return b.locker.obtain(ctx, key, ttl, opts, b.setNX, b.markWanted)
+	if opts != nil && opts.Want > 0 {
+		b.listen()
+	}
+	return b.locker.obtain(ctx, key, ttl, opts, b.node.token(), b.setNX, b.markWanted)
 }
 
 // obtainTry is one SET NX of a batch.
@@ -81,6 +86,7 @@ type obtainTry struct {
 	rkey, token string
 	ttl         time.Duration
 	ok          bool
+	holder      string // the token that holds rkey, when not ok
 	err         error
 	// wake tells the caller that its answer is in (false) or that it sends the next
 	// round trip (true), for the tries in lead.
@@ -88,10 +94,11 @@ type obtainTry struct {
 	lead []*obtainTry
 }
 
-// setNX sends SET NX PX for rkey in the next round trip. The caller of the first try in
-// a round trip sends it; when the answer is in, it hands the round trip of the tries
-// queued meanwhile to the first of them.
-func (b *Batcher) setNX(ctx context.Context, rkey, token string, ttl time.Duration) (bool, error) {
+// setNX sends SET NX PX GET for rkey in the next round trip, and answers whether it set
+// the key and, when not, the holder's token. The caller of the first try in a round
+// trip sends it; when the answer is in, it hands the round trip of the tries queued
+// meanwhile to the first of them.
+func (b *Batcher) setNX(ctx context.Context, rkey, token string, ttl time.Duration) (bool, string, error) {
 	t := &obtainTry{rkey: rkey, token: token, ttl: ttl, wake: make(chan bool, 1)}
 	q := &b.obtains
 	q.mu.Lock()
@@ -107,13 +114,13 @@ func (b *Batcher) setNX(ctx context.Context, rkey, token string, ttl time.Durati
 			if i := slices.Index(q.queue, t); i >= 0 {
 				q.queue = slices.Delete(q.queue, i, i+1)
 				q.mu.Unlock()
-				return false, ctx.Err()
+				return false, "", ctx.Err()
 			}
 			q.mu.Unlock()
 			lead = <-t.wake // in flight, or its turn to send: within a round trip
 		}
 		if !lead {
-			return t.ok, t.err
+			return t.ok, t.holder, t.err
 		}
 		batch = t.lead
 	} else {
@@ -122,14 +129,22 @@ func (b *Batcher) setNX(ctx context.Context, rkey, token string, ttl time.Durati
 	}
 
 	pipe := b.locker.client.Pipeline()
-	cmds := make([]*redis.BoolCmd, len(batch))
+	cmds := make([]*redis.StatusCmd, len(batch))
 	bctx := context.WithoutCancel(ctx) // the others' tries do not end with this one's ctx
 	for i, t := range batch {
-		cmds[i] = pipe.SetNX(bctx, t.rkey, t.token, t.ttl)
+		cmds[i] = pipe.SetArgs(bctx, t.rkey, t.token, redis.SetArgs{Mode: "NX", TTL: t.ttl, Get: true})
 	}
 	_, _ = pipe.Exec(bctx) // each command carries its own error
 	for i, o := range batch {
-		o.ok, o.err = cmds[i].Result()
+		// SET NX GET answers nil when it set the key, and the holder's token when not.
+		switch holder, err := cmds[i].Result(); {
+		case errors.Is(err, redis.Nil):
+			o.ok = true
+		case err != nil:
+			o.err = err
+		default:
+			o.holder = holder
+		}
 		if o != t {
 			o.wake <- false
 		}
@@ -139,19 +154,21 @@ func (b *Batcher) setNX(ctx context.Context, rkey, token string, ttl time.Durati
 	if len(q.queue) == 0 {
 		q.busy = false
 		q.mu.Unlock()
-		return t.ok, t.err
+		return t.ok, t.holder, t.err
 	}
 	next := q.queue
 	q.queue = nil
 	next[0].lead = next
 	q.mu.Unlock()
 	next[0].wake <- true
-	return t.ok, t.err
+	return t.ok, t.holder, t.err
 }
 
-// markWanted queues rkey's wanted mark.
-func (b *Batcher) markWanted(_ context.Context, rkey string, want time.Duration) {
-	b.Send(Call{Script: wantScript, Keys: []string{rkey + wantedSuffix}, Args: []any{want.Milliseconds()}})
+// markWanted queues rkey's wanted mark, and the message that tells the holder's Batcher
+// (when holder, its token, names one) that this one waits for it.
+func (b *Batcher) markWanted(_ context.Context, rkey, holder string, want time.Duration) {
+	b.Send(Call{Script: wantScript, Keys: []string{rkey + wantedSuffix},
+		Args: []any{want.Milliseconds(), b.node.channelOf(holder), wantMessage(rkey, b.node.channel)}})
 }
 
 // Call is a script call queued on a Batcher (Batcher.Send).

@@ -414,3 +414,56 @@ func TestBatcherDoWaitsForItsCalls(t *testing.T) {
 	}
 	b.Wait()
 }
+
+// TestBatcherWakesWhoWaited: two Batchers as two processes. The holder hears that the
+// other waits for its lock (Wanted), and its release wakes the other (Freed); a lock
+// nobody waits for is not reported wanted.
+func TestBatcherWakesWhoWaited(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	locker, _ := newLocker(t)
+	holder, waiter := lock.NewBatcher(locker), lock.NewBatcher(locker)
+	defer holder.Close()
+	defer waiter.Close()
+	want := &lock.Options{Want: time.Second}
+
+	lk, err := holder.Obtain(ctx, "hot", time.Minute, want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	quiet, err := holder.Obtain(ctx, "quiet", time.Minute, want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	freed := waiter.Freed("hot")
+	if _, err := waiter.Obtain(ctx, "hot", time.Minute, want); !errors.Is(err, lock.ErrNotObtained) {
+		t.Fatalf("obtain a held key: %v, want ErrNotObtained", err)
+	}
+	// The waiter repeats its ask, as a waiting caller does, until the holder hears it.
+	deadline := time.Now().Add(20 * time.Second)
+	for !holder.Wanted(lk) {
+		if time.Now().After(deadline) {
+			t.Fatal("the holder never heard that the other Batcher waits")
+		}
+		time.Sleep(20 * time.Millisecond)
+		waiter.Obtain(ctx, "hot", time.Minute, want)
+	}
+	if holder.Wanted(quiet) {
+		t.Fatal("a lock nobody asked for is reported wanted")
+	}
+	select {
+	case <-freed:
+		t.Fatal("freed before the release")
+	default:
+	}
+	holder.Release(lk, nil)
+	holder.Wake(lk)
+	select {
+	case <-freed:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the release did not wake the waiting Batcher")
+	}
+	if _, err := waiter.Obtain(ctx, "hot", time.Minute, want); err != nil {
+		t.Fatalf("obtain once woken: %v", err)
+	}
+}

@@ -137,24 +137,26 @@ var unmarkScript = redis.NewScript(`return redis.call('del', KEYS[1])`)
 // in flight may still have set the key, which then expires after ttl. ttl must be at
 // least a millisecond and key must not be empty.
 func (l *Locker) Obtain(ctx context.Context, key string, ttl time.Duration, opts *Options) (*Lock, error) {
-	return l.obtain(ctx, key, ttl, opts, l.setNX, l.markWanted)
+	return l.obtain(ctx, key, ttl, opts, rand.Text(), l.setNX, l.markWanted)
 }
 
 // setNX sends one SET NX PX on its own.
-func (l *Locker) setNX(ctx context.Context, rkey, token string, ttl time.Duration) (bool, error) {
-	return l.client.SetNX(ctx, rkey, token, ttl).Result()
+func (l *Locker) setNX(ctx context.Context, rkey, token string, ttl time.Duration) (bool, string, error) {
+	ok, err := l.client.SetNX(ctx, rkey, token, ttl).Result()
+	return ok, "", err
 }
 
 // markWanted marks rkey wanted for want (Options.Want), best effort: without the mark
 // the holder only keeps the lock longer.
-func (l *Locker) markWanted(ctx context.Context, rkey string, want time.Duration) {
+func (l *Locker) markWanted(ctx context.Context, rkey, _ string, want time.Duration) {
 	l.client.SetNX(ctx, rkey+wantedSuffix, "1", want)
 }
 
-// obtain is Obtain's loop, trying with setNX and marking a busy key wanted with mark.
-func (l *Locker) obtain(ctx context.Context, key string, ttl time.Duration, opts *Options,
-	setNX func(ctx context.Context, rkey, token string, ttl time.Duration) (bool, error),
-	mark func(ctx context.Context, rkey string, want time.Duration)) (*Lock, error) {
+// obtain is Obtain's loop, trying to set token with setNX (which answers the holder's
+// token when it can tell) and marking a busy key wanted with mark.
+func (l *Locker) obtain(ctx context.Context, key string, ttl time.Duration, opts *Options, token string,
+	setNX func(ctx context.Context, rkey, token string, ttl time.Duration) (bool, string, error),
+	mark func(ctx context.Context, rkey, holder string, want time.Duration)) (*Lock, error) {
 	if key == "" {
 		return nil, errors.New("lock: obtain: empty key")
 	}
@@ -170,7 +172,6 @@ func (l *Locker) obtain(ctx context.Context, key string, ttl time.Duration, opts
 		want = opts.Want
 	}
 	rkey := l.RedisKey(key)
-	token := rand.Text()
 
 	var timer *time.Timer
 	defer func() {
@@ -183,7 +184,7 @@ func (l *Locker) obtain(ctx context.Context, key string, ttl time.Duration, opts
 			return nil, fmt.Errorf("lock: obtain %q: %w", key, err)
 		}
 		sent := time.Now()
-		ok, err := setNX(ctx, rkey, token, ttl)
+		ok, holder, err := setNX(ctx, rkey, token, ttl)
 		if err != nil {
 			if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
 				return nil, fmt.Errorf("lock: obtain %q: %w: %w", key, cerr, err)
@@ -194,7 +195,7 @@ func (l *Locker) obtain(ctx context.Context, key string, ttl time.Duration, opts
 			return &Lock{locker: l, key: key, rkey: rkey, token: token, ttl: ttl, sent: sent}, nil
 		}
 		if want > 0 {
-			mark(ctx, rkey, want)
+			mark(ctx, rkey, holder, want)
 		}
 		delay, again := retry.Backoff(n)
 		if !again {

@@ -210,6 +210,7 @@ func (w *Worker) Stop() { w.gate.stop() }
 func (w *Worker) Wait() {
 	if w.batch != nil {
 		w.batch.Wait()
+		w.batch.Close()
 	}
 	if w.results != nil {
 		w.results.Wait()

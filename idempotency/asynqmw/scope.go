@@ -45,7 +45,11 @@ type scope struct {
 	since    time.Time // when lk was taken from Redis
 	handoffs int       // since then
 	lost     error     // the refresh loop found lk lost: it is not handed on
-	ownKey   bool      // the scope is the job's own key: a loss does not cancel (the ledger guards)
+	// turnLeft counts the handoffs left in this turn once another process waits for the
+	// scope (wanted): the deliveries that were in line here when that was first heard.
+	turnLeft int
+	wanted   bool
+	ownKey   bool // the scope is the job's own key: a loss does not cancel (the ledger guards)
 	// holds are the deliveries whose turn it is, each with its cancel: one, or, while
 	// riding, every transactional delivery that joined the turn (the ledger runs them one
 	// at a time: idempotency.Request.Scope).
@@ -175,12 +179,14 @@ func (g *gate) take(ctx context.Context, s *scope, taskType string, h handout, g
 }
 
 // scopeRetryMax is the longest a delivery waits between two asks for a scope another
-// process holds: a scope handed over between processes sits idle for up to this long.
-const scopeRetryMax = 20 * time.Millisecond
+// process holds. The holder's release wakes it sooner (lock.Batcher.Freed): a poll
+// serves only when that message is lost, or the holder is a build without it.
+const scopeRetryMax = 50 * time.Millisecond
 
-// scopeYield is how long a released scope is left to the other processes before the
-// next delivery of this process asks Redis for it: longer than their slowest retry.
-const scopeYield = 30 * time.Millisecond
+// scopeYield is how long a scope released for the other processes is left to them
+// before the next delivery of this process asks Redis for it: they were woken by the
+// release, and ask within a round trip.
+const scopeYield = 5 * time.Millisecond
 
 // obtain takes s's lock from Redis for the delivery whose turn it is, asking again until
 // giveUp fires. When it does not get it, the turn goes to the next waiter (which asks
@@ -189,13 +195,14 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 	retry := lock.ExponentialBackoff(5*time.Millisecond, scopeRetryMax, 1<<30)
 	opts := &lock.Options{Want: 4 * g.w.cfg.ScopeHold}
 	for n := 1; ; n++ {
+		freed := g.w.batch.Freed(s.name) // taken before the ask: a release right after it wakes this one
 		lk, err := g.w.batch.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
 		switch {
 		case err == nil:
 			g.w.observeLock(ctx, LockObtained, taskType)
 			unwatch := g.w.batch.Keep(lk, func(cause error) { g.lose(s, cause) })
 			g.mu.Lock()
-			s.lk, s.unwatch, s.since, s.handoffs, s.lost = lk, unwatch, time.Now(), 0, nil
+			s.lk, s.unwatch, s.since, s.handoffs, s.lost, s.wanted = lk, unwatch, time.Now(), 0, nil, false
 			g.mu.Unlock()
 			return g.hold(ctx, s, taskType, false), nil
 		case !errors.Is(err, lock.ErrNotObtained):
@@ -215,6 +222,9 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 		t := time.NewTimer(delay)
 		select {
 		case <-t.C:
+			continue
+		case <-freed:
+			t.Stop()
 			continue
 		case <-ctx.Done():
 		case <-giveUp:
@@ -266,7 +276,20 @@ func (g *gate) register(ctx context.Context, h *scopeHold, taskType string) *sco
 // lock is held and confirmed, within its bounds. With g.mu held.
 func (g *gate) joinable(s *scope) bool {
 	return s.riding && len(s.holds) > 0 && len(s.holds) <= g.w.cfg.ScopeWaiters && s.lk != nil && s.lost == nil && len(s.waiters) == 0 &&
-		s.lk.Remaining() > g.w.cfg.LockTTL/2 && !g.bound(s)
+		s.lk.Remaining() > g.w.cfg.LockTTL/2 && !g.bound(s) && !s.wanted && !g.w.batch.Wanted(s.lk)
+}
+
+// turnEnds reports whether s's turn ends at this leave because another process waits for
+// the scope: once that is heard, the deliveries then in line here are served first. With
+// g.mu held.
+func (g *gate) turnEnds(s *scope) bool {
+	if !s.wanted {
+		if !g.w.batch.Wanted(s.lk) {
+			return false
+		}
+		s.wanted, s.turnLeft = true, len(s.waiters)
+	}
+	return s.turnLeft <= 0
 }
 
 // bound reports whether s's turn reached its bounds: other processes that asked get the
@@ -328,11 +351,13 @@ func (h *scopeHold) leaveWith(rw *resultWrite) {
 	default:
 	}
 	handOn := s.lk != nil && s.lost == nil && len(s.waiters) > 0 && s.lk.Remaining() > g.w.cfg.LockTTL/2
+	wanted := handOn && g.turnEnds(s)
+	handOn = handOn && !wanted
 	bound := g.bound(s)
 	g.mu.Unlock()
-	wanted := false
 	if handOn && bound {
-		// Another process may be waiting: if it asked, its turn comes now.
+		// A process that did not say so (an older build) may be waiting: if it asked,
+		// its turn comes now.
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		w, err := g.w.locker.Wanted(ctx, s.name)
 		cancel()
@@ -350,6 +375,7 @@ func (h *scopeHold) leaveWith(rw *resultWrite) {
 			next = append(next, s.waiters[0])
 			s.waiters = s.waiters[1:]
 			s.handoffs++
+			s.turnLeft--
 		}
 		turns := make([]*scopeHold, len(next))
 		for i := range next {
@@ -393,6 +419,7 @@ func (g *gate) release(s *scope, yield bool, rw *resultWrite) {
 		}
 		g.passOn(s, yield)
 	})
+	g.w.batch.Wake(lk) // after the release: the processes that wait for the scope ask again
 }
 
 // passOn gives s's turn to its next waiter, to take from Redis, or forgets s.

@@ -154,6 +154,70 @@ func TestScopeHandoffAcrossProcesses(t *testing.T) {
 	}
 }
 
+// TestScopeTurnEndsWhenAnotherProcessWaits: a process whose deliveries of one customer
+// keep coming, with bounds that would let it keep the lock for a minute, hands the scope
+// to another process that asks for it once the deliveries then in line are served, and
+// the other process's deliveries run while the first one's keep coming.
+func TestScopeTurnEndsWhenAnotherProcessWaits(t *testing.T) {
+	t.Parallel()
+	ledger, _ := newLedger(t, &idempotency.Config{Lease: 10 * time.Second})
+	ctx := testenv.Context(t, time.Minute)
+	rdb := testenv.Redis(t)
+	cfg := asynqmw.Config{ScopeHold: time.Minute, ScopeHandoffs: 1 << 20, ScopeWait: 30 * time.Second, ScopeWaiters: 16}
+	var inside, most atomic.Int64
+	run := func(ctx context.Context, c tasks.Charge) error {
+		defer enter(&inside, &most)()
+		time.Sleep(2 * time.Millisecond)
+		return nil
+	}
+	first, second := newScopeProcess(ledger, rdb, cfg, run), newScopeProcess(ledger, rdb, cfg, run)
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var next atomic.Int64
+	for range 8 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := first.charge.ProcessTask(ctx, hotCharge(t, fmt.Sprintf("stream-%d", next.Add(1)))); err != nil {
+					t.Errorf("the first process: %v", err)
+					return
+				}
+			}
+		})
+	}
+	waitFor(t, func() bool { return first.count(asynqmw.LockHanded) >= 20 })
+
+	start := time.Now()
+	for i := range 3 {
+		if err := second.charge.ProcessTask(ctx, hotCharge(t, fmt.Sprintf("remote-%d", i))); err != nil {
+			t.Errorf("the second process's delivery %d: %v", i, err)
+			break
+		}
+	}
+	took := time.Since(start)
+	streamed := next.Load()
+	close(stop)
+	wg.Wait()
+	t.Logf("the second process's 3 deliveries took %s; the first ran %d meanwhile", took, streamed)
+	if took > 10*time.Second {
+		t.Errorf("the second process waited %s for 3 turns: the first kept the scope", took)
+	}
+	if most.Load() != 1 {
+		t.Errorf("%d deliveries of one customer ran at once, want 1", most.Load())
+	}
+	if busy := second.count(asynqmw.LockBusy); busy != 0 {
+		t.Errorf("the second process answered busy %d times", busy)
+	}
+	if second.count(asynqmw.LockObtained) != 3 {
+		t.Errorf("the second process obtained the lock %d times, want 3", second.count(asynqmw.LockObtained))
+	}
+}
+
 // TestScopeWaitIsBounded: a delivery whose scope another process holds waits for it
 // (and runs once it is released) instead of bouncing; past ScopeWait it answers busy. A
 // full line of waiters answers busy at once, and so does every waiter after Stop.
