@@ -435,10 +435,11 @@ func TestBatcherWakesWhoWaited(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	freed := waiter.Freed("hot")
 	if _, err := waiter.Obtain(ctx, "hot", time.Minute, want); !errors.Is(err, lock.ErrNotObtained) {
 		t.Fatalf("obtain a held key: %v, want ErrNotObtained", err)
 	}
+	freed, done := waiter.Freed("hot")
+	defer done()
 	// The waiter repeats its ask, as a waiting caller does, until the holder hears it.
 	deadline := time.Now().Add(20 * time.Second)
 	for !holder.Wanted(lk) {

@@ -40,18 +40,19 @@ type node struct {
 
 	mu    sync.Mutex
 	wants map[string]map[string]time.Time // lock key → channel of a waiting node → last heard
-	waits map[string]*freed               // lock key → the wait of this node's callers
+	waits map[string]*freedWait           // lock key → the wait of this node's callers
 }
 
-// freed is closed when its key's release is heard.
-type freed struct {
-	c     chan struct{}
-	since time.Time
+// freedWait is the wait of a node's callers for a key: c is closed when its release is
+// heard.
+type freedWait struct {
+	c       chan struct{}
+	callers int
 }
 
 func newNode(prefix string) *node {
 	id := rand.Text()
-	return &node{id: id, channel: prefix + "node:" + id, wants: map[string]map[string]time.Time{}, waits: map[string]*freed{}}
+	return &node{id: id, channel: prefix + "node:" + id, wants: map[string]map[string]time.Time{}, waits: map[string]*freedWait{}}
 }
 
 // token is a fresh token naming the node.
@@ -159,27 +160,27 @@ func (b *Batcher) Wanted(lk *Lock) bool {
 }
 
 // Freed returns a channel that is closed when this Batcher hears that key's lock was
-// released by a Batcher whose lock this one's callers wanted. Take it before the
-// Obtain that may find the key held, so that a release right after it is not missed.
-func (b *Batcher) Freed(key string) <-chan struct{} {
+// released by a Batcher whose lock this one's callers wanted; call done when no longer
+// waiting. Take it right after the Obtain that found the key held: the holder hears of
+// the wait after that, so its release is not missed.
+func (b *Batcher) Freed(key string) (freed <-chan struct{}, done func()) {
 	b.listen()
-	n, rkey, now := b.node, b.locker.RedisKey(key), time.Now()
+	n, rkey := b.node, b.locker.RedisKey(key)
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if f := n.waits[rkey]; f != nil {
-		return f.c
+	f := n.waits[rkey]
+	if f == nil {
+		f = &freedWait{c: make(chan struct{})}
+		n.waits[rkey] = f
 	}
-	if len(n.waits) > 1024 { // keys whose release was never heard: wake their waiters to poll
-		for k, f := range n.waits {
-			if now.Sub(f.since) > time.Minute {
-				close(f.c)
-				delete(n.waits, k)
-			}
+	f.callers++
+	return f.c, func() {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		if f.callers--; f.callers == 0 && n.waits[rkey] == f {
+			delete(n.waits, rkey)
 		}
 	}
-	f := &freed{c: make(chan struct{}), since: now}
-	n.waits[rkey] = f
-	return f.c
 }
 
 // Wake queues the message that tells the Batchers whose callers wanted lk that it is

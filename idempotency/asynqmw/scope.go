@@ -195,7 +195,6 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 	retry := lock.ExponentialBackoff(5*time.Millisecond, scopeRetryMax, 1<<30)
 	opts := &lock.Options{Want: 4 * g.w.cfg.ScopeHold}
 	for n := 1; ; n++ {
-		freed := g.w.batch.Freed(s.name) // taken before the ask: a release right after it wakes this one
 		lk, err := g.w.batch.Obtain(ctx, s.name, g.w.cfg.LockTTL, opts)
 		switch {
 		case err == nil:
@@ -220,16 +219,20 @@ func (g *gate) obtain(ctx context.Context, s *scope, taskType string, giveUp <-c
 		}
 		delay, _ := retry.Backoff(n)
 		t := time.NewTimer(delay)
+		freed, done := g.w.batch.Freed(s.name) // the holder's release wakes this wait
 		select {
 		case <-t.C:
+			done()
 			continue
 		case <-freed:
 			t.Stop()
+			done()
 			continue
 		case <-ctx.Done():
 		case <-giveUp:
 		case <-g.stopping:
 		}
+		done()
 		t.Stop()
 		g.passOn(s, false)
 		if ctx.Err() != nil {
