@@ -38,9 +38,10 @@ type node struct {
 	start   sync.Once
 	ps      *redis.PubSub // nil until listen, or when the client cannot subscribe
 
-	mu    sync.Mutex
-	wants map[string]map[string]time.Time // lock key → channel of a waiting node → last heard
-	waits map[string]*freedWait           // lock key → the wait of this node's callers
+	mu     sync.Mutex
+	wants  map[string]map[string]time.Time // lock key → channel of a waiting node → last heard
+	pruned time.Time                       // when wants was last rid of what is no longer heard
+	waits  map[string]*freedWait           // lock key → the wait of this node's callers
 }
 
 // freedWait is the wait of a node's callers for a key: c is closed when its release is
@@ -116,7 +117,8 @@ func (n *node) heardWant(rkey, from string) {
 	now := time.Now()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if len(n.wants) > 1024 { // keys wanted while held elsewhere, or never released here
+	if len(n.wants) > 1024 && now.Sub(n.pruned) > wantFresh { // keys wanted while held elsewhere, or never released here
+		n.pruned = now
 		for k, ws := range n.wants {
 			for c, at := range ws {
 				if now.Sub(at) > wantFresh {
