@@ -25,7 +25,7 @@ var (
 //     moment: the first call sends at once, and the calls that arrive while a round
 //     trip is in flight go together in the next one. There is no waiting delay.
 //   - Keep refreshes a held lock from the Batcher's refresh loop, which refreshes every
-//     lock due at a time in one pipeline, instead of a watchdog goroutine per lock.
+//     lock due at a time in one pipeline, instead of a goroutine per lock.
 //   - Release and Send queue script calls (releases, and the caller's own calls that
 //     should go with them) that one goroutine sends in pipelines, in the same way; the
 //     caller does not wait for Redis.
@@ -377,10 +377,15 @@ type kept struct {
 // every third of the TTL it was obtained with, in one pipeline with the other locks then
 // due (a lock due within a quarter interval goes along), and after a Redis error retries
 // it every quarter interval. When the lock is lost, onLost (if not nil) is called once,
-// on the loop's goroutine, with the cause, as for Lock.Watch: ErrLockLost when Redis no
-// longer holds our token, or an error wrapping it when refreshes kept failing until the
-// TTL ran out by our own clock. onLost must be quick, must not call stop, and is never
-// called after stop returned.
+// on the loop's goroutine, with the cause: ErrLockLost when Redis no longer holds our
+// token, or an error wrapping it (and the last Redis error) when refreshes kept failing
+// until the TTL ran out by our own clock, counted from the send time of the last
+// successful refresh. onLost must be quick, must not call stop, and is never called
+// after stop returned.
+//
+// A refresh in flight is bounded by the TTL through its context only: on a client that
+// ignores context deadlines (go-redis without ContextTimeoutEnabled), a Redis that stops
+// answering holds up the loop, the report of a loss included, until the client gives up.
 //
 // stop ends the keeping and returns the loss (nil if the lock was not lost). It does not
 // release the lock, and it is safe to call more than once and from any goroutine.

@@ -289,6 +289,98 @@ func containsInjected(err error) bool {
 	return false
 }
 
+// TestBatcherKeepTakenOver: a lock that another holder took over is reported lost with
+// ErrLockLost, to onLost when it is set, and by every call of stop either way; the other
+// holder's key is left alone.
+func TestBatcherKeepTakenOver(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	locker, rdb := newLocker(t)
+	b := lock.NewBatcher(locker)
+	const ttl = 300 * time.Millisecond
+	keys := []string{"taken:reported", "taken:silent"}
+	stops := make([]func() error, len(keys))
+	lost := make(chan error, 1)
+	for i, key := range keys {
+		lk, err := b.Obtain(ctx, key, ttl, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var onLost func(error)
+		if i == 0 {
+			onLost = func(cause error) { lost <- cause }
+		}
+		stops[i] = b.Keep(lk, onLost)
+	}
+	for _, key := range keys {
+		if err := rdb.Set(ctx, locker.RedisKey(key), "other", time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	select {
+	case cause := <-lost:
+		if cause != lock.ErrLockLost {
+			t.Errorf("onLost cause = %v, want ErrLockLost", cause)
+		}
+	case <-time.After(5 * ttl):
+		t.Fatalf("loss not reported %v after the key was taken over", 5*ttl)
+	}
+	time.Sleep(ttl) // the silent lock is found lost by the same refresh, or the next
+	for i, key := range keys {
+		for call := 1; call <= 2; call++ {
+			if err := stops[i](); err != lock.ErrLockLost {
+				t.Errorf("%s: stop() call %d = %v, want ErrLockLost", key, call, err)
+			}
+		}
+		if got := rdb.Get(ctx, locker.RedisKey(key)).Val(); got != "other" {
+			t.Errorf("%s: GET = %q, want the other holder's value left alone", key, got)
+		}
+	}
+}
+
+// TestBatcherKeepUntilStop: a lock is refreshed until stop and no longer: it then
+// expires in Redis, its loss is never reported, and a lock kept beside it goes on being
+// refreshed.
+func TestBatcherKeepUntilStop(t *testing.T) {
+	t.Parallel()
+	ctx := testenv.Context(t, time.Minute)
+	locker, rdb := newLocker(t)
+	b := lock.NewBatcher(locker)
+	const ttl = 300 * time.Millisecond
+	stopped, err := b.Obtain(ctx, "until-stop", ttl, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	beside, err := b.Obtain(ctx, "beside", ttl, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	onLost := func(cause error) { t.Errorf("loss reported: %v", cause) }
+	stop := b.Keep(stopped, onLost)
+	stopBeside := b.Keep(beside, onLost)
+
+	time.Sleep(3*ttl + ttl/2)
+	if got := rdb.Get(ctx, locker.RedisKey("until-stop")).Val(); got != stopped.Token() {
+		t.Fatalf("after 3.5×TTL GET = %q, want our token", got)
+	}
+	if err := stop(); err != nil {
+		t.Errorf("stop() = %v, want nil", err)
+	}
+	time.Sleep(ttl + ttl/2) // past the TTL of its last refresh
+	if n := rdb.Exists(ctx, locker.RedisKey("until-stop")).Val(); n != 0 {
+		t.Errorf("the lock still exists 1.5×TTL after stop: still refreshed")
+	}
+	if got := rdb.Get(ctx, locker.RedisKey("beside")).Val(); got != beside.Token() {
+		t.Errorf("the lock kept beside: GET = %q, want its token", got)
+	}
+	if err := stopBeside(); err != nil {
+		t.Errorf("stop of the lock kept beside = %v, want nil", err)
+	}
+	if err := stop(); err != nil {
+		t.Errorf("second stop() = %v, want nil", err)
+	}
+}
+
 // TestBatcherReleasesOwnTokensOnly: releases queued together delete the locks that still
 // hold our tokens and leave another holder's in place (ErrLockLost); Wait returns once
 // they are answered.

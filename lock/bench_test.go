@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"runtime"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -83,30 +82,12 @@ func BenchmarkObtainRelease(b *testing.B) {
 
 // BenchmarkHeldLock measures a lock per unit of work as a worker takes one per delivery,
 // at 10 goroutines, and reports the process's CPU per lock (cpu-µs/op, user + system):
-// watchdog is Obtain, Watch and a goroutine that stops the watchdog and releases;
-// batcher is a Batcher's Obtain, Keep and queued Release.
+// a Batcher's Obtain, Keep and queued Release.
 func BenchmarkHeldLock(b *testing.B) {
 	rdb := testenv.Redis(b)
 	ctx := context.Background()
 	locker := lock.New(rdb, nil)
 	const p = 10
-	b.Run("watchdog", func(b *testing.B) {
-		var wg sync.WaitGroup
-		benchCPU(b, p, func(key string) {
-			lk, err := locker.Obtain(ctx, key, benchTTL, nil)
-			if err != nil {
-				b.Errorf("Obtain: %v", err)
-				return
-			}
-			_, stop := lk.Watch(context.Background(), &lock.WatchOptions{IgnoreLoss: true})
-			wg.Go(func() {
-				stop()
-				if err := lk.Release(ctx); err != nil {
-					b.Errorf("Release: %v", err)
-				}
-			})
-		}, wg.Wait)
-	})
 	b.Run("batcher", func(b *testing.B) {
 		batch := lock.NewBatcher(locker)
 		benchCPU(b, p, func(key string) {

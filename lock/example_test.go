@@ -63,52 +63,6 @@ func Example() {
 	// release again: lock: lost
 }
 
-func ExampleLocker_Hold() {
-	ctx := context.Background()
-	rdb := exampleClient()
-	defer rdb.Close()
-	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
-	key := "report:" + rand.Text()
-
-	// Hold retries for a while, keeps the lock alive (refreshing every TTL/3) while the
-	// function runs, and releases it afterwards.
-	err := locker.Hold(ctx, key, 300*time.Millisecond,
-		&lock.Options{Retry: lock.ExponentialBackoff(10*time.Millisecond, time.Second, 5)}, nil,
-		func(ctx context.Context) error {
-			time.Sleep(time.Second) // long work: more than 3× the TTL
-			return ctx.Err()
-		})
-	fmt.Println("hold:", err)
-	// Output:
-	// hold: <nil>
-}
-
-func ExampleLock_Watch() {
-	ctx := context.Background()
-	rdb := exampleClient()
-	defer rdb.Close()
-	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
-	key := "report:" + rand.Text()
-
-	lk, err := locker.Obtain(ctx, key, time.Second, nil)
-	if err != nil {
-		fmt.Println("obtain:", err)
-		return
-	}
-	workCtx, stop := lk.Watch(ctx, &lock.WatchOptions{Interval: 50 * time.Millisecond})
-	defer stop()
-
-	// Somebody deletes the key behind our back: the watchdog notices at its next
-	// refresh and cancels the work.
-	rdb.Del(ctx, locker.RedisKey(key))
-	<-workCtx.Done()
-	fmt.Println("cause:", context.Cause(workCtx))
-	fmt.Println("stop:", stop())
-	// Output:
-	// cause: lock: lost
-	// stop: lock: lost
-}
-
 func ExampleBatcher() {
 	ctx := context.Background()
 	rdb := exampleClient()
@@ -155,4 +109,39 @@ func ExampleBatcher() {
 	fmt.Println("released:", released.Load())
 	// Output:
 	// released: 10
+}
+
+func ExampleBatcher_Keep() {
+	ctx := context.Background()
+	rdb := exampleClient()
+	defer rdb.Close()
+	locker := lock.New(rdb, &lock.Config{Prefix: "idemq-example:lock:"})
+	batch := lock.NewBatcher(locker)
+	key := "report:" + rand.Text()
+
+	// Obtain retries for a while when the key is busy.
+	lk, err := batch.Obtain(ctx, key, 300*time.Millisecond,
+		&lock.Options{Retry: lock.ExponentialBackoff(10*time.Millisecond, time.Second, 5)})
+	if err != nil {
+		fmt.Println("obtain:", err)
+		return
+	}
+	// Keep refreshes the lock every TTL/3 until stop, and cancels the work if it is lost.
+	workCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := batch.Keep(lk, cancel)
+	defer stop()
+
+	time.Sleep(time.Second) // long work: more than 3× the TTL
+	fmt.Println("work:", workCtx.Err())
+
+	// Somebody deletes the key behind our back: the next refresh finds it gone.
+	rdb.Del(ctx, locker.RedisKey(key))
+	<-workCtx.Done()
+	fmt.Println("cause:", context.Cause(workCtx))
+	fmt.Println("stop:", stop())
+	// Output:
+	// work: <nil>
+	// cause: lock: lost
+	// stop: lock: lost
 }

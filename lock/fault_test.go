@@ -15,6 +15,18 @@ import (
 	"github.com/idemq/idemq/lock"
 )
 
+// keepWork keeps lk alive with b and returns a context for the work under it, cancelled
+// with the cause when the lock is lost, and when stop is called. stop returns the loss.
+func keepWork(ctx context.Context, b *lock.Batcher, lk *lock.Lock) (context.Context, func() error) {
+	workCtx, cancel := context.WithCancelCause(ctx)
+	stopKeep := b.Keep(lk, cancel)
+	return workCtx, func() error {
+		err := stopKeep()
+		cancel(context.Canceled)
+		return err
+	}
+}
+
 // TestFaultRedisRestartedMidHold: Redis without persistence is killed and restarted
 // while a lock is held; the holder learns at its next refresh that the lock is gone
 // (ErrLockLost itself, not the TTL deadline).
@@ -25,13 +37,13 @@ func TestFaultRedisRestartedMidHold(t *testing.T) {
 	rdb := testenv.RedisClient(t, srv.URL)
 	locker := lock.New(rdb, nil)
 	const ttl = 6 * time.Second
-	const interval = 500 * time.Millisecond
+	const interval = ttl / 3 // Keep's
 
 	lk, err := locker.Obtain(ctx, "restart", ttl, nil)
 	if err != nil {
 		t.Fatalf("Obtain: %v", err)
 	}
-	workCtx, stop := lk.Watch(ctx, &lock.WatchOptions{Interval: interval})
+	workCtx, stop := keepWork(ctx, lock.NewBatcher(locker), lk)
 	defer stop()
 	time.Sleep(2 * interval) // a refresh or two succeed
 
@@ -61,13 +73,15 @@ func TestFaultRedisRestartedMidHold(t *testing.T) {
 }
 
 // TestFaultRedisPausedPastTTL: Redis is paused (SIGSTOP) past the lock's TTL; the
-// watchdog cancels the work by its own deadline, without waiting for Redis; stop does
-// not hang; after Redis resumes, the lock is gone.
+// refresh loop cancels the work by its own deadline, without waiting for Redis; stop
+// does not hang; after Redis resumes, the lock is gone. The client honours context
+// deadlines, which bound the loop's refreshes (Batcher.Keep).
 func TestFaultRedisPausedPastTTL(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
 	srv := testenv.StartRedis(t, testenv.PersistNone)
-	rdb := testenv.RedisClient(t, srv.URL) // default timeouts: ReadTimeout 3s, context deadlines ignored
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true})
+	t.Cleanup(func() { rdb.Close() })
 	locker := lock.New(rdb, nil)
 	const ttl = 900 * time.Millisecond
 
@@ -75,7 +89,7 @@ func TestFaultRedisPausedPastTTL(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Obtain: %v", err)
 	}
-	workCtx, stop := lk.Watch(ctx, nil)
+	workCtx, stop := keepWork(ctx, lock.NewBatcher(locker), lk)
 	defer stop()
 	time.Sleep(ttl / 2)
 
@@ -205,8 +219,8 @@ func parseCalls(v string) int {
 }
 
 // TestFaultRedisOutageShorterThanTTL: with an append-only file, Redis crashes and comes
-// back within the TTL; the watchdog keeps retrying through the errors, logs them, and
-// the work goes on holding the lock.
+// back within the TTL; the refresh loop keeps retrying through the errors, logs them,
+// and the work goes on holding the lock.
 func TestFaultRedisOutageShorterThanTTL(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
@@ -216,23 +230,25 @@ func TestFaultRedisOutageShorterThanTTL(t *testing.T) {
 	var logs testenv.LogBuffer
 	locker := lock.New(rdb, &lock.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	const ttl = 6 * time.Second
-	const interval = 300 * time.Millisecond
+	const interval = ttl / 3 // Keep's; a refresh goes a quarter interval early
 
 	lk, err := locker.Obtain(ctx, "outage", ttl, nil)
 	if err != nil {
 		t.Fatalf("Obtain: %v", err)
 	}
-	workCtx, stop := lk.Watch(ctx, &lock.WatchOptions{Interval: interval})
+	workCtx, stop := keepWork(ctx, lock.NewBatcher(locker), lk)
 	defer stop()
 
 	if err := srv.Kill(); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(3 * interval) // refreshes fail meanwhile
+	// A refresh comes due after 3/4 interval and fails once go-redis gives up dialling
+	// (within a second), then is retried every quarter interval.
+	time.Sleep(3 * interval / 2)
 	if err := srv.Start(); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(3 * interval) // and succeed again
+	time.Sleep(interval) // a retry succeeds
 	if err := workCtx.Err(); err != nil {
 		t.Fatalf("work cancelled during an outage shorter than the TTL: %v", context.Cause(workCtx))
 	}
@@ -240,7 +256,7 @@ func TestFaultRedisOutageShorterThanTTL(t *testing.T) {
 	if err != nil {
 		t.Fatalf("TTL after the outage: %v", err)
 	}
-	if d < ttl-3*interval {
+	if d < ttl-interval {
 		t.Errorf("TTL after the outage = %v, want refreshed to about %v", d, ttl)
 	}
 	if err := stop(); err != nil {

@@ -17,13 +17,13 @@ import (
 const DefaultPrefix = "idemq:lock:"
 
 var (
-	// ErrNotObtained is returned by Obtain and Hold when the key is held by someone else
-	// and no retries are left.
+	// ErrNotObtained is returned by Obtain (Locker's and Batcher's) when the key is held
+	// by someone else and no retries are left.
 	ErrNotObtained = errors.New("lock: not obtained")
 
 	// ErrLockLost means the lock no longer holds our token: it expired, was deleted, or
 	// was taken by another holder after it expired. Refresh, Release and TTL return it;
-	// a watchdog uses it (or an error wrapping it) as the cancellation cause.
+	// Batcher.Keep reports it (or an error wrapping it) as the cause of a loss.
 	ErrLockLost = errors.New("lock: lost")
 )
 
@@ -66,8 +66,8 @@ type Config struct {
 	// ("idemq:lock:").
 	Prefix string
 
-	// Logger receives the watchdog's transient refresh errors and losses. Default:
-	// discard.
+	// Logger receives the transient refresh errors and the losses of the locks a
+	// Batcher keeps (Batcher.Keep). Default: discard.
 	Logger *slog.Logger
 }
 

@@ -317,10 +317,7 @@ func TestRedisErrors(t *testing.T) {
 	isRedisErr("release", lk.Release(ctx))
 	_, err = lk.TTL(ctx)
 	isRedisErr("ttl", err)
-	err = locker.Hold(ctx, "k3", time.Minute, nil, nil, func(context.Context) error {
-		t.Error("Hold ran fn without the lock")
-		return nil
-	})
+	_, err = lock.NewBatcher(locker).Obtain(ctx, "k3", time.Minute, nil)
 	isRedisErr("obtain", err)
 }
 

@@ -53,6 +53,7 @@ func LeaseRedisDB(ctx context.Context, base string, requireEmpty bool) (*RedisDB
 		return nil, errors.New("the Redis server needs at least 2 databases (config 'databases')")
 	}
 	locker := lock.New(admin, &lock.Config{Prefix: "idemq:db-lease:"})
+	keeper := lock.NewBatcher(locker)
 	for {
 		for db := 1; db < n; db++ {
 			lk, err := locker.Obtain(ctx, strconv.Itoa(db), leaseTTL, nil)
@@ -81,7 +82,8 @@ func LeaseRedisDB(ctx context.Context, base string, requireEmpty bool) (*RedisDB
 				admin.Close()
 				return nil, fmt.Errorf("prepare Redis database %d: %w", db, err)
 			}
-			_, stop := lk.Watch(context.Background(), &lock.WatchOptions{IgnoreLoss: true})
+			// A lost lease goes unreported: it is only a courtesy between test processes.
+			stop := keeper.Keep(lk, nil)
 			u, _ := url.Parse(base)
 			u.Path = "/" + strconv.Itoa(db)
 			return &RedisDB{URL: u.String(), DB: db, admin: admin, lk: lk, stopKA: stop, options: &o}, nil
