@@ -383,10 +383,6 @@ type kept struct {
 // successful refresh. onLost must be quick, must not call stop, and is never called
 // after stop returned.
 //
-// A refresh in flight is bounded by the TTL through its context only: on a client that
-// ignores context deadlines (go-redis without ContextTimeoutEnabled), a Redis that stops
-// answering holds up the loop, the report of a loss included, until the client gives up.
-//
 // stop ends the keeping and returns the loss (nil if the lock was not lost). It does not
 // release the lock, and it is safe to call more than once and from any goroutine.
 func (b *Batcher) Keep(lk *Lock, onLost func(cause error)) (stop func() error) {
@@ -486,7 +482,7 @@ func (b *Batcher) refresh(due []*kept) {
 		calls[i] = Call{Script: refreshScript, Keys: []string{kp.lk.rkey}, Args: []any{kp.lk.token, ttl.Milliseconds()}}
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
-	cmds := runCalls(ctx, b.locker.client, calls)
+	cmds := runBy(ctx, b.locker.client, calls)
 	cancel()
 	k := &b.kept
 	var lost []*kept
@@ -514,6 +510,26 @@ func (b *Batcher) refresh(due []*kept) {
 	for _, kp := range lost {
 		b.locker.log.Warn("lock lost: Redis no longer holds our token", "key", kp.lk.key)
 		kp.lose(ErrLockLost)
+	}
+}
+
+// runBy is runCalls, answered by ctx's deadline at the latest: a client that ignores
+// deadlines (go-redis without ContextTimeoutEnabled) may wait on a Redis that stopped
+// answering for much longer, and the loop must still see the TTL run out. The late
+// answer is dropped.
+func runBy(ctx context.Context, client Client, calls []Call) []*redis.Cmd {
+	answer := make(chan []*redis.Cmd, 1)
+	go func() { answer <- runCalls(ctx, client, calls) }()
+	select {
+	case cmds := <-answer:
+		return cmds
+	case <-ctx.Done():
+		cmds := make([]*redis.Cmd, len(calls))
+		for i := range cmds {
+			cmds[i] = redis.NewCmd(ctx)
+			cmds[i].SetErr(ctx.Err())
+		}
+		return cmds
 	}
 }
 

@@ -74,13 +74,13 @@ func TestFaultRedisRestartedMidHold(t *testing.T) {
 
 // TestFaultRedisPausedPastTTL: Redis is paused (SIGSTOP) past the lock's TTL; the
 // refresh loop cancels the work by its own deadline, without waiting for Redis; stop
-// does not hang; after Redis resumes, the lock is gone. The client honours context
-// deadlines, which bound the loop's refreshes (Batcher.Keep).
+// does not hang; after Redis resumes, the lock is gone. The client is go-redis's
+// default, which does not give up on a command at its context's deadline.
 func TestFaultRedisPausedPastTTL(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
 	srv := testenv.StartRedis(t, testenv.PersistNone)
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true})
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	t.Cleanup(func() { rdb.Close() })
 	locker := lock.New(rdb, nil)
 	const ttl = 900 * time.Millisecond
