@@ -166,7 +166,7 @@ func TestWorkerMetrics(t *testing.T) {
 		Redis: config.Redis{RedisURL: rurl}, Database: config.Database{DatabaseURL: dsn},
 		Concurrency: 4, Queues: []string{"default"}, Lease: 3 * time.Second, LockTTL: 3 * time.Second,
 		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: fake.URL,
-		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn",
+		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: true,
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -361,4 +361,65 @@ func mustRedisDB(t *testing.T, url string) int {
 		t.Fatal(err)
 	}
 	return opt.(asynq.RedisClientOpt).DB
+}
+
+// TestWorkerWithoutGroupCommit: with IDEMQ_GROUP_COMMIT=false every debit completes
+// exactly once in a transaction of its own: no shared commit is observed.
+func TestWorkerWithoutGroupCommit(t *testing.T) {
+	t.Parallel()
+	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
+	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
+	cfg := &config.Worker{
+		Redis: config.Redis{RedisURL: rurl}, Database: config.Database{DatabaseURL: dsn},
+		Concurrency: 8, Queues: []string{"default"}, Lease: 5 * time.Second, LockTTL: 5 * time.Second,
+		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: "http://127.0.0.1:1",
+		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: false,
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- runWorker(ctx, cfg, slog.New(slog.NewTextHandler(tLogWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("worker: %v", err)
+		}
+	})
+	metricsURL := "http://" + addr + "/metrics"
+	waitReady(t, func() bool {
+		r, err := http.Get("http://" + addr + "/readyz")
+		return err == nil && r.Body.Close() == nil && r.StatusCode == 200
+	})
+	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
+	t.Cleanup(func() { client.Close() })
+	tctx := testenv.Context(t, 3*time.Minute)
+	const n = 40
+	for i := range n {
+		s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("gc-%d", i%4), AmountCents: 100, Reference: fmt.Sprintf("gc-%d", i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, id := range []string{s.Key, s.Key + "#dup"} {
+			if _, err := client.EnqueueContext(tctx, s.Task(id, time.Now())); err != nil {
+				t.Fatalf("enqueue %s: %v", id, err)
+			}
+		}
+	}
+	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted), func(v float64) bool { return v >= n })
+	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCached), func(v float64) bool { return v >= n })
+	if v := scrape(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted)); v != n {
+		t.Errorf("%v debits completed, want %d: each once", v, n)
+	}
+	if v := scrape(t, metricsURL, `idemq_ledger_commit_requests_count{kind="tx"}`); v != 0 {
+		t.Errorf("%v shared transactions observed with group commit off, want 0", v)
+	}
+	pool := testenv.Pool(t, dsn)
+	var entries, refs int
+	if err := pool.QueryRow(tctx, `SELECT count(*), count(DISTINCT reference) FROM wallet_entries WHERE reference LIKE 'gc-%'`).Scan(&entries, &refs); err != nil {
+		t.Fatal(err)
+	}
+	if entries != n || refs != n {
+		t.Errorf("%d wallet entries over %d references, want %d each: one per debit", entries, refs, n)
+	}
 }

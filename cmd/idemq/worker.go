@@ -115,6 +115,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			HeartbeatPool:      db.Heartbeats,
 			UnsafeNoFencing:    cfg.UnsafeNoFencing,
 			NoDuplicateHistory: !cfg.HistoryDuplicates,
+			DisableGroupCommit: !cfg.GroupCommit,
 			Observe: func(ev idempotency.Event, taskType string) {
 				m.ObserveLedger(string(ev), taskType)
 			},
