@@ -168,23 +168,9 @@ func TestWorkerMetrics(t *testing.T) {
 		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: fake.URL,
 		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: true,
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- runWorker(ctx, cfg, slog.New(slog.NewTextHandler(tLogWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})))
-	}()
-	t.Cleanup(func() {
+	metricsURL := startWorker(t, cfg, func() {
 		provider.open("charge:o-lease")
 		provider.open("charge:o-lock")
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("worker: %v", err)
-		}
-	})
-	metricsURL := "http://" + addr + "/metrics"
-	waitReady(t, func() bool {
-		r, err := http.Get("http://" + addr + "/readyz")
-		return err == nil && r.Body.Close() == nil && r.StatusCode == 200
 	})
 
 	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
@@ -328,6 +314,32 @@ func TestWorkerMetrics(t *testing.T) {
 	}
 }
 
+// startWorker runs `idemq worker` with cfg in this process until the test ends (first
+// calling beforeStop, when set, so that nothing it holds keeps the worker from stopping),
+// and returns its /metrics URL once it is ready.
+func startWorker(t *testing.T, cfg *config.Worker, beforeStop func()) string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- runWorker(ctx, cfg, slog.New(slog.NewTextHandler(tLogWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	}()
+	t.Cleanup(func() {
+		if beforeStop != nil {
+			beforeStop()
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("worker: %v", err)
+		}
+	})
+	waitReady(t, func() bool {
+		r, err := http.Get("http://" + cfg.MetricsAddr + "/readyz")
+		return err == nil && r.Body.Close() == nil && r.StatusCode == 200
+	})
+	return "http://" + cfg.MetricsAddr + "/metrics"
+}
+
 func eq(n float64) func(float64) bool { return func(v float64) bool { return v == n } }
 
 type tLogWriter struct{ t *testing.T }
@@ -375,22 +387,7 @@ func TestWorkerWithoutGroupCommit(t *testing.T) {
 		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: "http://127.0.0.1:1",
 		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: false,
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- runWorker(ctx, cfg, slog.New(slog.NewTextHandler(tLogWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})))
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("worker: %v", err)
-		}
-	})
-	metricsURL := "http://" + addr + "/metrics"
-	waitReady(t, func() bool {
-		r, err := http.Get("http://" + addr + "/readyz")
-		return err == nil && r.Body.Close() == nil && r.StatusCode == 200
-	})
+	metricsURL := startWorker(t, cfg, nil)
 	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
 	t.Cleanup(func() { client.Close() })
 	tctx := testenv.Context(t, 3*time.Minute)
