@@ -132,9 +132,9 @@ func MarkStuckOne(ctx context.Context, q interface {
 // connection, not once per batch.
 const (
 	keyPlansSQL = `SELECT set_config('idemq.saved_plans', concat_ws(',', current_setting('enable_seqscan'),
-	       current_setting('enable_hashjoin'), current_setting('enable_mergejoin')), true),
+	       current_setting('enable_hashjoin'), current_setting('enable_mergejoin'), current_setting('plan_cache_mode')), true),
 	       set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true),
-	       set_config('enable_mergejoin', 'off', true)`
+	       set_config('enable_mergejoin', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`
 	// claimSettingsSQL is keyPlansSQL plus the bound on the claims' waits for another
 	// session's row ($1, as "2000ms"), for the rest of the transaction; ClaimMany puts
 	// both back when its rows are written (restoreSettings).
@@ -144,5 +144,6 @@ const (
 	       set_config('lock_timeout', current_setting('idemq.saved_lock_timeout'), true)`
 	restorePlans = `set_config('enable_seqscan', split_part(current_setting('idemq.saved_plans'), ',', 1), true),
 	       set_config('enable_hashjoin', split_part(current_setting('idemq.saved_plans'), ',', 2), true),
-	       set_config('enable_mergejoin', split_part(current_setting('idemq.saved_plans'), ',', 3), true)`
+	       set_config('enable_mergejoin', split_part(current_setting('idemq.saved_plans'), ',', 3), true),
+	       set_config('plan_cache_mode', split_part(current_setting('idemq.saved_plans'), ',', 4), true)`
 )

@@ -132,7 +132,7 @@ func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTime
 	t := TxClaims{Rows: make([]ClaimRow, len(ps))}
 	_, err := br.Exec()
 	if err == nil {
-		err = br.QueryRow().Scan(nil, nil, nil, nil, nil, nil, nil, nil, nil, &t.XID, &t.ServerStart)
+		t.XID, t.ServerStart, err = lastTwo(br)
 	}
 	if err == nil {
 		var rs pgx.Rows
@@ -162,6 +162,29 @@ func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTime
 		err = cerr
 	}
 	return t, err
+}
+
+// lastTwo reads holdKeysSQL's answer: of its one row (the settings it made, then the
+// transaction id and the server's start time, both text), the last two columns.
+func lastTwo(br pgx.BatchResults) (xid, start string, err error) {
+	rs, err := br.Query()
+	if err != nil {
+		return "", "", err
+	}
+	defer rs.Close()
+	if !rs.Next() {
+		if err := rs.Err(); err != nil {
+			return "", "", err
+		}
+		return "", "", errors.New("hold keys: no row")
+	}
+	vals := rs.RawValues()
+	if len(vals) < 2 {
+		return "", "", fmt.Errorf("hold keys: %d columns", len(vals))
+	}
+	xid, start = string(vals[len(vals)-2]), string(vals[len(vals)-1])
+	rs.Close()
+	return xid, start, rs.Err()
 }
 
 // finishTxSQL writes the rows of a DoTx transaction's members ($1..$11, one element per
