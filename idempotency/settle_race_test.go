@@ -25,7 +25,10 @@ import (
 func TestFinishSettlesIntentsBeingMarkedPublished(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
-	l, pool := newLedger(t, nil)
+	// The finishes wait for the marker's row locks for as long as the test takes to see
+	// them waiting: on a loaded machine that is longer than the default ClaimLockTimeout
+	// (2 s), past which a finish's lock wait makes the key busy.
+	l, pool := newLedger(t, &idempotency.Config{ClaimLockTimeout: time.Minute})
 	const taskType = "test:task"
 	var txKeys, leasedKeys, keys []string
 	for i := range 6 {
