@@ -12,7 +12,8 @@ import (
 // Do runs fn at most once per completed key, in leased mode: for effects outside this
 // database (a payment provider, an email). It claims req.Key (the claim commits first),
 // runs fn with the key and fence in its context (FromContext; pass the key to the
-// provider as its idempotency key), heartbeats every Lease/3 while fn runs, and records
+// provider as its idempotency key), heartbeats every Lease/3 while fn runs (one
+// statement per tick for all of the Ledger's running handlers), and records
 // fn's result with a fenced, durable Complete.
 //
 // A duplicate of a completed key gets the stored result (Result.Cached) without running
@@ -56,19 +57,9 @@ func (l *Ledger) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	fence.set(l.selfFenceAt(c.sentAt, c.lease))
 	fctx, cancel := context.WithCancelCause(l.withSteps(context.WithValue(withClaim(hctx, c.Key, c.Fence), fenceClockKey{}, fence), c))
 	defer cancel(nil)
-	stop := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		l.heartbeatLoop(fctx, c, fence, stop, cancel)
-	}()
-	endHeartbeats := func() {
-		close(stop)
-		<-done
-	}
-
+	lease := l.keeper.hold(fctx, c, fence, cancel)
 	out, ferr, panicked, pval := runFn(fctx, fn)
-	endHeartbeats()
+	l.keeper.release(lease)
 	if ferr != nil {
 		span.RecordError(ferr)
 	}
@@ -159,53 +150,6 @@ func (l *Ledger) selfFenceAt(sent time.Time, lease time.Duration) time.Time {
 		return time.Now().Add(100 * 365 * 24 * time.Hour) // never: negative controls only
 	}
 	return sent.Add(lease - l.cfg.SelfFenceMargin)
-}
-
-// heartbeatLoop extends c's lease every Lease/3 until stop closes, moving the self-fence
-// deadline (fence) with each success. It cancels the handler (cause ErrLeaseLost) when the
-// lease is lost or when it can no longer be sure to hold it.
-func (l *Ledger) heartbeatLoop(ctx context.Context, c *Claim, fence *fenceClock, stop <-chan struct{}, cancel context.CancelCauseFunc) {
-	interval := l.cfg.Lease / 3
-	// The claim itself counts as the first successful heartbeat.
-	fenceAt := fence.get()
-	next := time.NewTimer(interval)
-	defer next.Stop()
-	selfFence := time.NewTimer(time.Until(fenceAt))
-	defer selfFence.Stop()
-	for {
-		select {
-		case <-stop:
-			return
-		case <-selfFence.C:
-			l.selfFenced(ctx, c, cancel)
-			return
-		case <-next.C:
-		}
-		sent := time.Now()
-		lease := l.leaseFor(c.deadline)
-		hctx, hcancel := context.WithDeadline(context.WithoutCancel(ctx), fenceAt)
-		_, err := l.Heartbeat(hctx, c)
-		hcancel()
-		switch {
-		case errors.Is(err, ErrLeaseLost):
-			cancel(fmt.Errorf("%w: key %q fence %d taken over", ErrLeaseLost, c.Key, c.Fence))
-			return
-		case err != nil:
-			l.log.WarnContext(ctx, "idempotency: heartbeat failed; retrying until the self-fence deadline", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", err, "self_fence_in", time.Until(fenceAt))
-			if !time.Now().Before(fenceAt) {
-				l.selfFenced(ctx, c, cancel)
-				return
-			}
-			next.Reset(min(interval, max(time.Until(fenceAt)/4, time.Millisecond)))
-		default:
-			if !l.cfg.UnsafeNoFencing {
-				fenceAt = l.selfFenceAt(sent, lease)
-				fence.set(fenceAt)
-				selfFence.Reset(time.Until(fenceAt))
-			}
-			next.Reset(interval)
-		}
-	}
 }
 
 func (l *Ledger) selfFenced(ctx context.Context, c *Claim, cancel context.CancelCauseFunc) {

@@ -68,9 +68,10 @@ const (
 
 // Kinds of shared commit passed to Config.ObserveBatch.
 const (
-	BatchClaim    = "claim"    // leased claims (Do)
-	BatchComplete = "complete" // leased completions and failures (Do)
-	BatchTx       = "tx"       // DoTx deliveries sharing a transaction
+	BatchClaim     = "claim"     // leased claims (Do)
+	BatchComplete  = "complete"  // leased completions and failures (Do)
+	BatchTx        = "tx"        // DoTx deliveries sharing a transaction
+	BatchHeartbeat = "heartbeat" // leases of running Do handlers, extended together
 )
 
 // Config tunes a Ledger. The zero value of each field means its default.
@@ -128,7 +129,7 @@ type Config struct {
 	// one after another does not leave the other cores idle.
 	Committers int
 	// ObserveBatch, if set, is called with the number of requests each shared commit
-	// carried; kind is BatchClaim, BatchComplete or BatchTx. It must be fast and safe for
+	// carried; kind is BatchClaim, BatchComplete, BatchTx or BatchHeartbeat. It must be fast and safe for
 	// concurrent use.
 	ObserveBatch func(kind string, size int)
 	// Observe, if set, is called for each Event with the request's task type, for
@@ -169,6 +170,7 @@ type Ledger struct {
 	prepare bool
 
 	leased *commit.Committer[*leasedOp] // leased claims and finishes (Do)
+	keeper *keeper                      // the leases of running Do handlers
 	tx     *sharedtx.Exec               // DoTx transactions
 	hist   *history                     // keys' history events not written yet
 }
@@ -237,6 +239,7 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 	l.prepare = pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 	l.hist = &history{l: l, max: historyBuffer, delay: HistoryFlushDelay}
 	l.leased = l.newLeasedCommitter()
+	l.keeper = newKeeper(l)
 	l.lockTimeoutSQL = fmt.Sprintf("%dms", max(1, c.ClaimLockTimeout.Milliseconds()))
 	l.tx = sharedtx.New(sharedtx.Config{
 		Pool: pool, Writes: l.writes, MaxBatch: c.MaxBatch, Committers: c.Committers,

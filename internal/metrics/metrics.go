@@ -36,7 +36,7 @@ type Metrics struct {
 	// APIRequests counts the API's answers by route pattern and status code.
 	APIRequests *prometheus.CounterVec
 	// CommitRequests observes how many ledger requests each shared commit carried, by
-	// kind (claim, complete, tx).
+	// kind (claim, complete, tx, heartbeat).
 	CommitRequests *prometheus.HistogramVec
 	// IntentsDead counts accepted jobs whose own task a worker refused, so that their
 	// outbox intent is dead, by reason (mismatch, failed, needs_attention, invalid; archived
@@ -91,7 +91,7 @@ func New() *Metrics {
 		}, []string{"route", "code"}),
 		CommitRequests: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "idemq_ledger_commit_requests",
-			Help:    "Ledger requests per shared commit, by kind (claim, complete, tx).",
+			Help:    "Ledger requests per shared commit, by kind (claim, complete, tx, heartbeat).",
 			Buckets: []float64{1, 2, 4, 8, 16, 32, 64, 128},
 		}, []string{"kind"}),
 		IntentsDead: prometheus.NewCounterVec(prometheus.CounterOpts{

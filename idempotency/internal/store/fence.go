@@ -37,11 +37,12 @@ var (
 
 // Writes are the fenced writes, each built once with one set of fence checks.
 type Writes struct {
-	Heartbeat   string     // one claim's lease (it has no batch)
-	FinishMany  *Statement // leased completions and failures
-	HoldKeys    string     // a DoTx transaction's keys, held when free
-	HoldKeyWait string     // a lone DoTx transaction's key, waited for
-	FinishTx    string     // the rows of a DoTx transaction, written
+	Heartbeat     string     // one claim's lease (Ledger.Heartbeat)
+	HeartbeatMany string     // the leases of every Do handler of a process
+	FinishMany    *Statement // leased completions and failures
+	HoldKeys      string     // a DoTx transaction's keys, held when free
+	HoldKeyWait   string     // a lone DoTx transaction's key, waited for
+	FinishTx      string     // the rows of a DoTx transaction, written
 
 	RecordStepSQL string // a step's row under its fenced row lock, one statement
 	HoldStepSQL   string // the fenced row lock that opens a StepTx transaction
@@ -50,11 +51,12 @@ type Writes struct {
 
 func newWrites(f fenceChecks, name string) *Writes {
 	return &Writes{
-		Heartbeat:   heartbeatSQL(f),
-		FinishMany:  &Statement{Name: name, SQL: finishManySQL(f)},
-		HoldKeys:    holdKeysSQL(f, false),
-		HoldKeyWait: holdKeysSQL(f, true),
-		FinishTx:    finishTxSQL(f),
+		Heartbeat:     heartbeatSQL(f),
+		HeartbeatMany: heartbeatManySQL(f),
+		FinishMany:    &Statement{Name: name, SQL: finishManySQL(f)},
+		HoldKeys:      holdKeysSQL(f, false),
+		HoldKeyWait:   holdKeysSQL(f, true),
+		FinishTx:      finishTxSQL(f),
 
 		RecordStepSQL: recordStepSQL(f),
 		HoldStepSQL:   holdStepSQL(f),

@@ -17,6 +17,20 @@ WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress'
 RETURNING locked_until`
 }
 
+// heartbeatManySQL extends a batch of claims' leases in one statement: $1..$4 are arrays
+// with one element per claim (key, fence, owner, lease in µs from now). Each lease is
+// extended, never shortened, only if its claim still holds the row; every row that was
+// comes back with its ordinal. Rows are locked in the order of the arrays: the caller
+// sorts them by key.
+func heartbeatManySQL(f fenceChecks) string {
+	return `
+UPDATE processed_jobs p
+SET locked_until = greatest(p.locked_until, now() + r.lease * interval '1 microsecond'), updated_at = now()
+FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::bigint[]) WITH ORDINALITY AS r(key, fence, owner, lease, ord)
+WHERE p.idempotency_key = r.key AND ` + f.rows + ` AND p.status = 'in_progress'
+RETURNING r.ord`
+}
+
 // xidColumns end every finish's answer rows: the transaction id, read before the commit
 // is asked for (see Round), and the server's start time; and they turn synchronous_commit
 // on for the commit that follows.
@@ -77,6 +91,39 @@ func FinishArgs(ps []FinishParams) []any {
 // ScanFinished reads an answered row of FinishMany (in a Round: its ordinal is read).
 func ScanFinished(rows pgx.Rows, f *Finished) error {
 	return rows.Scan(nil, &f.XID, &f.ServerStart, nil)
+}
+
+// LeaseParams is one claim's lease to extend (ExtendLeases).
+type LeaseParams struct {
+	Key   string
+	Fence int64
+	Owner pgtype.UUID
+	Lease time.Duration
+}
+
+// ExtendLeases extends the leases of ps in one statement on q, in the order of ps (sort
+// them by key). held[i] reports whether ps[i]'s claim still holds its key.
+func (w *Writes) ExtendLeases(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, ps []LeaseParams) (held []bool, err error) {
+	keys, fences, owners, leases := make([]string, len(ps)), make([]int64, len(ps)), make([]pgtype.UUID, len(ps)), make([]int64, len(ps))
+	for i, p := range ps {
+		keys[i], fences[i], owners[i], leases[i] = p.Key, p.Fence, p.Owner, p.Lease.Microseconds()
+	}
+	rows, err := q.Query(ctx, w.HeartbeatMany, keys, fences, owners, leases)
+	if err != nil {
+		return nil, err
+	}
+	held = make([]bool, len(ps))
+	var ord int64
+	_, err = pgx.ForEachRow(rows, []any{&ord}, func() error {
+		held[ord-1] = true
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return held, nil
 }
 
 // ExtendLease extends a claim's lease by lease from now, never shortening it, on q. It
