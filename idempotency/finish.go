@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -61,7 +60,7 @@ func (l *Ledger) complete(ctx context.Context, c *Claim, result json.RawMessage)
 	res := c.completed(result, stored, lastErr)
 	err := l.finish(ctx, c, store.ActionComplete, stored, lastErr)
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code[:2] == pgcode.DataExceptionClass && !lastErr.Valid {
+	if errors.As(err, &pgErr) && pgErr.Code[:2] == store.DataExceptionClass && !lastErr.Valid {
 		// The database refused the value after all (a data exception): store a marker.
 		stored, lastErr = l.markResult(ctx, c, "result refused by the database: "+pgErr.Message)
 		err = l.finish(ctx, c, store.ActionComplete, stored, lastErr)

@@ -8,7 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Sentinel errors. Compare with errors.Is: the errors returned by the Ledger wrap them,
@@ -87,23 +87,23 @@ func asUnavailable(caller context.Context, err error) error {
 // promoted yet, no connection slot free). A later retry may succeed; nothing in err says
 // the request itself is wrong.
 func IsUnavailable(err error) bool {
-	return errors.Is(err, ErrUnavailable) || pgcode.Unavailable(err)
+	return errors.Is(err, ErrUnavailable) || store.Unavailable(err)
 }
 
 // IsLockTimeout reports whether err says that Postgres gave up waiting for a lock that
 // another transaction holds (SQLSTATE 55P03, lock_not_available: the wait reached the
 // lock_timeout, or the statement asked not to wait).
-func IsLockTimeout(err error) bool { return pgcode.Is(err, pgcode.LockNotAvailable) }
+func IsLockTimeout(err error) bool { return store.IsCode(err, store.LockNotAvailable) }
 
 // IsQueryCanceled reports whether err says that Postgres cancelled the statement
 // (SQLSTATE 57014, query_canceled: it ran past its statement_timeout, or a cancel request
 // reached it). The connection survives it.
-func IsQueryCanceled(err error) bool { return pgcode.Is(err, pgcode.QueryCanceled) }
+func IsQueryCanceled(err error) bool { return store.IsCode(err, store.QueryCanceled) }
 
 // unreachable reports whether err, a ledger write's error, says that Postgres could not
 // be reached or did not answer in time while caller had not ended (see asUnavailable).
 func unreachable(caller context.Context, err error) bool {
-	return pgcode.Unavailable(err) || (caller.Err() == nil && timedOut(err))
+	return store.Unavailable(err) || (caller.Err() == nil && timedOut(err))
 }
 
 // timedOut reports a timeout: a context deadline, or a network timeout pgx reports.
@@ -192,9 +192,9 @@ func (l *Ledger) refused(ctx context.Context, req Request, err error, claim bool
 	var pgErr *pgconn.PgError
 	isPg := errors.As(err, &pgErr)
 	switch {
-	case !claim && isPg && pgErr.Code[:2] == pgcode.DataExceptionClass:
+	case !claim && isPg && pgErr.Code[:2] == store.DataExceptionClass:
 		return Permanent(fmt.Errorf("idempotency: result refused by the database: %s", pgErr.Message))
-	case claim || isRetryable(err) || isPg && pgErr.Code == pgcode.CheckViolation:
+	case claim || isRetryable(err) || isPg && pgErr.Code == store.CheckViolation:
 		return asUnavailable(ctx, l.claimError(req, err)) // an invalid key; busy: a row lock waited for too long
 	}
 	return asUnavailable(ctx, fmt.Errorf("idempotency: complete %s: %w", req.Key, err))
@@ -208,7 +208,7 @@ func (l *Ledger) claimError(req Request, err error) error {
 		return fmt.Errorf("%w: %w", &BusyError{Key: req.Key}, err)
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == pgcode.CheckViolation && (pgErr.ConstraintName == "processed_jobs_key_check" || pgErr.ConstraintName == "processed_jobs_key_no_hash_check") {
+	if errors.As(err, &pgErr) && pgErr.Code == store.CheckViolation && (pgErr.ConstraintName == "processed_jobs_key_check" || pgErr.ConstraintName == "processed_jobs_key_no_hash_check") {
 		return fmt.Errorf("%w: %w", ErrInvalidKey, err)
 	}
 	return fmt.Errorf("idempotency: claim %s: %w", req.Key, err)
@@ -221,7 +221,7 @@ func isRetryable(err error) bool {
 		return false
 	}
 	switch pgErr.Code {
-	case pgcode.SerializationFailure, pgcode.DeadlockDetected, pgcode.LockNotAvailable:
+	case store.SerializationFailure, store.DeadlockDetected, store.LockNotAvailable:
 		return true
 	}
 	return false

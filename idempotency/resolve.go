@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/idempotency/internal/xact"
 )
 
 // commitLost decides what a failed COMMIT of c's fenced write did, from the transaction
@@ -36,10 +35,11 @@ func (l *Ledger) commitLost(ctx context.Context, c *Claim, cerr error) error {
 }
 
 // resolveXact asks, on fresh connections, whether c's transaction committed, until the
-// answer is certain or ctx ends (xact.Await). A retryable Fail leaves the row in progress,
-// so after a restart it reads as not committed (harmless: the lease then ends by itself).
+// answer is certain or ctx ends (store.AwaitXact). A retryable Fail leaves the row in
+// progress, so after a restart it reads as not committed (harmless: the lease then ends
+// by itself).
 func (l *Ledger) resolveXact(ctx context.Context, c *Claim) (bool, error) {
-	return xact.Await(ctx, func(ctx context.Context) (committed, done bool, err error) {
+	return store.AwaitXact(ctx, func(ctx context.Context) (committed, done bool, err error) {
 		var status pgtype.Text
 		var sameServer, landed bool
 		if err := l.pool.QueryRow(ctx, store.XactStatusSQL, c.xid, c.serverStart, c.Key, c.Fence, c.owner).Scan(&status, &sameServer, &landed); err != nil {

@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 
-	"github.com/idemq/idemq/idempotency/internal/pgtext"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Result is what a completed key returned.
@@ -33,19 +33,19 @@ type Result struct {
 }
 
 // maxLastErrorBytes caps last_error.
-const maxLastErrorBytes = pgtext.MaxBytes
+const maxLastErrorBytes = store.MaxTextBytes
 
 // ValidateResult reports why result cannot be stored in a jsonb column within maxBytes:
 // too large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an
 // unpaired surrogate). An empty result is valid (stored as NULL).
 func ValidateResult(result json.RawMessage, maxBytes int) error {
-	return pgtext.Validate(result, maxBytes)
+	return store.ValidateResult(result, maxBytes)
 }
 
 // checkResult returns what to store for result and the last_error to record (not
 // valid: none).
 func (l *Ledger) checkResult(ctx context.Context, c *Claim, result json.RawMessage) (stored, lastErr pgtype.Text) {
-	stored, lastErr = pgtext.Result(result, l.cfg.MaxResultBytes)
+	stored, lastErr = store.ResultText(result, l.cfg.MaxResultBytes)
 	if lastErr.Valid {
 		l.observe(EventBadResult, c.TaskType)
 		l.badResult(ctx, c, lastErr.String)
@@ -69,7 +69,7 @@ func (c *Claim) completed(out json.RawMessage, stored, lastErr pgtype.Text) Resu
 
 // markResult builds the error marker stored instead of a result that cannot be stored.
 func (l *Ledger) markResult(ctx context.Context, c *Claim, msg string) (stored, lastErr pgtype.Text) {
-	stored, lastErr = pgtext.Marker(msg)
+	stored, lastErr = store.MarkerText(msg)
 	l.observe(EventBadResult, c.TaskType)
 	l.badResult(ctx, c, lastErr.String)
 	return stored, lastErr
@@ -80,5 +80,5 @@ func (l *Ledger) badResult(ctx context.Context, c *Claim, msg string) {
 	l.log.ErrorContext(ctx, "idempotency: result replaced by an error marker; the key completes", "task_type", c.TaskType, "key", c.Key, "fence", c.Fence, "err", msg)
 }
 
-// cleanText makes s storable as last_error (see pgtext.Clean).
-func cleanText(s string) string { return pgtext.Clean(s) }
+// cleanText makes s storable as last_error (see store.CleanText).
+func cleanText(s string) string { return store.CleanText(s) }

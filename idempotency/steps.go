@@ -14,8 +14,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
-	"github.com/idemq/idemq/idempotency/internal/pgtext"
 	"github.com/idemq/idemq/idempotency/internal/stephook"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
@@ -424,7 +422,7 @@ func decodeStep[T any](run *stepRun, name string, done *store.StepRow, err error
 }
 
 // record writes an external step's record (RecordStep) after its effect happened. A
-// failure that leaves the database out of reach (pgcode.Unavailable: Postgres restarting,
+// failure that leaves the database out of reach (store.Unavailable: Postgres restarting,
 // a connection lost or refused) is tried again, every 50 ms doubling up to 1 s, until ctx
 // ends or the handler's self-fence deadline (LeaseDeadline) is near: an effect whose
 // record is lost is an effect the next delivery repeats. A record whose commit answer was
@@ -438,9 +436,9 @@ func (run *stepRun) record(ctx context.Context, p store.StepParams) (bool, error
 		switch {
 		case err == nil:
 			return recorded, nil
-		case retried && pgcode.Is(err, pgcode.UniqueViolation):
+		case retried && store.IsCode(err, store.UniqueViolation):
 			return run.recordedBefore(ctx, p, err)
-		case !pgcode.Unavailable(err), fenced && time.Now().Add(wait).After(deadline):
+		case !store.Unavailable(err), fenced && time.Now().Add(wait).After(deadline):
 			return false, err
 		}
 		run.l.log.WarnContext(ctx, "idempotency: a step's record failed after its effect; trying again",
@@ -482,7 +480,7 @@ func (run *stepRun) params(call stepCall, v any) ([]byte, store.StepParams, erro
 	p := run.holdParams(call)
 	b, err := json.Marshal(v)
 	if err == nil {
-		err = pgtext.Validate(b, run.l.cfg.MaxResultBytes)
+		err = store.ValidateResult(b, run.l.cfg.MaxResultBytes)
 	}
 	if err != nil {
 		return nil, p, Permanent(fmt.Errorf("idempotency: step %q of %s: its result cannot be stored: %w", call.name, run.c.Key, err))

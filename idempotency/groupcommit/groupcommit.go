@@ -10,7 +10,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency/internal/commit"
 	"github.com/idemq/idemq/idempotency/internal/sharedspan"
-	"github.com/idemq/idemq/idempotency/internal/xact"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Config describes a Committer.
@@ -104,12 +104,12 @@ func (c *Committer[T]) send(ctx context.Context, batches [][]*request[T]) (err e
 // ErrCommitUnknown means a COMMIT lost its answer and the server could not say whether it
 // committed (it restarted as another server, or stayed unreachable). The outbox's
 // Enqueue reports it too (wrapped).
-var ErrCommitUnknown = xact.ErrCommitUnknown
+var ErrCommitUnknown = store.ErrCommitUnknown
 
 // TxIDSQL reads a transaction's id and the server's start time, into a TxID's Xid and
 // ServerStart; send it inside the transaction (it assigns the id), pipelined with the
 // first statements.
-const TxIDSQL = xact.IDSQL
+const TxIDSQL = store.XactIDSQL
 
 // TxID names a transaction on one server run (read with TxIDSQL).
 type TxID struct {
@@ -122,5 +122,5 @@ type TxID struct {
 // if it aborted, and ErrCommitUnknown (wrapped) if that cannot be learned. An id with no
 // Xid is not resolved: a lost answer is then returned as it is.
 func Commit(ctx context.Context, tx pgx.Tx, pool *pgxpool.Pool, id TxID, resolveFor time.Duration) error {
-	return xact.Commit(ctx, tx, pool, xact.ID(id), resolveFor)
+	return store.CommitXact(ctx, tx, pool, store.XactID(id), resolveFor)
 }

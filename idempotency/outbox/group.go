@@ -11,9 +11,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/commit"
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/sharedspan"
-	"github.com/idemq/idemq/idempotency/internal/xact"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Concurrent Enqueue calls share transactions: each round records every queued intent
@@ -72,7 +71,7 @@ func Refused(err error) bool {
 		return false
 	}
 	switch {
-	case pe.Code == pgcode.QueryCanceled, strings.HasPrefix(pe.Code, "08"), strings.HasPrefix(pe.Code, "57"), strings.HasPrefix(pe.Code, "53"):
+	case pe.Code == store.QueryCanceled, strings.HasPrefix(pe.Code, "08"), strings.HasPrefix(pe.Code, "57"), strings.HasPrefix(pe.Code, "53"):
 		return false
 	}
 	return true
@@ -96,15 +95,15 @@ func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) (err 
 		return err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	var id xact.ID
-	if err := tx.QueryRow(ctx, xact.IDSQL).Scan(&id.Xid, &id.ServerStart); err != nil {
+	var id store.XactID
+	if err := tx.QueryRow(ctx, store.XactIDSQL).Scan(&id.Xid, &id.ServerStart); err != nil {
 		return err
 	}
 	res, errs, err := enqueueMany(ctx, tx, specs, c.cfg.RelayHold)
 	if err != nil {
 		return err
 	}
-	if err := xact.Commit(ctx, tx, c.pool, id, commitResolveFor); err != nil {
+	if err := store.CommitXact(ctx, tx, c.pool, id, commitResolveFor); err != nil {
 		return err
 	}
 	for i, op := range ops {

@@ -13,7 +13,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency"
-	"github.com/idemq/idemq/idempotency/internal/pgtext"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/pgpooler"
 )
@@ -233,7 +232,7 @@ func (c *Client) publishRows(ctx context.Context, batch []intentRow) ([]string, 
 		}
 	}
 	if pubErr != nil {
-		if err := store.MarkPublishFailed(wctx, c.pool, failed, time.Second, pgtext.Clean(pubErr.Error())); err != nil {
+		if err := store.MarkPublishFailed(wctx, c.pool, failed, time.Second, store.CleanText(pubErr.Error())); err != nil {
 			c.log.Warn("record publish failure", "err", err)
 		}
 		return keysOf(done), fmt.Errorf("outbox: publish: %w", pubErr)

@@ -6,7 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
+	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
 // Kind is what stands between a client and Postgres.
@@ -38,7 +38,7 @@ func (k Kind) String() string {
 // (invalid_sql_statement_name). pgx's default exec mode prepares named statements; use
 // QueryExecModeCacheDescribe (default_query_exec_mode=cache_describe) there.
 func IsPreparedStatementError(err error) bool {
-	return pgcode.Is(err, pgcode.DuplicatePreparedStatement, pgcode.InvalidSQLStatementName)
+	return store.IsCode(err, store.DuplicatePreparedStatement, store.InvalidSQLStatementName)
 }
 
 // rounds is how many times Detect asks a pooler which server connections two clients get.

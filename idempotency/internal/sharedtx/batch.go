@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -259,7 +258,7 @@ func (b *batch) runSolo(m *member) {
 	case errors.As(err, &pgErr):
 		b.rollback()
 		m.out.Refused = pgErr
-		if pgErr.Code[:2] == pgcode.DataExceptionClass {
+		if pgErr.Code[:2] == store.DataExceptionClass {
 			b.record(m, failed(refusedResult+pgErr.Message, nil)) // answered as refused
 			return
 		}

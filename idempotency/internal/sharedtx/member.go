@@ -11,8 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
-	"github.com/idemq/idemq/idempotency/internal/pgtext"
 	"github.com/idemq/idemq/idempotency/internal/store"
 	"github.com/idemq/idemq/idempotency/internal/txshim"
 )
@@ -138,7 +136,7 @@ func (b *batch) runMember(m *member) {
 	switch {
 	case r.panicked:
 		b.reply(m, nil) // the member panics again
-	case rej != nil && rej.Code[:2] == pgcode.DataExceptionClass:
+	case rej != nil && rej.Code[:2] == store.DataExceptionClass:
 		// A result jsonb refuses is recorded for good, with the commit.
 		m.finish = failed(refusedResult+rej.Message, nil)
 	case rej != nil:
@@ -195,11 +193,11 @@ func (b *batch) turn(m *member, first func(ctx context.Context) error) (r ran, o
 	return r, true
 }
 
-// complete has the finish write m's row completed with out, checked (pgtext.Result): the
-// result itself, or an error marker in its place.
+// complete has the finish write m's row completed with out, checked (store.ResultText):
+// the result itself, or an error marker in its place.
 func (b *batch) complete(m *member, out []byte) {
 	m.out.Out = out
-	m.out.Stored, m.out.LastErr = pgtext.Result(out, b.e.cfg.MaxResultBytes)
+	m.out.Stored, m.out.LastErr = store.ResultText(out, b.e.cfg.MaxResultBytes)
 	if m.out.LastErr.Valid {
 		b.e.observe(EventBadResult, m)
 	}
@@ -268,7 +266,7 @@ const refusedResult = "idempotency: result refused by the database: "
 // failed is the finish that records a permanent failure, msg (cleaned) as its last error;
 // err is answered after the commit.
 func failed(msg string, err error) finish {
-	return finish{action: store.ActionFail, errMsg: pgtype.Text{String: pgtext.Clean(msg), Valid: true}, err: err}
+	return finish{action: store.ActionFail, errMsg: pgtype.Text{String: store.CleanText(msg), Valid: true}, err: err}
 }
 
 // runFn runs m's fn on tx, in ctx carrying the claim, recovering a panic (its value is

@@ -4,6 +4,14 @@
 // Each operation has one statement, whatever the number of rows: a single row is a
 // batch of one.
 //
+// Beside them, what every caller that speaks to Postgres shares: the SQLSTATEs idemq
+// acts on, named once, and Unavailable, which tells errors that mean "the database is
+// unavailable" from the others (pgcode.go); text made safe to store, error text in a text
+// column and JSON in a jsonb one (pgtext.go); and CommitXact, which commits a transaction
+// whose COMMIT may lose its answer (the connection breaks after the COMMIT was sent) and
+// then learns from the server, by transaction id, whether it committed, so that a caller
+// never reports as done what did not commit, nor as failed what did (xact.go).
+//
 // Store rules: no session state (settings are set_config(…, true), for the transaction);
 // statements are named prepared statements only when the pool's exec mode caches
 // statements (Prepared), otherwise they are sent unnamed, their parameter types described

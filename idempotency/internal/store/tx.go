@@ -11,8 +11,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-
-	"github.com/idemq/idemq/idempotency/internal/pgcode"
 )
 
 // A DoTx transaction writes each of its members' rows once, at its end. Its first round
@@ -382,8 +380,8 @@ func finishTxArgs(ps []FinishParams) []any {
 // than its read did: the guard's division by zero, or a row where the read found none.
 func Conflict(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (pgErr.Code == pgcode.DivisionByZero ||
-		pgErr.Code == pgcode.UniqueViolation && pgErr.ConstraintName == "processed_jobs_pkey")
+	return errors.As(err, &pgErr) && (pgErr.Code == DivisionByZero ||
+		pgErr.Code == UniqueViolation && pgErr.ConstraintName == "processed_jobs_pkey")
 }
 
 // Exec runs plain statements (no arguments) in one round trip.

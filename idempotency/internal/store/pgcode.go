@@ -1,6 +1,4 @@
-// Package pgcode names the Postgres SQLSTATEs idemq acts on, once, and tells errors that
-// mean "the database is unavailable" from the others.
-package pgcode
+package store
 
 import (
 	"errors"
@@ -9,6 +7,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
+
+// The Postgres SQLSTATEs idemq acts on, named once, and the errors that mean "the
+// database is unavailable", told from the others.
 
 // SQLSTATEs (Appendix A of the PostgreSQL manual).
 const (
@@ -43,8 +44,8 @@ const (
 	ConnectionExceptionClass = "08"
 )
 
-// Is reports whether err, from pgx, is the server's error with one of codes.
-func Is(err error, codes ...string) bool {
+// IsCode reports whether err, from pgx, is the server's error with one of codes.
+func IsCode(err error, codes ...string) bool {
 	var pe *pgconn.PgError
 	if !errors.As(err, &pe) {
 		return false

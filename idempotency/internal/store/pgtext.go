@@ -1,17 +1,38 @@
-package pgtext
+package store
 
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// Validate reports why result cannot be stored in a jsonb column within maxBytes: too
-// large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an unpaired
-// surrogate). An empty result is valid (stored as NULL).
-func Validate(result []byte, maxBytes int) error {
+// Text safe to store in Postgres: error text in a text column, JSON in a jsonb one.
+
+// MaxTextBytes is the longest text CleanText returns, plus the "…" that marks a cut.
+const MaxTextBytes = 4096
+
+// CleanText makes s storable as Postgres text: valid UTF-8, no NUL, at most MaxTextBytes
+// (cut at a rune boundary, marked with "…").
+func CleanText(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\\x00")
+	if len(s) > MaxTextBytes {
+		cut := MaxTextBytes
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
+}
+
+// ValidateResult reports why result cannot be stored in a jsonb column within maxBytes:
+// too large, not valid UTF-8 JSON, or holding an escape jsonb refuses (\u0000, an
+// unpaired surrogate). An empty result is valid (stored as NULL).
+func ValidateResult(result []byte, maxBytes int) error {
 	if len(result) == 0 {
 		return nil
 	}
@@ -24,23 +45,23 @@ func Validate(result []byte, maxBytes int) error {
 	return CheckJSONEscapes(result)
 }
 
-// Result is what to store for a handler's result (not valid: NULL) and the last_error to
-// record (not valid: none): the result itself, or, when Validate refuses it, an error
-// marker (Marker) and the reason.
-func Result(result []byte, maxBytes int) (stored, lastErr pgtype.Text) {
+// ResultText is what to store for a handler's result (not valid: NULL) and the last_error
+// to record (not valid: none): the result itself, or, when ValidateResult refuses it, an
+// error marker (MarkerText) and the reason.
+func ResultText(result []byte, maxBytes int) (stored, lastErr pgtype.Text) {
 	if len(result) == 0 {
 		return pgtype.Text{}, pgtype.Text{}
 	}
-	if err := Validate(result, maxBytes); err != nil {
-		return Marker(err.Error())
+	if err := ValidateResult(result, maxBytes); err != nil {
+		return MarkerText(err.Error())
 	}
 	return pgtype.Text{String: string(result), Valid: true}, pgtype.Text{}
 }
 
-// Marker is the error marker stored instead of a result that cannot be stored,
+// MarkerText is the error marker stored instead of a result that cannot be stored,
 // {"idemq_error": msg}, and msg, cleaned, as the last_error.
-func Marker(msg string) (stored, lastErr pgtype.Text) {
-	msg = Clean(msg)
+func MarkerText(msg string) (stored, lastErr pgtype.Text) {
+	msg = CleanText(msg)
 	b, _ := json.Marshal(map[string]string{"idemq_error": msg})
 	return pgtype.Text{String: string(b), Valid: true}, pgtype.Text{String: msg, Valid: true}
 }
