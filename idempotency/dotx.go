@@ -46,7 +46,7 @@ import (
 // a savepoint of its own (made at its first statement) and a failing fn rolls back to it
 // alone. If a COMMIT fails, every delivery it carried gets an error and nothing of them
 // was recorded. Deliveries whose fn spends over 1 ms on average outside the database
-// (txshim: the time its queries take does not count) run in transactions of their own,
+// (sharedtx: time its queries take does not count) run in transactions of their own,
 // side by side. The idle timeout of a shared transaction is the longest its deliveries
 // allow. A call whose ctx ends while it waits for a transaction returns ctx's error
 // without running. A slow fn delays the deliveries after it in its transaction, and a ctx

@@ -5,8 +5,9 @@
 // key, its payload's fingerprint, its deadline, its work) and goes back as data (Outcome:
 // what the read found, what the finish stored, the handler's error); the ledger turns
 // the outcome into a result, an error and its logs. The executor owns the transaction,
-// the hand-over to each delivery's goroutine, savepoints, the budget and the fall-backs
-// to transactions of their own.
+// the pgx.Tx each handler gets on it (handlerTx, txshim.go), the hand-over to each
+// delivery's goroutine, savepoints, the budget and the fall-backs to transactions of
+// their own.
 package sharedtx
 
 import (
@@ -50,7 +51,7 @@ const SavepointsFor = 5 * time.Second
 // spend the budget outside the database give the rest back at once (Budget).
 const wallBudgets = 5
 
-// SlowHandler is the average handler time outside the database (txshim.Tx.InDB) above
+// SlowHandler is the average handler time outside the database (handlerTx.InDB) above
 // which deliveries stop sharing transactions and run alone, in parallel, until handlers
 // are quick again.
 const SlowHandler = time.Millisecond

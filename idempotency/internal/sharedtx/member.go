@@ -12,7 +12,6 @@ import (
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/store"
-	"github.com/idemq/idemq/idempotency/internal/txshim"
 )
 
 // A member of a batch: its handler's turn in the shared transaction, and its outcome.
@@ -169,7 +168,7 @@ func (b *batch) turn(m *member, first func(ctx context.Context) error) (r ran, o
 	if b.optimistic {
 		b.e.observe(EventSharedRun, m)
 	}
-	tx := txshim.New(b.conn, first)
+	tx := newHandlerTx(b.conn, first)
 	if m.local {
 		r = m.runFn(tx)
 	} else {
@@ -221,7 +220,7 @@ type member struct {
 	timed bool
 	scope string // its scope's line, when it waits in one (Exec.scoped)
 
-	run    chan *txshim.Tx // executor → member: the claim is taken, run fn
+	run    chan *handlerTx // executor → member: the claim is taken, run fn
 	ran    chan ran        // member → executor: fn returned or panicked
 	answer chan Outcome    // executor → member: the outcome (buffered)
 
@@ -240,7 +239,7 @@ type member struct {
 func newMember(ctx context.Context, d Delivery, local bool) *member {
 	m := &member{ctx: ctx, d: d, local: local, answer: make(chan Outcome, 1)}
 	if !local {
-		m.run, m.ran = make(chan *txshim.Tx, 1), make(chan ran, 1)
+		m.run, m.ran = make(chan *handlerTx, 1), make(chan ran, 1)
 	}
 	return m
 }
@@ -271,7 +270,7 @@ func failed(msg string, err error) finish {
 
 // runFn runs m's fn on tx, in ctx carrying the claim, recovering a panic (its value is
 // m.pval).
-func (m *member) runFn(tx *txshim.Tx) (r ran) {
+func (m *member) runFn(tx *handlerTx) (r ran) {
 	began := time.Now()
 	defer func() {
 		r.own = time.Since(began) - tx.InDB()

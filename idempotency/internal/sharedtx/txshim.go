@@ -1,7 +1,4 @@
-// Package txshim is the pgx.Tx a DoTx handler gets: the transaction DoTx began in the
-// claim's round trip (a pgx.Tx from Conn.BeginTx would cost a round trip of its own), or,
-// in a shared transaction, the delivery's savepoint in it.
-package txshim
+package sharedtx
 
 import (
 	"context"
@@ -13,19 +10,24 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// ErrHandlerEndsTx is returned by Commit and Rollback of the transaction a DoTx handler
+// The pgx.Tx a DoTx handler gets: the transaction DoTx began in the claim's round trip (a
+// pgx.Tx from Conn.BeginTx would cost a round trip of its own), or, in a shared
+// transaction, the delivery's savepoint in it.
+
+// errHandlerEndsTx is returned by Commit and Rollback of the transaction a DoTx handler
 // gets: DoTx commits the handler's writes together with the completion, or rolls both
 // back.
-var ErrHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or roll back its transaction; return a result or an error")
+var errHandlerEndsTx = errors.New("idempotency: a DoTx handler cannot commit or roll back its transaction; return a result or an error")
 
-// Tx is the pgx.Tx a DoTx handler gets. Queries go straight to the connection. Begin (a savepoint) and LargeObjects use a pgx transaction
-// handle made on first use, in the open transaction, for one round trip.
+// handlerTx is the pgx.Tx a DoTx handler gets. Queries go straight to the connection.
+// Begin (a savepoint) and LargeObjects use a pgx transaction handle made on first use, in
+// the open transaction, for one round trip.
 //
-// Tx counts how long the handler waits on the database through it (InDB): a query from
-// its start until its rows are read or closed. What a handler spends outside (its own
-// work, a sleep, a call elsewhere) is what keeps it from sharing a transaction; the
+// handlerTx counts how long the handler waits on the database through it (InDB): a query
+// from its start until its rows are read or closed. What a handler spends outside (its
+// own work, a sleep, a call elsewhere) is what keeps it from sharing a transaction; the
 // database's time is what sharing saves.
-type Tx struct {
+type handlerTx struct {
 	conn   *pgx.Conn
 	handle pgx.Tx
 	// first, if set, runs once before the handler's first use of the transaction (a
@@ -37,19 +39,20 @@ type Tx struct {
 
 // InDB is how long the handler has waited on the database through t. Queries on a
 // savepoint's handle (Begin) are not counted.
-func (t *Tx) InDB() time.Duration { return t.inDB }
+func (t *handlerTx) InDB() time.Duration { return t.inDB }
 
 // since adds the time since start to InDB.
-func (t *Tx) since(start time.Time) { t.inDB += time.Since(start) }
+func (t *handlerTx) since(start time.Time) { t.inDB += time.Since(start) }
 
-// New returns the Tx on conn's open transaction; first, if not nil, runs once before the
-// handler's first use of it (a shared transaction makes the member's savepoint there).
-func New(conn *pgx.Conn, first func(ctx context.Context) error) *Tx {
-	return &Tx{conn: conn, first: first}
+// newHandlerTx returns the handlerTx on conn's open transaction; first, if not nil, runs
+// once before the handler's first use of it (a shared transaction makes the member's
+// savepoint there).
+func newHandlerTx(conn *pgx.Conn, first func(ctx context.Context) error) *handlerTx {
+	return &handlerTx{conn: conn, first: first}
 }
 
 // use runs first once.
-func (t *Tx) use(ctx context.Context) error {
+func (t *handlerTx) use(ctx context.Context) error {
 	if t.first != nil {
 		f := t.first
 		t.first = nil
@@ -58,11 +61,11 @@ func (t *Tx) use(ctx context.Context) error {
 	return t.firstErr
 }
 
-var _ pgx.Tx = (*Tx)(nil)
+var _ pgx.Tx = (*handlerTx)(nil)
 
 // pgxHandle returns a pgx.Tx on the open transaction. Its BeginQuery begins nothing: the
 // transaction is already open.
-func (t *Tx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
+func (t *handlerTx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
 	if err := t.use(ctx); err != nil {
 		return nil, err
 	}
@@ -77,7 +80,7 @@ func (t *Tx) pgxHandle(ctx context.Context) (pgx.Tx, error) {
 }
 
 // Begin starts a pseudo nested transaction (a savepoint), as pgx does.
-func (t *Tx) Begin(ctx context.Context) (pgx.Tx, error) {
+func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	h, err := t.pgxHandle(ctx)
 	if err != nil {
 		return nil, err
@@ -86,12 +89,12 @@ func (t *Tx) Begin(ctx context.Context) (pgx.Tx, error) {
 }
 
 // Commit returns an error: DoTx commits.
-func (t *Tx) Commit(context.Context) error { return ErrHandlerEndsTx }
+func (t *handlerTx) Commit(context.Context) error { return errHandlerEndsTx }
 
 // Rollback returns an error: DoTx rolls back when the handler returns an error.
-func (t *Tx) Rollback(context.Context) error { return ErrHandlerEndsTx }
+func (t *handlerTx) Rollback(context.Context) error { return errHandlerEndsTx }
 
-func (t *Tx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+func (t *handlerTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
 	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return 0, err
@@ -99,7 +102,7 @@ func (t *Tx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames
 	return t.conn.CopyFrom(ctx, tableName, columnNames, rowSrc)
 }
 
-func (t *Tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return errBatchResults{err}
@@ -111,7 +114,7 @@ func (t *Tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 // Begin) costs a round trip, bounded by 10 seconds. pgx.LargeObjects can only be made by
 // pgx, and this method cannot return an error: if that round trip fails (the connection
 // is broken), it panics with the error, and DoTx rolls back and panics again.
-func (t *Tx) LargeObjects() pgx.LargeObjects {
+func (t *handlerTx) LargeObjects() pgx.LargeObjects {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	h, err := t.pgxHandle(ctx)
@@ -121,7 +124,7 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 	return h.LargeObjects()
 }
 
-func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
 	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return nil, err
@@ -129,7 +132,7 @@ func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDe
 	return t.conn.Prepare(ctx, name, sql)
 }
 
-func (t *Tx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+func (t *handlerTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
 	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return pgconn.CommandTag{}, err
@@ -137,7 +140,7 @@ func (t *Tx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.Com
 	return t.conn.Exec(ctx, sql, arguments...)
 }
 
-func (t *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return nil, err
@@ -149,7 +152,7 @@ func (t *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, erro
 	return &timedRows{Rows: rows, t: t}, nil
 }
 
-func (t *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	defer t.since(time.Now())
 	if err := t.use(ctx); err != nil {
 		return errRow{err}
@@ -160,7 +163,7 @@ func (t *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 // timedRows counts the time its rows take to arrive (Next) and to close in InDB.
 type timedRows struct {
 	pgx.Rows
-	t *Tx
+	t *handlerTx
 }
 
 func (r *timedRows) Next() bool {
@@ -176,7 +179,7 @@ func (r *timedRows) Close() {
 // timedRow counts the time its row takes to arrive (Scan) in InDB.
 type timedRow struct {
 	pgx.Row
-	t *Tx
+	t *handlerTx
 }
 
 func (r timedRow) Scan(dest ...any) error {
@@ -187,7 +190,7 @@ func (r timedRow) Scan(dest ...any) error {
 // timedBatch counts the time its results take to arrive in InDB.
 type timedBatch struct {
 	pgx.BatchResults
-	t *Tx
+	t *handlerTx
 }
 
 func (b timedBatch) Exec() (pgconn.CommandTag, error) {
@@ -214,7 +217,7 @@ func (b timedBatch) Close() error {
 	return b.BatchResults.Close()
 }
 
-func (t *Tx) Conn() *pgx.Conn { return t.conn }
+func (t *handlerTx) Conn() *pgx.Conn { return t.conn }
 
 // errRow is a pgx.Row whose Scan returns err.
 type errRow struct{ err error }

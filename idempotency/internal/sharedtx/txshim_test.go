@@ -1,4 +1,4 @@
-package txshim
+package sharedtx
 
 import (
 	"context"
@@ -28,9 +28,9 @@ func TestInDBCountsTheDatabaseNotTheHandler(t *testing.T) {
 
 	const wait = 30 * time.Millisecond // each query sleeps this long in the database
 	sleep := "SELECT pg_sleep(0.03)"
-	steps := map[string]func(tx *Tx) error{
-		"Exec": func(tx *Tx) error { _, err := tx.Exec(ctx, sleep); return err },
-		"Query": func(tx *Tx) error {
+	steps := map[string]func(tx *handlerTx) error{
+		"Exec": func(tx *handlerTx) error { _, err := tx.Exec(ctx, sleep); return err },
+		"Query": func(tx *handlerTx) error {
 			rows, err := tx.Query(ctx, sleep)
 			if err != nil {
 				return err
@@ -40,8 +40,8 @@ func TestInDBCountsTheDatabaseNotTheHandler(t *testing.T) {
 			rows.Close()
 			return rows.Err()
 		},
-		"QueryRow": func(tx *Tx) error { return tx.QueryRow(ctx, "SELECT pg_sleep(0.03)::text").Scan(new(string)) },
-		"SendBatch": func(tx *Tx) error {
+		"QueryRow": func(tx *handlerTx) error { return tx.QueryRow(ctx, "SELECT pg_sleep(0.03)::text").Scan(new(string)) },
+		"SendBatch": func(tx *handlerTx) error {
 			b := &pgx.Batch{}
 			b.Queue(sleep)
 			return tx.SendBatch(ctx, b).Close()
@@ -49,7 +49,7 @@ func TestInDBCountsTheDatabaseNotTheHandler(t *testing.T) {
 	}
 	for name, step := range steps {
 		firstRan := false
-		tx := New(conn.Conn(), func(context.Context) error { firstRan = true; return nil })
+		tx := newHandlerTx(conn.Conn(), func(context.Context) error { firstRan = true; return nil })
 		time.Sleep(wait) // the handler's own time: not the database's
 		if err := step(tx); err != nil {
 			t.Fatalf("%s: %v", name, err)
