@@ -11,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/commit"
-	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -74,10 +73,10 @@ func (l *Ledger) newLeasedCommitter() *commit.Committer[*leasedOp] {
 // sendLeased sends one round of the leased committer in one transaction of its own (see
 // store.Round): the finishes, whose transaction id is read before the commit is asked
 // for, and the claims. A round that two or more traced callers share is a span of its
-// own, "idemq.commit" (see sharedspan).
+// own, "idemq.commit" (see commit.StartSpan).
 func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err error) {
 	var parts []store.Part
-	var traced sharedspan.Members
+	var traced commit.SpanMembers
 	for lane, b := range batches {
 		for _, op := range b {
 			op.answered, op.lost = false, false
@@ -110,9 +109,9 @@ func (l *Ledger) sendLeased(ctx context.Context, batches [][]*leasedOp) (err err
 		}
 		parts = append(parts, part)
 	}
-	if span := sharedspan.Start(l.tracer, "idemq.commit", len(batches[laneClaim])+len(batches[laneFinish]), traced,
+	if span := commit.StartSpan(l.tracer, "idemq.commit", len(batches[laneClaim])+len(batches[laneFinish]), traced,
 		attrClaims.Int(len(batches[laneClaim])), attrCompletions.Int(len(batches[laneFinish]))); span != nil {
-		defer func() { sharedspan.End(span, err) }()
+		defer func() { commit.EndSpan(span, err) }()
 	}
 	conn, err := l.pool.Acquire(ctx)
 	if err != nil {

@@ -9,7 +9,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/commit"
-	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -90,13 +89,13 @@ func (c *Committer[T]) Run(ctx context.Context, v T) error {
 func (c *Committer[T]) send(ctx context.Context, batches [][]*request[T]) (err error) {
 	reqs := batches[0]
 	round := make([]T, len(reqs))
-	var traced sharedspan.Members
+	var traced commit.SpanMembers
 	for i, r := range reqs {
 		round[i] = r.v
 		traced.Add(r.span)
 	}
-	if span := sharedspan.Start(c.cfg.Tracer, c.cfg.SpanName, len(reqs), traced); span != nil {
-		defer func() { sharedspan.End(span, err) }()
+	if span := commit.StartSpan(c.cfg.Tracer, c.cfg.SpanName, len(reqs), traced); span != nil {
+		defer func() { commit.EndSpan(span, err) }()
 	}
 	return c.cfg.Send(ctx, round)
 }

@@ -11,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/commit"
-	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -78,17 +77,17 @@ func Refused(err error) bool {
 }
 
 // sendEnqueues records one round's intents in a transaction of its own. A round that two
-// or more traced callers share is a span of its own, idemq.enqueue (see sharedspan).
+// or more traced callers share is a span of its own, idemq.enqueue (see commit.StartSpan).
 func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) (err error) {
 	ops := batches[0]
 	specs := make([]Spec, len(ops))
-	var traced sharedspan.Members
+	var traced commit.SpanMembers
 	for i, op := range ops {
 		specs[i], op.res, op.err = op.spec, EnqueueResult{}, nil
 		traced.Add(op.span)
 	}
-	if span := sharedspan.Start(c.tracer, "idemq.enqueue", len(ops), traced); span != nil {
-		defer func() { sharedspan.End(span, err) }()
+	if span := commit.StartSpan(c.tracer, "idemq.enqueue", len(ops), traced); span != nil {
+		defer func() { commit.EndSpan(span, err) }()
 	}
 	tx, err := c.pool.Begin(ctx)
 	if err != nil {

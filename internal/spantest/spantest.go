@@ -1,5 +1,5 @@
 // Package spantest checks, in tests, the spans of work several traced callers share (the
-// library makes them in idempotency/internal/sharedspan).
+// library makes them with idempotency/internal/commit.StartSpan).
 package spantest
 
 import (

@@ -1,7 +1,9 @@
 // Package commit is the engine that lets concurrent requests share commits: a
 // key-ordered queue that hands out batches with at most one request per key in flight,
 // and a committer that sends a batch as one transaction, splitting it when the server
-// refuses it. It knows nothing of SQL: its users say how a batch is sent.
+// refuses it. It knows nothing of SQL: its users say how a batch is sent. It also makes
+// the span of work that several traced callers share, a root linked both ways with each
+// member's span (span.go).
 package commit
 
 import (

@@ -25,7 +25,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/commit"
-	"github.com/idemq/idemq/idempotency/internal/sharedspan"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -320,16 +319,16 @@ func (e *Exec) Waiting(scope string) int {
 }
 
 // batchSpan starts, when two or more of ms are traced, the span of the transaction they
-// share, "idemq.shared_tx" (see sharedspan).
+// share, "idemq.shared_tx" (see commit.StartSpan).
 func (e *Exec) batchSpan(ms []*member) trace.Span {
 	if e.cfg.Tracer == nil || len(ms) < 2 {
 		return nil
 	}
-	var traced sharedspan.Members
+	var traced commit.SpanMembers
 	for _, m := range ms {
 		traced.Add(trace.SpanFromContext(m.ctx))
 	}
-	return sharedspan.Start(e.cfg.Tracer, "idemq.shared_tx", len(ms), traced)
+	return commit.StartSpan(e.cfg.Tracer, "idemq.shared_tx", len(ms), traced)
 }
 
 func (e *Exec) acquire() (*pgxpool.Conn, error) {

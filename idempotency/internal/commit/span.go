@@ -1,9 +1,4 @@
-// Package sharedspan makes the span of work that several traced callers share: a
-// transaction of many deliveries, a round of group-committed claims or completions. It
-// belongs to no one caller's trace, so it is a root of its own, linked to each member's
-// span, and each member's span is linked to it: a tracing UI leads from a delivery to the
-// commit it waited for and from the commit to everyone in it.
-package sharedspan
+package commit
 
 import (
 	"context"
@@ -13,23 +8,30 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// The span of work that several traced callers share: a transaction of many deliveries, a
+// round of group-committed claims or completions. It belongs to no one caller's trace, so
+// it is a root of its own, linked to each member's span, and each member's span is linked
+// to it: a tracing UI leads from a delivery to the commit it waited for and from the
+// commit to everyone in it.
+
 // AttrMembers is how many callers a shared span's work carried (recording or not).
 const AttrMembers = attribute.Key("idemq.members")
 
-// Members are the recording spans of the callers whose work is shared. Its zero value
+// SpanMembers are the recording spans of the callers whose work is shared. Its zero value
 // holds none and allocates nothing until a recording span is added (tracing off: never).
-type Members []trace.Span
+type SpanMembers []trace.Span
 
 // Add adds s, a caller's span, when it records (s may be nil).
-func (m *Members) Add(s trace.Span) {
+func (m *SpanMembers) Add(s trace.Span) {
 	if s != nil && s.IsRecording() {
 		*m = append(*m, s)
 	}
 }
 
-// Start starts the span name of the work that members share, n callers in all, when tr is
-// set and two or more members record; otherwise it returns nil. The caller ends it (End).
-func Start(tr trace.Tracer, name string, n int, members Members, attrs ...attribute.KeyValue) trace.Span {
+// StartSpan starts the span name of the work that members share, n callers in all, when
+// tr is set and two or more members record; otherwise it returns nil. The caller ends it
+// (EndSpan).
+func StartSpan(tr trace.Tracer, name string, n int, members SpanMembers, attrs ...attribute.KeyValue) trace.Span {
 	if tr == nil || len(members) < 2 {
 		return nil
 	}
@@ -45,8 +47,8 @@ func Start(tr trace.Tracer, name string, n int, members Members, attrs ...attrib
 	return span
 }
 
-// End ends span, a shared span, with err's status when the shared work failed.
-func End(span trace.Span, err error) {
+// EndSpan ends span, a shared span, with err's status when the shared work failed.
+func EndSpan(span trace.Span, err error) {
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 	}
