@@ -14,7 +14,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/claimctx"
-	"github.com/idemq/idemq/idempotency/internal/stephook"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
@@ -155,13 +154,13 @@ func validateStepName(name string) error {
 // happened but before it was recorded, a later delivery runs fn again with the same step
 // key; exactly-once then rests on the provider honouring that key. StepTx has no such gap.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts ...StepOption) (T, error) {
-	return hooked(ctx, name, false, func(h stephook.Hook) (T, bool, error) { return step(ctx, name, fn, opts, h) })
+	return hooked(ctx, name, false, func(h claimctx.StepHook) (T, bool, error) { return step(ctx, name, fn, opts, h) })
 }
 
-// hooked runs a step call, telling the test harness's hook (stephook), when ctx carries
-// one, where the call begins and how it ended.
-func hooked[T any](ctx context.Context, name string, inTx bool, call func(stephook.Hook) (T, bool, error)) (T, error) {
-	h := stephook.From(ctx)
+// hooked runs a step call, telling the test harness's hook (claimctx.StepHook), when ctx
+// carries one, where the call begins and how it ended.
+func hooked[T any](ctx context.Context, name string, inTx bool, call func(claimctx.StepHook) (T, bool, error)) (T, error) {
+	h := claimctx.StepHookFrom(ctx)
 	if h == nil {
 		v, _, err := call(nil)
 		return v, err
@@ -173,7 +172,7 @@ func hooked[T any](ctx context.Context, name string, inTx bool, call func(stepho
 }
 
 // step is Step; cached reports a step that an earlier delivery recorded.
-func step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts []StepOption, h stephook.Hook) (v T, cached bool, err error) {
+func step[T any](ctx context.Context, name string, fn func(ctx context.Context, stepKey string) (T, error), opts []StepOption, h claimctx.StepHook) (v T, cached bool, err error) {
 	run, err := stepRunOf(ctx, name)
 	if err != nil {
 		return v, false, err
@@ -228,11 +227,11 @@ func step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 // I/O in fn, and no step calls (they are refused: their records would wait for that row
 // lock). Unlike Step, StepTx has no gap between effect and record.
 func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (T, error) {
-	return hooked(ctx, name, true, func(h stephook.Hook) (T, bool, error) { return stepTx(ctx, name, fn, opts, h) })
+	return hooked(ctx, name, true, func(h claimctx.StepHook) (T, bool, error) { return stepTx(ctx, name, fn, opts, h) })
 }
 
 // stepTx is StepTx; cached reports a step that an earlier delivery recorded.
-func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts []StepOption, h stephook.Hook) (v T, cached bool, err error) {
+func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts []StepOption, h claimctx.StepHook) (v T, cached bool, err error) {
 	run, err := stepRunOf(ctx, name)
 	if err != nil {
 		return v, false, err

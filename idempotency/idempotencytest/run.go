@@ -15,7 +15,7 @@ import (
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
-	"github.com/idemq/idemq/idempotency/internal/stephook"
+	"github.com/idemq/idemq/idempotency/internal/claimctx"
 	"github.com/idemq/idemq/idempotency/internal/testhook"
 )
 
@@ -132,7 +132,7 @@ func (r *run) deliver(ctx context.Context, p *process, mux *asynq.ServeMux, t *a
 		r.log = append(r.log, d)
 		r.mu.Unlock()
 		h := &hook{r: r, p: p, d: d}
-		ctx = stephook.With(testhook.With(ctx, h), h)
+		ctx = claimctx.WithStepHook(testhook.With(ctx, h), h)
 	}
 	err := mux.ProcessTask(ctx, t)
 	r.mu.Lock()

@@ -1,7 +1,11 @@
-// Package claimctx carries the key and fence of the claim a handler runs under in its
-// context: the ledger sets them (and so do the unguarded handlers of the demo and the
-// negative controls, with fence 0); idempotency.FromContext reads them. A DoTx handler's
-// claim is marked as transactional (WithTx), which recorded steps refuse.
+// Package claimctx carries what a handler's context carries for the library: the claim
+// and the harness's step hook.
+//
+// The claim is the key and fence of the claim a handler runs under: the ledger sets them
+// (and so do the unguarded handlers of the demo and the negative controls, with fence 0);
+// idempotency.FromContext reads them. A DoTx handler's claim is marked as transactional
+// (WithTx), which recorded steps refuse. The step hook (StepHook, stephook.go) is set by
+// idempotencytest alone, to step into a recorded step.
 package claimctx
 
 import "context"

@@ -1,13 +1,14 @@
-// Package stephook lets idempotencytest step into a recorded step (idempotency.Step and
-// StepTx) where a crash, a freeze or a duplicate delivery matters: when the step is
-// called, after its effect but before its record, and when it has ended. A context without
-// a hook changes nothing and costs one context lookup per step call.
-package stephook
+package claimctx
 
 import "context"
 
-// Hook is called by Step and StepTx on the calling goroutine.
-type Hook interface {
+// The step hook lets idempotencytest step into a recorded step (idempotency.Step and
+// StepTx) where a crash, a freeze or a duplicate delivery matters: when the step is
+// called, after its effect but before its record, and when it has ended. A context without
+// a hook changes nothing and costs one context lookup per step call.
+
+// StepHook is called by Step and StepTx on the calling goroutine.
+type StepHook interface {
 	// Begin runs when a step is called, before the recorded steps are consulted.
 	Begin(ctx context.Context, name string, tx bool)
 	// Effected runs when the step's fn returned without error, before its record: for a
@@ -20,13 +21,15 @@ type Hook interface {
 	Done(ctx context.Context, name string, tx, recorded, cached bool, err error)
 }
 
-type key struct{}
+type stepHookKey struct{}
 
-// With returns ctx carrying h.
-func With(ctx context.Context, h Hook) context.Context { return context.WithValue(ctx, key{}, h) }
+// WithStepHook returns ctx carrying h.
+func WithStepHook(ctx context.Context, h StepHook) context.Context {
+	return context.WithValue(ctx, stepHookKey{}, h)
+}
 
-// From returns the hook ctx carries, or nil.
-func From(ctx context.Context) Hook {
-	h, _ := ctx.Value(key{}).(Hook)
+// StepHookFrom returns the hook ctx carries, or nil.
+func StepHookFrom(ctx context.Context) StepHook {
+	h, _ := ctx.Value(stepHookKey{}).(StepHook)
 	return h
 }
