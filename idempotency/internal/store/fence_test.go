@@ -23,8 +23,8 @@ func TestFencedWritesAndTheirUnsafeTwins(t *testing.T) {
 	for name, p := range pairs {
 		f, u := p[0], p[1]
 		checks := func(sql string, c fenceChecks) bool {
-			return strings.Contains(sql, c.args) || strings.Contains(sql, c.rows) || strings.Contains(sql, c.hold) || strings.Contains(sql, c.holdWait) ||
-				strings.Contains(sql, c.conflict) || strings.Contains(sql, c.takeover) || strings.Contains(sql, c.guard)
+			return strings.Contains(sql, c.Args) || strings.Contains(sql, c.Rows) || strings.Contains(sql, c.Hold) || strings.Contains(sql, c.HoldWait) ||
+				strings.Contains(sql, c.Conflict) || strings.Contains(sql, c.Takeover) || strings.Contains(sql, c.Guard)
 		}
 		if !checks(f, checkFence) {
 			t.Errorf("%s does not check the fence:\n%s", name, f)
@@ -32,9 +32,9 @@ func TestFencedWritesAndTheirUnsafeTwins(t *testing.T) {
 		if checks(u, checkFence) {
 			t.Errorf("the unsafe %s still checks the fence:\n%s", name, u)
 		}
-		back := strings.NewReplacer(checkNothing.args, checkFence.args, checkNothing.rows, checkFence.rows,
-			checkNothing.hold, checkFence.hold, checkNothing.holdWait, checkFence.holdWait, checkNothing.conflict, checkFence.conflict, checkNothing.takeover, checkFence.takeover,
-			checkNothing.guard, checkFence.guard).Replace(u)
+		back := strings.NewReplacer(checkNothing.Args, checkFence.Args, checkNothing.Rows, checkFence.Rows,
+			checkNothing.Hold, checkFence.Hold, checkNothing.HoldWait, checkFence.HoldWait, checkNothing.Conflict, checkFence.Conflict, checkNothing.Takeover, checkFence.Takeover,
+			checkNothing.Guard, checkFence.Guard).Replace(u)
 		if back != f {
 			t.Errorf("%s and its unsafe twin differ beyond their fence checks", name)
 		}

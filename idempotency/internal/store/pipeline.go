@@ -26,8 +26,8 @@ type Part struct {
 	LockTimeout string
 }
 
-// lockTimeoutSQL sets the transaction's lock_timeout to $1.
-const lockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
+// lockTimeoutSQL sets the transaction's lock_timeout to $1 (lock_timeout.sql).
+var lockTimeoutSQL = sqlText("lock_timeout", nil)
 
 // ErrOptionalPart is wrapped by the error of a round that failed at an Optional part.
 var ErrOptionalPart = errors.New("an optional statement of the round failed")

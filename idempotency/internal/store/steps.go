@@ -36,55 +36,13 @@ type StepRow struct {
 	CreatedAt        time.Time // when it was recorded, on the database clock
 }
 
-// holdStepSQL is the fenced row lock that makes a step's transaction its claim's: only a
-// claim that still holds the key (and its generation) locks the row, and FOR SHARE
-// conflicts with the UPDATE of any claim, heartbeat or finish, so a takeover waits until
-// the transaction ends, or, having committed first, leaves a newer row version that the
-// lock re-checks under READ COMMITTED and finds no longer this claim's. Unlike an
-// UPDATE, it writes no new row version (no constraint checks, no index entries). The
-// step's commit is durable (synchronous_commit on) before it is reported.
-func holdStepSQL(f fenceChecks) string {
-	return `
-SELECT set_config('synchronous_commit', 'on', true) FROM processed_jobs
-WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress' AND generation = $4
-FOR SHARE`
-}
-
-// recordStepSQL records a step in one statement (its own transaction): the fenced row
-// lock of holdStepSQL and, only if it matched, the step's row. It writes one row or none.
-func recordStepSQL(f fenceChecks) string {
-	return `
-WITH u AS (
-	SELECT idempotency_key, generation, fence FROM processed_jobs
-	WHERE idempotency_key = $1 AND ` + f.args + ` AND status = 'in_progress' AND generation = $4
-	FOR SHARE
+var (
+	// ReadStepsSQL reads the steps recorded for a key's generation (read_steps.sql).
+	ReadStepsSQL = sqlText("read_steps", nil)
+	// ShowStepsSQL reads the steps of a key's current generation in the order the run
+	// called them (show_steps.sql).
+	ShowStepsSQL = sqlText("show_steps", nil)
 )
-INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, input_fingerprint, result)
-SELECT u.idempotency_key, u.generation, $5, $6, u.fence, $7, $8::text::jsonb
-FROM u WHERE set_config('synchronous_commit', 'on', true) IS NOT NULL ` + f.stepConflict
-}
-
-// insertStepSQL writes a step's row inside a transaction whose holdStepSQL matched.
-func insertStepSQL(f fenceChecks) string {
-	return `
-INSERT INTO processed_job_steps (idempotency_key, generation, step, seq, fence, input_fingerprint, result)
-VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb) ` + f.stepConflict
-}
-
-// stepColumns are a step row's columns, in StepRow's order (scanSteps).
-const stepColumns = `s.step, s.seq, s.fence, s.input_fingerprint, s.result, s.created_at`
-
-// ReadStepsSQL reads the steps recorded for a key's generation.
-const ReadStepsSQL = `SELECT ` + stepColumns + ` FROM processed_job_steps s
-WHERE s.idempotency_key = $1 AND s.generation = $2`
-
-// ShowStepsSQL reads the steps of a key's current generation (its processed_jobs row's),
-// in the order the run called them.
-const ShowStepsSQL = `SELECT ` + stepColumns + `
-FROM processed_job_steps s
-JOIN processed_jobs j ON j.idempotency_key = s.idempotency_key AND j.generation = s.generation
-WHERE s.idempotency_key = $1
-ORDER BY s.seq`
 
 type querier interface {
 	Query(context.Context, string, ...any) (pgx.Rows, error)

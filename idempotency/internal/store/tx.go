@@ -27,76 +27,20 @@ import (
 // The statements that frame a DoTx transaction. With several members, each may run in a
 // savepoint of its own, released when it succeeds and rolled back when it does not; one
 // name serves all, as the previous member's savepoint is gone before the next one is made.
-const (
-	beginSQL = "BEGIN ISOLATION LEVEL READ COMMITTED"
-	// Savepoint opens a member's savepoint; Release ends it, keeping the member's work.
-	Savepoint = "SAVEPOINT idemq_member"
-	Release   = "RELEASE SAVEPOINT idemq_member"
+var (
+	beginSQL = sqlText("begin", nil) // begin.sql
+	// Savepoint opens a member's savepoint; Release ends it, keeping the member's work
+	// (savepoint.sql, release_savepoint.sql).
+	Savepoint = sqlText("savepoint", nil)
+	Release   = sqlText("release_savepoint", nil)
 	// Undo rolls a failed member's work back and ends its savepoint. It runs alone, in the
-	// simple protocol, which an aborted transaction accepts.
-	Undo = "ROLLBACK TO SAVEPOINT idemq_member; " + Release
+	// simple protocol, which an aborted transaction accepts (undo.sql).
+	Undo = sqlText("undo", nil)
 )
 
-// keyLockSeed seeds the hash of a key's advisory lock (hashtextextended), so that the
-// ledger's locks do not meet those of an application hashing its own strings unseeded;
-// the seed is mixed with the ledger table's oid, so that ledgers in other schemas of the
-// database do not meet either.
-const keyLockSeed = `7309475139880105073`
-
-// keyLockID is the advisory lock id of key k.key.
-const keyLockID = `hashtextextended(k.key, ` + keyLockSeed + ` # 'processed_jobs'::regclass::oid::bigint)`
-
-// holdKeysSQL begins a DoTx transaction's work with the claims' settings
-// (claimSettingsSQL: the plans of the read that follows turned to the primary keys, and
-// lock waits bounded by $1, as "2000ms"): it takes each key's advisory lock ($2, text[];
-// f.hold: a lock another transaction holds is not waited for, unless wait, when the one
-// key waits for it up to $1 and a lock timeout refuses the statement), records which it
-// took in the transaction's idemq.held setting (a string of 't' and 'f', in the keys'
-// order), bounds how long the transaction may sit idle ($3, as "30000ms"), makes its
-// commit durable, and answers the transaction's id and the server's start time, for a
-// COMMIT whose answer is lost. Unfenced (f), it takes no lock and records every key as
-// held.
-func holdKeysSQL(f fenceChecks, wait bool) string {
-	hold := f.hold
-	if wait {
-		hold = f.holdWait
-	}
-	return claimSettingsSQL + `,
-	       set_config('idle_in_transaction_session_timeout', $3, true),
-	       set_config('synchronous_commit', 'on', true),
-	       set_config('idemq.held', (SELECT string_agg(CASE WHEN ` + hold + ` THEN 't' ELSE 'f' END, '' ORDER BY ord)
-	                                 FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)), true),
-	       pg_current_xact_id()::text, pg_postmaster_start_time()::text`
-}
-
-// readKeysSQL reads the row of each key of a DoTx transaction ($1, text[]), in the shape
-// of ClaimRow, after holdKeysSQL: claimed when this transaction holds the key's advisory
-// lock and the key may be taken (no row, or one in progress whose lease ended, younger
-// than the maximum age $2 in microseconds, with the same fingerprint, $3) — then the
-// fence is a new one and the attempt the row's next; busy when the key may be taken but
-// another transaction holds its lock. It puts back the settings holdKeysSQL made
-// (restoreSettings), so that the handlers' own queries plan and wait as they would
-// without the ledger.
-const readKeysSQL = `
-WITH k AS (
-	SELECT k.ord, k.key, k.fp, substr(current_setting('idemq.held'), k.ord::int, 1) = 't' AS held,
-	       p.status, p.fence, p.owner, p.payload_sha256, p.result, p.attempts, p.last_error,
-	       p.locked_until, p.started_at, p.completed_at, p.generation,
-	       p.status IS NULL OR p.status = 'in_progress' AND p.locked_until < now()
-	         AND p.started_at >= now() - $2::bigint * interval '1 microsecond'
-	         AND (p.payload_sha256 IS NULL OR k.fp IS NULL OR p.payload_sha256 = k.fp) AS open
-	FROM unnest($1::text[], $3::bytea[]) WITH ORDINALITY AS k(key, fp, ord)
-	LEFT JOIN processed_jobs p ON p.idempotency_key = k.key
-), restored AS (
-	SELECT ` + restoreSettings + `
-)
-SELECT ord, held AND open, open AND NOT held, status,
-       CASE WHEN held AND open THEN nextval('processed_jobs_fence_seq') ELSE fence END,
-       owner, payload_sha256, result,
-       CASE WHEN held AND open THEN coalesce(attempts, 0) + 1 ELSE attempts END,
-       last_error, locked_until, started_at, completed_at, coalesce(generation, 0), now(), NULL::text, NULL::text,
-       CASE WHEN held AND open THEN fence END
-FROM restored, k ORDER BY ord`
+// readKeysSQL reads the row of each key of a DoTx transaction, after HoldKeys
+// (read_keys.sql).
+var readKeysSQL = sqlText("read_keys", nil)
 
 // TxClaims is what BeginClaims learned: the transaction's id and the server's start time,
 // and each key's row (indexed like the params).
@@ -106,7 +50,7 @@ type TxClaims struct {
 }
 
 // BeginClaims begins a transaction on conn and holds and reads the keys of ps in it (see
-// holdKeysSQL, readKeysSQL), in one round trip of three statements. A row whose
+// hold_keys.sql, read_keys.sql), in one round trip of three statements. A row whose
 // Claimed is set was taken: its Fence is the claim's and Attempts its attempt. One whose
 // Attempted is set is held by another transaction. idle is the transaction's
 // idle_in_transaction_session_timeout, as "30000ms". With wait and one key, the key's
@@ -162,7 +106,7 @@ func (w *Writes) BeginClaims(ctx context.Context, conn *pgx.Conn, idle, lockTime
 	return t, err
 }
 
-// lastTwo reads holdKeysSQL's answer: of its one row (the settings it made, then the
+// lastTwo reads HoldKeys' answer: of its one row (the settings it made, then the
 // transaction id and the server's start time, both text), the last two columns.
 func lastTwo(br pgx.BatchResults) (xid, start string, err error) {
 	rs, err := br.Query()
@@ -185,50 +129,8 @@ func lastTwo(br pgx.BatchResults) (xid, start string, err error) {
 	return xid, start, rs.Err()
 }
 
-// finishTxSQL writes the rows of a DoTx transaction's members ($1..$11, one element per
-// member: key, task type, fence, owner, fingerprint, status ('completed' or 'failed'),
-// result (jsonb text), last_error, the attempt, the generation the read found (0 for
-// none), trace id; $12 the intent sums, see FinishParams.IntentSum; $13 whether the read
-// found a row). A key the read found without a row is inserted with a plain INSERT
-// (f.conflict: a row there by now aborts the statement, a unique violation); a row the
-// read found is taken over only if it is still what the read found: in progress, its
-// lease ended, at the attempt before this one and in the same generation, with the same
-// fingerprint (f.takeover). Completions and failures settle the outbox intents of their
-// own tasks. Unless every member's row was written (f.guard), the statement fails
-// (division by zero), so that the COMMIT sent after it cannot commit: then the
-// transaction's members run again.
-func finishTxSQL(f fenceChecks) string {
-	return `
-WITH r AS (
-	SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::uuid[], $5::bytea[], $6::text[], $7::text[],
-	                     $8::text[], $9::int[], $10::int[], $11::text[], $12::bytea[], $13::bool[])
-		AS r(key, task_type, fence, owner, fp, status, result, error, attempt, generation, trace_id, intent_sum, found)
-), ins AS (
-	INSERT INTO processed_jobs AS p (idempotency_key, task_type, status, fence, owner, payload_sha256, result,
-	                                 attempts, generation, last_error, locked_until, completed_at, trace_id)
-	SELECT key, task_type, status, fence, owner, fp, result::jsonb, attempt, generation, error, now(), now(), trace_id
-	FROM r WHERE NOT r.found ORDER BY key
-	` + f.conflict + `
-	RETURNING p.idempotency_key, p.status, p.last_error
-), upd AS (
-	UPDATE processed_jobs p
-	SET status = r.status, fence = r.fence, owner = r.owner, result = r.result::jsonb, attempts = r.attempt,
-	    last_error = coalesce(r.error, p.last_error), locked_until = now(), completed_at = now(), updated_at = now(),
-	    trace_id = r.trace_id, payload_sha256 = coalesce(p.payload_sha256, r.fp)
-	FROM r
-	WHERE r.found AND p.idempotency_key = r.key AND ` + f.takeover + `
-	RETURNING p.idempotency_key, p.status, p.last_error
-), w AS (
-	SELECT * FROM ins UNION ALL SELECT * FROM upd
-), i AS (
-	UPDATE job_intents j SET finished_at = now(), updated_at = now(),
-	       state = CASE WHEN w.status = 'completed' THEN 'done' ELSE 'dead' END,
-	       last_error = CASE WHEN w.status = 'completed' THEN j.last_error ELSE w.last_error END
-	FROM w JOIN r ON r.key = w.idempotency_key
-	WHERE j.idempotency_key = w.idempotency_key AND j.state IN ('pending', 'published') AND ` + intentOwn + `
-)
-SELECT ` + f.guard + ` FROM (SELECT count(*) AS n FROM w) w`
-}
+// checkResultSQL has the server parse a result as jsonb (check_result.sql).
+var checkResultSQL = sqlText("check_result", nil)
 
 // CheckResult runs pre, then has the server parse result as jsonb, in one round trip: a
 // member run in a savepoint learns there, while its savepoint can still undo it alone,
@@ -239,12 +141,12 @@ func CheckResult(ctx context.Context, conn *pgx.Conn, pre []string, result strin
 	for _, s := range pre {
 		batch.Queue(s)
 	}
-	batch.Queue(`SELECT $1::text::jsonb IS NULL`, result)
+	batch.Queue(checkResultSQL, result)
 	return conn.SendBatch(ctx, batch).Close()
 }
 
 // FinishAndCommit runs pre (a savepoint's release), writes every row of ps in one
-// statement (finishTxSQL, which fails unless it wrote them all) and commits, in one round
+// statement (FinishTx, which fails unless it wrote them all) and commits, in one round
 // trip; lockTimeout bounds its wait for a row another session holds, as "2000ms". A
 // COMMIT that answers anything but COMMIT (an aborted transaction answers ROLLBACK) is an
 // error. The statement's refusal because a row was not what the read found is one for
@@ -275,7 +177,7 @@ func stmtName(prefix, sql string) string {
 	return prefix + strconv.FormatUint(h.Sum64(), 36)
 }
 
-// finishTxOIDs are finishTxSQL's parameter types.
+// finishTxOIDs are FinishTx's parameter types.
 var finishTxOIDs = []uint32{pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int8ArrayOID, pgtype.UUIDArrayOID,
 	pgtype.ByteaArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int4ArrayOID,
 	pgtype.Int4ArrayOID, pgtype.TextArrayOID, pgtype.ByteaArrayOID, pgtype.BoolArrayOID}
@@ -356,7 +258,7 @@ func (w *Writes) finishWithEvents(ctx context.Context, conn *pgx.Conn, pre []str
 	return readEvents(pipe), nil
 }
 
-// finishTxArgs returns finishTxSQL's arguments for ps.
+// finishTxArgs returns FinishTx's arguments for ps.
 func finishTxArgs(ps []FinishParams) []any {
 	n := len(ps)
 	keys, types, fences, owners := make([]string, n), make([]string, n), make([]int64, n), make([]pgtype.UUID, n)

@@ -1,0 +1,2 @@
+-- Begins a DoTx transaction (BeginClaims).
+BEGIN ISOLATION LEVEL READ COMMITTED
