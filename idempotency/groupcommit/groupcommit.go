@@ -108,7 +108,7 @@ var ErrCommitUnknown = store.ErrCommitUnknown
 // TxIDSQL reads a transaction's id and the server's start time, into a TxID's Xid and
 // ServerStart; send it inside the transaction (it assigns the id), pipelined with the
 // first statements.
-const TxIDSQL = store.XactIDSQL
+var TxIDSQL = store.XactIDSQL
 
 // TxID names a transaction on one server run (read with TxIDSQL).
 type TxID struct {

@@ -3,7 +3,7 @@ package store
 import (
 	"context"
 	"strconv"
-	"strings"
+	"text/template"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -29,62 +29,46 @@ type FindParams struct {
 	Limit         int           // > 0
 }
 
-// FindSQL is the console's list: the newest rows by started_at (its index serves the order
-// and the age filters, so LIMIT ends the scan early), under p's filters. Only the filters
-// that are set are in the statement, so each combination is planned for what it asks.
+// FindSQL is the console's list under p's filters, with its arguments (find.sql).
 func FindSQL(p FindParams) (string, []any) {
-	var (
-		where []string
-		args  []any
-	)
-	arg := func(v any) string {
-		args = append(args, v)
-		return "$" + strconv.Itoa(len(args))
-	}
-	if p.Status != "" {
-		where = append(where, "status = "+arg(p.Status))
-	}
-	if p.TaskType != "" {
-		where = append(where, "task_type = "+arg(p.TaskType))
-	}
-	if p.StartedWithin > 0 {
-		where = append(where, "started_at >= now() - make_interval(secs => "+arg(p.StartedWithin.Seconds())+")")
-	}
-	if p.StartedBefore > 0 {
-		where = append(where, "started_at < now() - make_interval(secs => "+arg(p.StartedBefore.Seconds())+")")
-	}
-	switch p.Lease {
-	case LeaseLive:
-		where = append(where, "status = 'in_progress' AND locked_until > now()")
-	case LeaseLapsed:
-		where = append(where, "status = 'in_progress' AND (locked_until IS NULL OR locked_until <= now())")
-	}
-	if p.HasDuplicates {
-		where = append(where, `EXISTS (SELECT FROM processed_job_events e
-	WHERE e.idempotency_key = processed_jobs.idempotency_key AND e.kind = 'duplicate')`)
-	}
-	sql := "SELECT " + RecordColumns + " FROM processed_jobs"
-	if len(where) > 0 {
-		sql += "\nWHERE " + strings.Join(where, "\n  AND ")
-	}
-	sql += "\nORDER BY started_at DESC, idempotency_key LIMIT " + arg(p.Limit)
-	return sql, args
+	q := &findQuery{FindParams: p}
+	return render(findTemplate, q), q.args
 }
 
-// CountsSQL counts, over the window of $1 seconds, the rows started in it by status and
-// lease (live: in progress with locked_until > now()), through the started_at index, and
-// the events recorded in it by kind, through the at index. Rows: ('row', status, live, n)
-// and ('event', kind, false, n).
-const CountsSQL = `
-SELECT 'row', status, coalesce(status = 'in_progress' AND locked_until > now(), false), count(*)
-FROM processed_jobs WHERE started_at >= now() - make_interval(secs => $1)
-GROUP BY 2, 3
-UNION ALL
-SELECT 'event', kind, false, count(*)
-FROM processed_job_events WHERE at >= now() - make_interval(secs => $1)
-GROUP BY 2`
+// findQuery fills find.sql: FindParams' filters, and Arg, which takes each value as the
+// statement's next parameter.
+type findQuery struct {
+	FindParams
+	args []any
+}
 
-const intentTasksSQL = `SELECT idempotency_key, queue, publish_generation FROM job_intents WHERE idempotency_key = ANY($1)`
+// Arg adds v to the arguments and returns its parameter ($1, $2, ...).
+func (q *findQuery) Arg(v any) string {
+	q.args = append(q.args, v)
+	return "$" + strconv.Itoa(len(q.args))
+}
+
+// Live and Lapsed are the lease filters.
+func (q *findQuery) Live() bool   { return q.Lease == LeaseLive }
+func (q *findQuery) Lapsed() bool { return q.Lease == LeaseLapsed }
+
+// findTemplate is find.sql, rendered once at init with every filter set, to check it.
+var findTemplate = func() *template.Template {
+	t := sqlTemplate("find")
+	all := FindParams{Status: "s", TaskType: "t", StartedWithin: 1, StartedBefore: 1, HasDuplicates: true, Limit: 1}
+	for _, lease := range []string{LeaseLive, LeaseLapsed} {
+		all.Lease = lease
+		render(t, &findQuery{FindParams: all})
+	}
+	return t
+}()
+
+// CountsSQL counts, over a window, the rows started in it by status and lease and the
+// events recorded in it by kind (counts.sql).
+var CountsSQL = sqlText("counts", nil)
+
+// intentTasksSQL reads the queues and publish generations of intents (intent_tasks.sql).
+var intentTasksSQL = sqlText("intent_tasks", nil)
 
 // IntentTask is where an intent's tasks are: its queue and its current publish generation.
 type IntentTask struct {

@@ -9,7 +9,8 @@ import (
 // The outbox's epoch rows (redis_epochs): for each queue it publishes into, the marker
 // and the Redis run_id a reconcile round last checked the queue under.
 
-const ensureEpochSQL = `INSERT INTO redis_epochs (queue, epoch) VALUES ($1, $2) ON CONFLICT (queue) DO NOTHING`
+// ensureEpochSQL records a queue's row unless it has one (ensure_epoch.sql).
+var ensureEpochSQL = sqlText("ensure_epoch", nil)
 
 // EnsureEpoch records queue's row with marker epoch, unless it has one.
 func EnsureEpoch(ctx context.Context, q DB, queue, epoch string) error {
@@ -23,7 +24,8 @@ type Epoch struct {
 	RedisRunID   string // "" until a round recorded one
 }
 
-const epochsSQL = `SELECT queue, epoch, redis_run_id FROM redis_epochs ORDER BY queue`
+// epochsSQL reads every queue's row (epochs.sql).
+var epochsSQL = sqlText("epochs", nil)
 
 // Epochs returns every queue's epoch row, by queue.
 func Epochs(ctx context.Context, q DB) ([]Epoch, error) {
@@ -38,7 +40,8 @@ func Epochs(ctx context.Context, q DB) ([]Epoch, error) {
 	})
 }
 
-const settleEpochSQL = `UPDATE redis_epochs SET epoch = $2, redis_run_id = $3, updated_at = now() WHERE queue = $1`
+// settleEpochSQL records a queue's marker and run_id (settle_epoch.sql).
+var settleEpochSQL = sqlText("settle_epoch", nil)
 
 // SettleEpoch records e (its marker and run_id) as its queue's row.
 func SettleEpoch(ctx context.Context, q DB, e Epoch) error {
@@ -46,9 +49,9 @@ func SettleEpoch(ctx context.Context, q DB, e Epoch) error {
 	return err
 }
 
-const (
-	hasEpochSQL    = `SELECT EXISTS (SELECT 1 FROM redis_epochs WHERE queue = $1)`
-	deleteEpochSQL = `DELETE FROM redis_epochs WHERE queue = $1`
+var (
+	hasEpochSQL    = sqlText("has_epoch", nil)    // has_epoch.sql
+	deleteEpochSQL = sqlText("delete_epoch", nil) // delete_epoch.sql
 )
 
 // HasEpoch reports whether queue has an epoch row.

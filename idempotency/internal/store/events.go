@@ -49,28 +49,9 @@ var Worker = func() string {
 	return fmt.Sprintf("%s/%d", host, os.Getpid())
 }()
 
-// insertEventsSQL records a batch of events ($1..$10, arrays with one element per event).
-// A key and generation keeps at most MaxEventsPerGeneration rows: an event is inserted
-// only while the rows already there plus those before it in the batch stay within the
-// cap (the count reads the (idempotency_key, id) index). Two processes inserting for one
-// key at the same moment may each see the other's rows missing and pass the cap by a few.
-// Rows the table's checks would refuse are left out rather than failing the round they
-// ride (the Go side cleans them first; this is the guard).
-const insertEventsSQL = `
-WITH e AS (
-	SELECT e.*, row_number() OVER (PARTITION BY e.key, e.gen ORDER BY e.ord) AS rn
-	FROM unnest($1::text[], $2::int[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
-	            $8::bigint[], $9::bigint[], $10::text[]) WITH ORDINALITY
-		AS e(key, gen, at, kind, task_type, task_id, worker, fence, old_fence, detail, ord)
-	WHERE octet_length(e.key) BETWEEN 1 AND 255 AND e.kind ~ '^[a-z_]{1,32}$' AND e.gen >= 0
-	  AND coalesce(octet_length(e.detail), 0) <= 1024 -- MaxEventDetail
-)
-INSERT INTO processed_job_events (idempotency_key, generation, at, kind, task_type, task_id, worker, fence, old_fence, detail)
-SELECT e.key, e.gen, e.at, e.kind, e.task_type, e.task_id, e.worker, e.fence, e.old_fence, e.detail
-FROM e
-WHERE e.rn + (SELECT count(*) FROM processed_job_events x
-              WHERE x.idempotency_key = e.key AND x.generation = e.gen) <= 50 -- MaxEventsPerGeneration
-ORDER BY e.ord`
+// insertEventsSQL records a batch of events, within MaxEventsPerGeneration
+// (insert_events.sql).
+var insertEventsSQL = sqlText("insert_events", nil)
 
 // EventsLockTimeout bounds how long an events statement waits for a lock on
 // processed_job_events (VACUUM FULL, a migration's ALTER, a partition being attached):
@@ -78,12 +59,8 @@ ORDER BY e.ord`
 // waits on the history.
 const EventsLockTimeout = "100ms"
 
-// eventsSettingsSQL starts the events' own transaction (the one after a DoTx finish's
-// COMMIT, or the background write's): it commits asynchronously (a crash of Postgres may
-// lose what it wrote in the last moments, at most three times wal_writer_delay, never
-// anything another transaction depends on) and waits at most EventsLockTimeout for a
-// lock.
-const eventsSettingsSQL = `SELECT set_config('synchronous_commit', 'off', true), set_config('lock_timeout', '` + EventsLockTimeout + `', true)`
+// eventsSettingsSQL starts the events' own transaction (events_settings.sql).
+var eventsSettingsSQL = sqlText("events_settings", map[string]string{"EventsLockTimeout": EventsLockTimeout})
 
 // InsertEvents is the events statement, a Part of a round or sent alone. Its parameter
 // types are fixed: it is never prepared nor described, as that would take the table's
@@ -226,14 +203,8 @@ type EventRow struct {
 	Detail     string
 }
 
-// keyEventsSQL reads key $1's newest $2 events (by id: the order they were written),
-// in the order they happened: a delivery's event waits in its process's buffer for up to
-// a second while an operator's rerun is written at once, so at orders them (then id).
-const keyEventsSQL = `
-SELECT id, generation, at, kind, coalesce(task_type, ''), coalesce(task_id, ''), coalesce(worker, ''),
-       coalesce(fence, 0), coalesce(old_fence, 0), coalesce(detail, '')
-FROM (SELECT * FROM processed_job_events WHERE idempotency_key = $1 ORDER BY id DESC LIMIT $2) e
-ORDER BY at, id`
+// keyEventsSQL reads a key's newest events, in the order they happened (key_events.sql).
+var keyEventsSQL = sqlText("key_events", nil)
 
 // KeyEvents returns key's newest limit events, in the order they happened.
 func KeyEvents(ctx context.Context, q DB, key string, limit int) ([]EventRow, error) {

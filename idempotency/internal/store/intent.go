@@ -25,17 +25,9 @@ type DB interface {
 // whole table for a few keys until the next ANALYZE, which under load comes minutes later.
 const PlanEach = pgx.QueryExecModeCacheDescribe
 
-// settleIntentSQL settles key $1's outbox intent for a delivery of its own task whose
-// answer came from the ledger without a finish of its own: 'done' ($4) for a cached
-// result, 'dead' with the reason $5 for a mismatch, a failed or stuck row or a payload the
-// worker refused. $2 is the task type and $3 the fingerprint of the task's type and
-// payload bytes, which for the intent's own task is the intent's (see
-// FinishParams.IntentSum).
-const settleIntentSQL = `
-UPDATE job_intents
-SET state = $4, last_error = CASE WHEN $4 = 'dead' THEN $5 ELSE last_error END,
-    finished_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND task_type = $2 AND payload_sha256 = $3 AND state IN ('pending', 'published')`
+// settleIntentSQL settles a key's outbox intent for a delivery of its own task whose
+// answer came from the ledger without a finish of its own (settle_intent.sql).
+var settleIntentSQL = sqlText("settle_intent", nil)
 
 // Intent states a settle writes.
 const (
@@ -63,15 +55,9 @@ type IntentParams struct {
 	TraceParent        string        // "" is stored as NULL
 }
 
-// insertIntentsSQL records many intents in one statement, in the order given (key order,
-// so that concurrent batches lock their rows in one order), held from the relays for $10
-// ms when $10 > 0.
-const insertIntentsSQL = `
-INSERT INTO job_intents (idempotency_key, task_type, payload, payload_sha256, queue, max_retry, timeout_ms, retention_ms, trace_parent, relay_until)
-SELECT u.k, u.t, u.p, u.f, u.q, u.m, u.o, u.r, nullif(u.tp, ''), CASE WHEN $10::bigint > 0 THEN now() + $10::bigint * interval '1 millisecond' END
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::text[], $6::int[], $7::bigint[], $8::bigint[], $9::text[]) AS u(k, t, p, f, q, m, o, r, tp)
-ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING idempotency_key, state`
+// insertIntentsSQL records many intents in one statement, in the order given
+// (insert_intents.sql).
+var insertIntentsSQL = sqlText("insert_intents", nil)
 
 // InsertIntents records the intents of ps (in their order: give them in key order) that
 // are not recorded yet, held from the relays for hold when it is positive, and returns
@@ -105,7 +91,8 @@ type RecordedIntent struct {
 	State       string
 }
 
-const readIntentsSQL = `SELECT idempotency_key, task_type, payload_sha256, state FROM job_intents WHERE idempotency_key = ANY($1::text[])`
+// readIntentsSQL reads the recorded intents of keys (read_intents.sql).
+var readIntentsSQL = sqlText("read_intents", nil)
 
 // ReadIntents returns the recorded intents of keys, by key (planned for its keys each
 // time: PlanEach).
@@ -137,9 +124,6 @@ type IntentRow struct {
 	TraceParent        string
 }
 
-// intentRowColumns are the columns of an IntentRow, as scanIntentRow reads them.
-const intentRowColumns = `idempotency_key, task_type, payload, queue, max_retry, timeout_ms, retention_ms, publish_generation, created_at, `
-
 // scanIntentRow reads the columns takePendingSQL and staleIntentsSQL return.
 func scanIntentRow(row pgx.CollectableRow) (IntentRow, error) {
 	var r IntentRow
@@ -157,19 +141,9 @@ type TakeParams struct {
 	Keys  []string      // only these keys; nil: any
 }
 
-// takePendingSQL takes up to $1 pending intents (only keys in $3 when it is not NULL) for
-// $2 ms in one short statement: SKIP LOCKED lets every replica's relay run at once.
-const takePendingSQL = `
-UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', updated_at = now()
-WHERE idempotency_key IN (
-	SELECT idempotency_key FROM job_intents
-	WHERE state = 'pending' AND (relay_until IS NULL OR relay_until < now())
-	  AND ($3::text[] IS NULL OR idempotency_key = ANY($3::text[]))
-	ORDER BY created_at
-	LIMIT $1
-	FOR UPDATE SKIP LOCKED)
-RETURNING ` + intentRowColumns + `coalesce(published_at, created_at),
-	coalesce(trace_parent, '')`
+// takePendingSQL takes pending intents for a while, skipping those other relays hold
+// (take_pending.sql).
+var takePendingSQL = sqlText("take_pending", nil)
 
 // TakePending takes the pending intents p asks for, that no other relay holds.
 func TakePending(ctx context.Context, q DB, p TakeParams) ([]IntentRow, error) {
@@ -193,20 +167,9 @@ type Publish struct {
 	Generation int
 }
 
-// markPublishedSQL records the publishes of keys $1, each under the generation at the same
-// index of $2, of intents still pending under the generation they were taken under ($3):
-// an intent an operator re-ran meanwhile (a new publish generation) waits for a publish
-// of its own.
-//
-// It and markPublishFailedSQL find their rows by key only: "state IS NOT DISTINCT FROM
-// 'pending'" keeps the planner off job_intents_pending_idx, which statistics make look
-// small while, under load, it holds the entries of every intent published since the last
-// vacuum, and which it would otherwise scan whole on every call.
-const markPublishedSQL = `
-UPDATE job_intents i
-SET state = 'published', published_at = now(), publish_generation = p.gen, relay_until = NULL, last_error = NULL, updated_at = now()
-FROM unnest($1::text[], $2::int[], $3::int[]) AS p(key, gen, taken)
-WHERE i.idempotency_key = p.key AND i.state IS NOT DISTINCT FROM 'pending' AND i.publish_generation = p.taken`
+// markPublishedSQL records publishes of intents still pending under the generation
+// they were taken under (mark_published.sql).
+var markPublishedSQL = sqlText("mark_published", nil)
 
 // MarkPublished records ps's publishes of intents still pending under the generation
 // they were taken under.
@@ -219,9 +182,9 @@ func MarkPublished(ctx context.Context, q DB, ps []Publish) error {
 	return err
 }
 
-const markPublishFailedSQL = `
-UPDATE job_intents SET relay_until = now() + $2::bigint * interval '1 millisecond', last_error = $3, updated_at = now()
-WHERE idempotency_key = ANY($1::text[]) AND state IS NOT DISTINCT FROM 'pending'`
+// markPublishFailedSQL records a failed publish of pending intents
+// (mark_publish_failed.sql).
+var markPublishFailedSQL = sqlText("mark_publish_failed", nil)
 
 // MarkPublishFailed records reason as the last error of the intents of keys still
 // pending, and holds them from the relays for retryIn.
@@ -230,9 +193,9 @@ func MarkPublishFailed(ctx context.Context, q DB, keys []string, retryIn time.Du
 	return err
 }
 
-// cutoffSQL is the publish time before which a round with grace $1 ms checks intents, on
-// the database clock.
-const cutoffSQL = `SELECT now() - $1::bigint * interval '1 millisecond'`
+// cutoffSQL is the publish time before which a round checks intents, on the database
+// clock (cutoff.sql).
+var cutoffSQL = sqlText("cutoff", nil)
 
 // Cutoff is grace ago, on the database clock.
 func Cutoff(ctx context.Context, q DB, grace time.Duration) (time.Time, error) {
@@ -250,16 +213,9 @@ type StaleParams struct {
 	Queues   []string // only in these queues; nil: in any
 }
 
-// staleIntentsSQL lists up to $4 intents published before $1, after the cursor
-// (published_at, key) = ($2, $3), in that order; only in the queues $5 unless it is NULL.
-const staleIntentsSQL = `
-SELECT ` + intentRowColumns + `published_at,
-       coalesce(trace_parent, '')
-FROM job_intents
-WHERE state = 'published' AND published_at < $1 AND (published_at, idempotency_key) > ($2, $3)
-  AND ($5::text[] IS NULL OR queue = ANY($5::text[]))
-ORDER BY published_at, idempotency_key
-LIMIT $4`
+// staleIntentsSQL lists a page of intents published before a time, after a cursor
+// (stale_intents.sql).
+var staleIntentsSQL = sqlText("stale_intents", nil)
 
 // StaleIntents returns the page of published intents p asks for.
 func StaleIntents(ctx context.Context, q DB, p StaleParams) ([]IntentRow, error) {
@@ -274,24 +230,9 @@ func StaleIntents(ctx context.Context, q DB, p StaleParams) ([]IntentRow, error)
 	return pgx.CollectRows(rows, scanIntentRow)
 }
 
-// bumpGenerationSQL records a republish under generation $3, unless another reconciler
-// did it first, and a republished event in the key's history (worker $4), within
-// MaxEventsPerGeneration of the ledger row's generation (0 while the key has no row).
-const bumpGenerationSQL = `
-WITH u AS (
-	UPDATE job_intents SET publish_generation = $3, published_at = now(), updated_at = now()
-	WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2
-	RETURNING idempotency_key, task_type
-), g AS (
-	SELECT coalesce((SELECT generation FROM processed_jobs WHERE idempotency_key = $1), 0) AS gen
-), h AS (
-	INSERT INTO processed_job_events (idempotency_key, generation, kind, task_type, task_id, worker, detail)
-	SELECT u.idempotency_key, g.gen, 'republished', u.task_type, $1 || '#r' || $3::int, $4,
-	       'its task was missing from Redis; republished'
-	FROM u, g
-	WHERE (SELECT count(*) FROM processed_job_events x WHERE x.idempotency_key = $1 AND x.generation = g.gen) < 50
-)
-SELECT count(*) FROM u`
+// bumpGenerationSQL records a republish, unless another reconciler did it first, and a
+// republished event in the key's history (bump_generation.sql).
+var bumpGenerationSQL = sqlText("bump_generation", nil)
 
 // RecordRepublish records that key's published intent, of generation from, was
 // republished under generation to, with an event in the key's history; it reports false
@@ -302,12 +243,9 @@ func RecordRepublish(ctx context.Context, q DB, key string, from, to int) (bool,
 	return n > 0, err
 }
 
-// settleArchivedSQL settles dead, with the reason $3, a published intent whose own task
-// asynq archived (its retries ran out, or the worker refused it without settling the
-// intent itself), unless another reconciler or a delivery settled or republished it first.
-const settleArchivedSQL = `
-UPDATE job_intents SET state = 'dead', last_error = $3, finished_at = now(), updated_at = now()
-WHERE idempotency_key = $1 AND state = 'published' AND publish_generation = $2`
+// settleArchivedSQL settles dead a published intent whose own task asynq archived
+// (settle_archived.sql).
+var settleArchivedSQL = sqlText("settle_archived", nil)
 
 // SettleArchived settles dead, with reason, key's intent still published under
 // generation gen; it reports whether it did.
@@ -330,10 +268,6 @@ type IntentInfo struct {
 	TraceParent       string
 }
 
-// intentInfoColumns are an IntentInfo's columns but the trace parent.
-const intentInfoColumns = `idempotency_key, task_type, state, publish_generation, coalesce(last_error, ''),
-	created_at, coalesce(published_at, 'epoch'), coalesce(finished_at, 'epoch')`
-
 func (i *IntentInfo) zeroEpochs() {
 	for _, t := range []*time.Time{&i.PublishedAt, &i.FinishedAt} {
 		if t.Unix() == 0 {
@@ -342,8 +276,8 @@ func (i *IntentInfo) zeroEpochs() {
 	}
 }
 
-const intentInfoSQL = `SELECT ` + intentInfoColumns + `, coalesce(trace_parent, '')
-	FROM job_intents WHERE idempotency_key = $1`
+// intentInfoSQL reads a key's intent (intent_info.sql).
+var intentInfoSQL = sqlText("intent_info", nil)
 
 // ReadIntent returns key's intent; pgx.ErrNoRows when it has none.
 func ReadIntent(ctx context.Context, q interface {
@@ -356,8 +290,8 @@ func ReadIntent(ctx context.Context, q interface {
 	return i, err
 }
 
-const unfinishedIntentsSQL = `SELECT ` + intentInfoColumns + `
-	FROM job_intents WHERE state IN ('pending', 'published') ORDER BY created_at LIMIT $1`
+// unfinishedIntentsSQL reads the oldest unfinished intents (unfinished_intents.sql).
+var unfinishedIntentsSQL = sqlText("unfinished_intents", nil)
 
 // UnfinishedIntents returns up to limit intents still pending or published, oldest first
 // (without their trace parents).
@@ -374,8 +308,8 @@ func UnfinishedIntents(ctx context.Context, q DB, limit int) ([]IntentInfo, erro
 	})
 }
 
-// intentQueuesSQL reads the queues the outbox recorded for keys.
-const intentQueuesSQL = `SELECT idempotency_key, queue FROM job_intents WHERE idempotency_key = ANY($1)`
+// intentQueuesSQL reads the queues the outbox recorded for keys (intent_queues.sql).
+var intentQueuesSQL = sqlText("intent_queues", nil)
 
 // IntentQueues returns the queue of each of keys' intents, by key; keys without an intent
 // are absent.
@@ -403,13 +337,8 @@ type OutboxStats struct {
 	PublishedOlderThan             int
 }
 
-const outboxStatsSQL = `
-SELECT count(*) FILTER (WHERE state = 'pending'),
-       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'pending')), 0)::float8,
-       count(*) FILTER (WHERE state = 'published'),
-       coalesce(extract(epoch FROM now() - min(published_at) FILTER (WHERE state = 'published')), 0)::float8,
-       count(*) FILTER (WHERE state = 'published' AND published_at < now() - $1::bigint * interval '1 millisecond')
-FROM job_intents WHERE state IN ('pending', 'published')`
+// outboxStatsSQL reads the outbox's backlog (outbox_stats.sql).
+var outboxStatsSQL = sqlText("outbox_stats", nil)
 
 // ReadOutboxStats returns the outbox's backlog, with the intents published longer than
 // threshold ago counted in PublishedOlderThan.
@@ -422,9 +351,12 @@ func ReadOutboxStats(ctx context.Context, q DB, threshold time.Duration) (Outbox
 	return s, err
 }
 
+// notifySQL notifies a channel (notify.sql).
+var notifySQL = sqlText("notify", nil)
+
 // Notify sends a notification with an empty payload on channel: to its listeners when
 // q's transaction commits, at once when q is not in one.
 func Notify(ctx context.Context, q DB, channel string) error {
-	_, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, channel)
+	_, err := q.Exec(ctx, notifySQL, channel)
 	return err
 }

@@ -27,11 +27,9 @@ type RequestKey struct {
 	Body             []byte
 }
 
-// insertRequestKeysSQL records many request keys in one statement, each with its answer,
-// and returns those it recorded.
-const insertRequestKeysSQL = `INSERT INTO api_idempotency_keys (route, header_key, fingerprint, job_key, task_type, status_code, response)
-SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::int[], $7::bytea[])
-ON CONFLICT DO NOTHING RETURNING route, header_key`
+// insertRequestKeysSQL records many request keys in one statement, each with its
+// answer, and returns those it recorded (insert_request_keys.sql).
+var insertRequestKeysSQL = sqlText("insert_request_keys", nil)
 
 // QueueInsertRequestKeys queues on b the insert of ks's rows that are not there yet; once
 // b's results are read, inserted has been called with each row it inserted.
@@ -71,8 +69,8 @@ func requestKeyArrays(ids []RequestKeyID) (routes, hks []string) {
 	return routes, hks
 }
 
-const readRequestKeysSQL = `SELECT k.route, k.header_key, k.fingerprint, k.job_key, k.task_type, k.status_code, k.response
-FROM api_idempotency_keys k JOIN unnest($1::text[], $2::text[]) AS r(route, header_key) USING (route, header_key)`
+// readRequestKeysSQL reads the rows of request keys (read_request_keys.sql).
+var readRequestKeysSQL = sqlText("read_request_keys", nil)
 
 // ReadRequestKeys returns the rows of ids that are there, by id.
 func ReadRequestKeys(ctx context.Context, q DB, ids []RequestKeyID) (map[RequestKeyID]RequestKey, error) {
@@ -95,9 +93,8 @@ func ReadRequestKeys(ctx context.Context, q DB, ids []RequestKeyID) (map[Request
 	return got, err
 }
 
-const answerRequestKeysSQL = `UPDATE api_idempotency_keys k SET status_code = a.code, response = a.body
-FROM unnest($1::text[], $2::text[], $3::int[], $4::bytea[]) AS a(route, header_key, code, body)
-WHERE k.route = a.route AND k.header_key = a.header_key`
+// answerRequestKeysSQL sets the answers of request keys (answer_request_keys.sql).
+var answerRequestKeysSQL = sqlText("answer_request_keys", nil)
 
 // AnswerRequestKeys sets the answer (Code, Body) of each of ks's rows.
 func AnswerRequestKeys(ctx context.Context, q DB, ks []RequestKey) error {
@@ -111,9 +108,8 @@ func AnswerRequestKeys(ctx context.Context, q DB, ks []RequestKey) error {
 	return err
 }
 
-const forgetRequestKeysSQL = `DELETE FROM api_idempotency_keys k
-USING unnest($1::text[], $2::text[]) AS r(route, header_key)
-WHERE k.route = r.route AND k.header_key = r.header_key`
+// forgetRequestKeysSQL deletes the rows of request keys (forget_request_keys.sql).
+var forgetRequestKeysSQL = sqlText("forget_request_keys", nil)
 
 // ForgetRequestKeys deletes the rows of ids.
 func ForgetRequestKeys(ctx context.Context, q DB, ids []RequestKeyID) error {
@@ -122,9 +118,8 @@ func ForgetRequestKeys(ctx context.Context, q DB, ids []RequestKeyID) error {
 	return err
 }
 
-// purgeRequestKeysSQL deletes at most $2 rows older than $1 milliseconds.
-const purgeRequestKeysSQL = `DELETE FROM api_idempotency_keys WHERE ctid = ANY(ARRAY(
-	SELECT ctid FROM api_idempotency_keys WHERE created_at < now() - $1 * interval '1 millisecond' LIMIT $2))`
+// purgeRequestKeysSQL deletes a batch of old request keys (purge_request_keys.sql).
+var purgeRequestKeysSQL = sqlText("purge_request_keys", nil)
 
 // PurgeRequestKeys deletes at most limit rows created longer ago than olderThan and
 // returns how many it deleted.
@@ -135,7 +130,9 @@ func PurgeRequestKeys(ctx context.Context, q interface {
 	return tag.RowsAffected(), err
 }
 
-const requestKeyJobSQL = `SELECT task_type FROM api_idempotency_keys WHERE job_key = $1 AND status_code IS NOT NULL LIMIT 1`
+// requestKeyJobSQL reads the task type an answered row names for a job
+// (request_key_job.sql).
+var requestKeyJobSQL = sqlText("request_key_job", nil)
 
 // RequestKeyJob returns the task type of job jobKey as an answered row names it; ok is
 // false when none does.

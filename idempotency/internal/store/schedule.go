@@ -39,21 +39,9 @@ type ScheduleEntryRow struct {
 	LastState pgtype.Text
 }
 
-// UpsertScheduleSQL writes entries ($1 names, $2 specs, $3 sums) and deletes the rows of
-// entries not among them: a new entry starts at revision 1, a changed one gets the next
-// revision and a new revised_at, an unchanged one is left as it is (paused or not).
-const UpsertScheduleSQL = `
-WITH e AS (
-	SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[]) AS e(name, spec, sum)
-), gone AS (
-	DELETE FROM schedule_entries WHERE name <> ALL ($1::text[])
-)
-INSERT INTO schedule_entries AS s (name, spec, spec_sha256)
-SELECT name, spec::jsonb, sum FROM e
-ON CONFLICT (name) DO UPDATE
-SET spec = excluded.spec, spec_sha256 = excluded.spec_sha256, revision = s.revision + 1,
-    revised_at = now(), updated_at = now()
-WHERE s.spec_sha256 <> excluded.spec_sha256`
+// UpsertScheduleSQL writes the entries and deletes the rows of entries not among them
+// (upsert_schedule.sql).
+var UpsertScheduleSQL = sqlText("upsert_schedule", nil)
 
 // UpsertSchedule makes the table hold exactly entries (see UpsertScheduleSQL).
 func UpsertSchedule(ctx context.Context, tx pgx.Tx, entries []ScheduleEntryParams) error {
@@ -65,11 +53,9 @@ func UpsertSchedule(ctx context.Context, tx pgx.Tx, entries []ScheduleEntryParam
 	return err
 }
 
-// ReadScheduleSQL reads every entry with the outbox state of its last tick's job.
-const ReadScheduleSQL = `
-SELECT s.name, s.revision, s.spec::text, s.spec_sha256, s.paused, s.revised_at, s.paused_at, s.resumed_at, s.last_tick, s.last_key, i.state
-FROM schedule_entries s LEFT JOIN job_intents i ON i.idempotency_key = s.last_key
-ORDER BY s.name`
+// ReadScheduleSQL reads every entry with the outbox state of its last tick's job
+// (read_schedule.sql).
+var ReadScheduleSQL = sqlText("read_schedule", nil)
 
 // ReadSchedule returns every entry, by name.
 func ReadSchedule(ctx context.Context, q querier) ([]ScheduleEntryRow, error) {
@@ -89,11 +75,9 @@ func ReadSchedule(ctx context.Context, q querier) ([]ScheduleEntryRow, error) {
 	return out, err
 }
 
-// AdvanceScheduleSQL records tick $2 of entry $1, whose job is $3, as its last when it is
-// newer than the one recorded.
-const AdvanceScheduleSQL = `
-UPDATE schedule_entries SET last_tick = $2, last_key = $3, updated_at = now()
-WHERE name = $1 AND (last_tick IS NULL OR last_tick < $2)`
+// AdvanceScheduleSQL records an entry's tick as its last when it is newer than the one
+// recorded (advance_schedule.sql).
+var AdvanceScheduleSQL = sqlText("advance_schedule", nil)
 
 // AdvanceSchedule records tick of entry name, whose job is key, as its last if newer.
 func AdvanceSchedule(ctx context.Context, tx pgx.Tx, name string, tick time.Time, key string) error {
@@ -101,13 +85,8 @@ func AdvanceSchedule(ctx context.Context, tx pgx.Tx, name string, tick time.Time
 	return err
 }
 
-// PauseScheduleSQL pauses ($2 true) or resumes entry $1, recording when an active entry
-// was paused and when a paused one was resumed; it reports whether it exists.
-const PauseScheduleSQL = `
-UPDATE schedule_entries SET paused = $2, updated_at = now(),
-    paused_at = CASE WHEN $2 AND NOT paused THEN now() ELSE paused_at END,
-    resumed_at = CASE WHEN NOT $2 AND paused THEN now() ELSE resumed_at END
-WHERE name = $1`
+// PauseScheduleSQL pauses or resumes an entry (pause_schedule.sql).
+var PauseScheduleSQL = sqlText("pause_schedule", nil)
 
 // PauseSchedule pauses or resumes entry name: false when there is no such entry.
 func PauseSchedule(ctx context.Context, q interface {
@@ -117,8 +96,8 @@ func PauseSchedule(ctx context.Context, q interface {
 	return tag.RowsAffected() == 1, err
 }
 
-// DatabaseNowSQL reads the database's clock.
-const DatabaseNowSQL = `SELECT clock_timestamp()`
+// DatabaseNowSQL reads the database's clock (database_now.sql).
+var DatabaseNowSQL = sqlText("database_now", nil)
 
 // DatabaseNow returns the database's clock, by which schedulers judge a tick due.
 func DatabaseNow(ctx context.Context, q interface {

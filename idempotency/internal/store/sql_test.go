@@ -6,6 +6,7 @@ import (
 	"testing"
 	"text/template"
 	"text/template/parse"
+	"time"
 )
 
 // Every file of sql/ is used: a statement the package rendered when it was initialized,
@@ -66,7 +67,15 @@ func TestEverySQLFileIsUsed(t *testing.T) {
 // one the values do not fill, or a file that is not there, panics with the file's name.
 func TestEveryPlaceholderIsResolved(t *testing.T) {
 	t.Parallel()
-	stmts := []string{ClaimMany.SQL, claimSettingsSQL, readKeysSQL, Undo, lockTimeoutSQL}
+	stmts := []string{ClaimMany.SQL, claimSettingsSQL, readKeysSQL, Undo, lockTimeoutSQL, eventsSettingsSQL,
+		takePendingSQL, staleIntentsSQL, intentInfoSQL, GetSQL, ReadStepsSQL}
+	for _, lease := range []string{"", LeaseLive, LeaseLapsed} {
+		sql, args := FindSQL(FindParams{Status: "s", StartedBefore: time.Hour, Lease: lease, HasDuplicates: true, Limit: 5})
+		if !strings.HasSuffix(sql, "LIMIT $3") || len(args) != 3 {
+			t.Errorf("FindSQL: %d arguments for\n%s", len(args), sql)
+		}
+		stmts = append(stmts, sql)
+	}
 	for _, w := range []*Writes{Fenced, Unfenced} {
 		stmts = append(stmts, w.Heartbeat, w.HeartbeatMany, w.FinishMany.SQL, w.HoldKeys, w.HoldKeyWait, w.FinishTx,
 			w.RecordStepSQL, w.HoldStepSQL, w.InsertStepSQL)

@@ -2,7 +2,7 @@
 // processed_jobs and job_intents, their typed parameters and rows, and the pipeline that
 // sends a round of them and learns its transaction id before the commit is asked for.
 // Each operation has one statement, whatever the number of rows: a single row is a
-// batch of one.
+// batch of one. The statements' text is in sql/, a file per statement (see sql.go).
 //
 // Beside them, what every caller that speaks to Postgres shares: the SQLSTATEs idemq
 // acts on, named once, and Unavailable, which tells errors that mean "the database is

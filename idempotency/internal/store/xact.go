@@ -21,18 +21,17 @@ import (
 var ErrCommitUnknown = errors.New("commit outcome unknown")
 
 // XactIDSQL reads a transaction's id and the server's start time, as XactID; send it
-// inside the transaction (it assigns the id), pipelined with the first statements.
-const XactIDSQL = `SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text`
+// inside the transaction (it assigns the id), pipelined with the first statements
+// (xact_id.sql).
+var XactIDSQL = sqlText("xact_id", nil)
 
 // XactID names a transaction on one server run.
 type XactID struct {
 	Xid, ServerStart string
 }
 
-// resolveXactSQL is the fate of transaction $1 when the server is still the run that
-// started at $2 (NULL: another server, or an id it no longer knows).
-const resolveXactSQL = `SELECT CASE WHEN pg_postmaster_start_time()::text = $2 THEN pg_xact_status($1::text::xid8)::text END,
-	pg_postmaster_start_time()::text = $2`
+// resolveXactSQL is the fate of a transaction (resolve_xact.sql).
+var resolveXactSQL = sqlText("resolve_xact", nil)
 
 // CommitXact commits tx. When the server answered the COMMIT with an error, nothing
 // committed. When the answer was lost, CommitXact asks the server on fresh connections

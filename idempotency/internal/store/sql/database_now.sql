@@ -1,0 +1,2 @@
+-- DatabaseNowSQL reads the database's clock.
+SELECT clock_timestamp()

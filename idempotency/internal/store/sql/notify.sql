@@ -1,0 +1,2 @@
+-- Notify's statement: a notification with an empty payload on channel $1.
+SELECT pg_notify($1, '')

@@ -1,0 +1,22 @@
+-- PurgeSQL deletes one batch of terminal rows older than the window, with their outbox
+-- intents, recorded steps and history events. A row completed
+-- before the cutoff also started before it, which lets the started_at index find them.
+-- The outer conditions are checked again on the row version it deletes, so a row re-run
+-- meanwhile stays.
+WITH d AS (
+	DELETE FROM processed_jobs
+	WHERE idempotency_key IN (
+		SELECT idempotency_key FROM processed_jobs
+		WHERE started_at < now() - $1::bigint * interval '1 microsecond'
+		  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+		LIMIT $2 FOR UPDATE SKIP LOCKED)
+	  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+	RETURNING idempotency_key
+), i AS (
+	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+), s AS (
+	DELETE FROM processed_job_steps WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+), h AS (
+	DELETE FROM processed_job_events WHERE idempotency_key IN (SELECT idempotency_key FROM d)
+)
+SELECT count(*) FROM d
