@@ -19,9 +19,9 @@ func TestKeeperExtendsEveryLeaseInOneStatement(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Postgres(t)
 	sizes := &batchSizes{}
-	// A second's lease: a heartbeat every 333 ms, and 900 ms for each to land on a
-	// loaded machine. The handlers run for 2.5 leases.
-	l := New(pool, &Config{Lease: time.Second, ObserveBatch: sizes.observe})
+	// A lease of 2 s: a heartbeat every 667 ms, and 1.8 s for each to land on a loaded
+	// machine. The handlers run for 2.5 leases.
+	l := New(pool, &Config{Lease: 2 * time.Second, ObserveBatch: sizes.observe})
 	t.Cleanup(l.Close)
 	ctx := testenv.Context(t, 2*time.Minute)
 
@@ -37,7 +37,7 @@ func TestKeeperExtendsEveryLeaseInOneStatement(t *testing.T) {
 				select {
 				case <-ctx.Done():
 					return nil, context.Cause(ctx)
-				case <-time.After(2500 * time.Millisecond):
+				case <-time.After(5 * time.Second):
 					return json.RawMessage(`{}`), nil
 				}
 			})
