@@ -597,18 +597,20 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 
 // lostCommitTimeout is the WriteTimeout of the lost-commit tests: short enough to cut a
 // slow COMMIT, long enough that asking the server about it afterwards (the same budget)
-// gets an answer on a box busy with the race detector and other packages' tests.
-const lostCommitTimeout = 2 * time.Second
+// gets an answer on a box busy with the race detector and other packages' tests, and
+// that the COMMIT has begun when the cancellation lands (with 2 s, a CI run beside the
+// other packages' tests cancelled the finish before it: the commits=true case aborted).
+const lostCommitTimeout = 4 * time.Second
 
 // slowCommitOf creates the table effects and makes the COMMIT of a transaction that
-// inserted key into it take 6 s (a deferred trigger): longer than a WriteTimeout of
+// inserted key into it take 8 s (a deferred trigger): longer than a WriteTimeout of
 // lostCommitTimeout, so its answer is lost. When commits, the trigger survives the cancellation and
 // the transaction commits all the same; else it aborts.
 func slowCommitOf(t *testing.T, pool *pgxpool.Pool, key string, commits bool) {
 	t.Helper()
-	body := `PERFORM pg_sleep(6);`
+	body := `PERFORM pg_sleep(8);`
 	if commits {
-		body = `BEGIN PERFORM pg_sleep(6); EXCEPTION WHEN query_canceled THEN NULL; END;`
+		body = `BEGIN PERFORM pg_sleep(8); EXCEPTION WHEN query_canceled THEN NULL; END;`
 	}
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
