@@ -4,10 +4,10 @@
 // multi-row finish (with the COMMIT) after. A delivery comes in as data (Delivery: its
 // key, its payload's fingerprint, its deadline, its work) and goes back as data (Outcome:
 // what the read found, what the finish stored, the handler's error); the ledger turns
-// the outcome into a result, an error and its logs. The executor owns the transaction,
-// the pgx.Tx each handler gets on it (handlerTx, txshim.go), the hand-over to each
-// delivery's goroutine, savepoints, the budget and the fall-backs to transactions of
-// their own.
+// the outcome into a result, an error and its logs. The executor owns the transaction
+// and runs each handler on it, on its own goroutine, with the pgx.Tx each handler gets
+// (handlerTx, txshim.go); it owns savepoints, the budget and the fall-backs to
+// transactions of their own.
 package sharedtx
 
 import (
@@ -245,7 +245,8 @@ func (e *Exec) push(m *member) {
 	}
 }
 
-// await waits for m's outcome, running m's fn when the executor hands m the transaction.
+// await waits for m's outcome (the executor runs m's fn on the transaction), and panics
+// again with m's fn's panic.
 // When m's ctx ends first, leave takes m out of where it waits (false: a batch took it
 // already, and answers it, at the latest when its turn comes).
 func (e *Exec) await(m *member, leave func() bool) Outcome {
@@ -257,14 +258,10 @@ func (e *Exec) await(m *member, leave func() bool) Outcome {
 				return Outcome{Err: fmt.Errorf("idempotency: claim %s: %w", m.d.Key, m.ctx.Err())}
 			}
 			done = nil
-		case tx := <-m.run:
-			r := m.runFn(tx)
-			m.ran <- r
-			if r.panicked {
-				<-m.answer // rolled back
+		case o := <-m.answer:
+			if m.panicked { // its fn, run by the executor; the transaction rolled back
 				panic(m.pval)
 			}
-		case o := <-m.answer:
 			return o
 		}
 	}

@@ -168,13 +168,9 @@ func (b *batch) turn(m *member, first func(ctx context.Context) error) (r ran, o
 	if b.optimistic {
 		b.e.observe(EventSharedRun, m)
 	}
-	tx := newHandlerTx(b.conn, first)
-	if m.local {
-		r = m.runFn(tx)
-	} else {
-		m.run <- tx
-		r = <-m.ran
-	}
+	// The handler runs here, on the goroutine that owns the transaction: its caller
+	// waits for the outcome (Exec.await) and panics again there if it panicked.
+	r = m.runFn(newHandlerTx(b.conn, first))
 	if m.timed {
 		b.e.handlers.record(r.own)
 	}
@@ -203,9 +199,9 @@ func (b *batch) complete(m *member, out []byte) {
 	m.finish = finish{action: store.ActionComplete}
 }
 
-// member is one delivery in a transaction: shared (it waits in Exec.q and its own
-// goroutine runs fn when the executor hands it the transaction) or local (alone: the
-// caller's goroutine is the executor and runs fn itself). It carries its caller's ctx,
+// member is one delivery in a transaction: shared (it waits in Exec.q, and the executor
+// runs its fn on the transaction at its turn) or local (alone: the caller's goroutine is
+// the executor). Either way fn runs on the goroutine that owns the transaction. It carries its caller's ctx,
 // as an http.Request does, so that the executor can tell at the member's turn whether the
 // caller still waits.
 type member struct {
@@ -220,9 +216,7 @@ type member struct {
 	timed bool
 	scope string // its scope's line, when it waits in one (Exec.scoped)
 
-	run    chan *handlerTx // executor → member: the claim is taken, run fn
-	ran    chan ran        // member → executor: fn returned or panicked
-	answer chan Outcome    // executor → member: the outcome (buffered)
+	answer chan Outcome // executor → member: the outcome (buffered)
 
 	// The executor's own.
 	out      Outcome // the outcome so far, of this claim round
@@ -234,14 +228,9 @@ type member struct {
 	pval     any
 }
 
-// newMember returns the member of a delivery, local or shared (the hand-over channels
-// carry its turn).
+// newMember returns the member of a delivery, local or shared.
 func newMember(ctx context.Context, d Delivery, local bool) *member {
-	m := &member{ctx: ctx, d: d, local: local, answer: make(chan Outcome, 1)}
-	if !local {
-		m.run, m.ran = make(chan *handlerTx, 1), make(chan ran, 1)
-	}
-	return m
+	return &member{ctx: ctx, d: d, local: local, answer: make(chan Outcome, 1)}
 }
 
 type ran struct {
