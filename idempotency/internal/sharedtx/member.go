@@ -87,7 +87,7 @@ func (b *batch) runMember(m *member) {
 	saved := false
 	r, ok := b.turn(m, func(ctx context.Context) error {
 		saved = true
-		return store.Exec(ctx, b.conn, append(b.takePre(), store.Savepoint)...)
+		return store.OpenSavepoint(ctx, b.conn, b.takePre())
 	})
 	if !ok {
 		return
@@ -102,7 +102,7 @@ func (b *batch) runMember(m *member) {
 			var pre []string
 			if !saved {
 				saved = true
-				pre = append(b.takePre(), store.Savepoint)
+				pre = store.WithSavepoint(b.takePre())
 			}
 			ctx, cancel := b.ctx()
 			err = store.CheckResult(ctx, b.conn, pre, m.out.Stored.String)
@@ -111,7 +111,7 @@ func (b *batch) runMember(m *member) {
 		switch {
 		case err == nil:
 			if saved {
-				b.pre = append(b.pre, store.Release)
+				b.pre = store.WithRelease(b.pre)
 			}
 			return
 		case !errors.As(err, &rej):
@@ -124,7 +124,7 @@ func (b *batch) runMember(m *member) {
 	// fn failed: its effect goes with its savepoint.
 	if saved {
 		ctx, cancel := b.ctx()
-		_, err := b.conn.Exec(ctx, store.Undo)
+		err := store.UndoSavepoint(ctx, b.conn)
 		cancel()
 		if err != nil {
 			b.broken = own(err)

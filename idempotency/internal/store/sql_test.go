@@ -67,7 +67,7 @@ func TestEverySQLFileIsUsed(t *testing.T) {
 // one the values do not fill, or a file that is not there, panics with the file's name.
 func TestEveryPlaceholderIsResolved(t *testing.T) {
 	t.Parallel()
-	stmts := []string{ClaimMany.SQL, claimSettingsSQL, readKeysSQL, Undo, lockTimeoutSQL, eventsSettingsSQL,
+	stmts := []string{ClaimMany.SQL, claimSettingsSQL, readKeysSQL, undoSQL, lockTimeoutSQL, eventsSettingsSQL,
 		takePendingSQL, staleIntentsSQL, intentInfoSQL, GetSQL, ReadStepsSQL}
 	for _, lease := range []string{"", LeaseLive, LeaseLapsed} {
 		sql, args := FindSQL(FindParams{Status: "s", StartedBefore: time.Hour, Lease: lease, HasDuplicates: true, Limit: 5})

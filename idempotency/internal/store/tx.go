@@ -29,14 +29,37 @@ import (
 // name serves all, as the previous member's savepoint is gone before the next one is made.
 var (
 	beginSQL = sqlText("begin", nil) // begin.sql
-	// Savepoint opens a member's savepoint; Release ends it, keeping the member's work
-	// (savepoint.sql, release_savepoint.sql).
-	Savepoint = sqlText("savepoint", nil)
-	Release   = sqlText("release_savepoint", nil)
-	// Undo rolls a failed member's work back and ends its savepoint. It runs alone, in the
-	// simple protocol, which an aborted transaction accepts (undo.sql).
-	Undo = sqlText("undo", nil)
+	// savepointSQL opens a member's savepoint; releaseSQL ends it, keeping the member's
+	// work (savepoint.sql, release_savepoint.sql).
+	savepointSQL = sqlText("savepoint", nil)
+	releaseSQL   = sqlText("release_savepoint", nil)
+	// undoSQL rolls a failed member's work back and ends its savepoint (undo.sql).
+	undoSQL = sqlText("undo", nil)
 )
+
+// A member's savepoint costs no round trip of its own: its opening and its release ride
+// the transaction's next one, as statements sent before it (the pre of OpenSavepoint,
+// CheckResult and FinishAndCommit).
+
+// WithSavepoint returns pre followed by the opening of a member's savepoint.
+func WithSavepoint(pre []string) []string { return append(pre, savepointSQL) }
+
+// WithRelease returns pre followed by the release of a member's savepoint, which keeps
+// the member's work.
+func WithRelease(pre []string) []string { return append(pre, releaseSQL) }
+
+// OpenSavepoint sends pre and opens a member's savepoint, in one round trip: when the
+// member's handler first uses the transaction.
+func OpenSavepoint(ctx context.Context, conn *pgx.Conn, pre []string) error {
+	return Exec(ctx, conn, WithSavepoint(pre)...)
+}
+
+// UndoSavepoint rolls a failed member's work back and ends its savepoint. It runs alone,
+// in the simple protocol, which an aborted transaction accepts.
+func UndoSavepoint(ctx context.Context, conn *pgx.Conn) error {
+	_, err := conn.Exec(ctx, undoSQL)
+	return err
+}
 
 // readKeysSQL reads the row of each key of a DoTx transaction, after HoldKeys
 // (read_keys.sql).
