@@ -90,12 +90,15 @@ func TestFinishSettlesIntentsBeingMarkedPublished(t *testing.T) {
 			errs <- err
 		}()
 	}
-	// Every handler has run and the finishes wait for the marker's row locks (the
-	// waiters' count stable over two looks) before the marker commits.
+	// The finishes wait for the marker's row locks (the waiters' count stable over two
+	// looks) before the marker commits. A DoTx delivery the first shared transaction did
+	// not take may wait for its executor, whose finish waits for the marker (a loaded
+	// machine's CI saw 7 of the 8 handlers run): it runs after the commit, and settles
+	// its intent all the same.
 	waiting, last := 0, -1
-	for ran.Load() < int32(len(keys)) || waiting == 0 || waiting != last {
+	for waiting == 0 || waiting != last || ran.Load() < int32(len(leasedKeys)+1) {
 		if ctx.Err() != nil {
-			t.Fatalf("%d handlers ran, %d finishes waiting for the marker; want all %d, and some waiting", ran.Load(), waiting, len(keys))
+			t.Fatalf("%d handlers ran, %d finishes waiting for the marker; want both leased and a shared one run, and some waiting", ran.Load(), waiting)
 		}
 		time.Sleep(50 * time.Millisecond)
 		last = waiting
