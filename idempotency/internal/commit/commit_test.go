@@ -121,14 +121,20 @@ func TestCommitterInlineAndLeaving(t *testing.T) {
 	}
 
 	release := make(chan struct{})
+	sending := make(chan struct{}, 1)
 	blocked := New(Config[string]{Lanes: 1, Workers: 1, MaxBatch: 64, Timeout: time.Minute, Key: self,
-		Send:    func(context.Context, [][]string) error { <-release; return nil },
+		Send: func(context.Context, [][]string) error {
+			select {
+			case sending <- struct{}{}:
+			default:
+			}
+			<-release
+			return nil
+		},
 		Refused: func(error) bool { return false }, Retryable: func(error) bool { return false }})
 	first := make(chan error, 1)
 	go func() { first <- blocked.Run(context.Background(), 0, "k") }()
-	for blocked.q.Ready() || blocked.q.Len() > 0 {
-		time.Sleep(time.Millisecond) // until the worker took it
-	}
+	<-sending // the first request is in flight
 	cause := errors.New("caller gone")
 	ctx, cancel := context.WithCancelCause(context.Background())
 	cancel(cause)
