@@ -539,7 +539,7 @@ func TestDoTxBatchedLostCommitAnswer(t *testing.T) {
 }
 
 func testLostCommitAnswer(t *testing.T, commits bool) {
-	ctx := testenv.Context(t, time.Minute)
+	ctx := testenv.Context(t, 2*time.Minute)
 	pool := testenv.Postgres(t)
 	var resolved sync.WaitGroup
 	resolved.Add(3)
@@ -598,19 +598,22 @@ func testLostCommitAnswer(t *testing.T, commits bool) {
 // lostCommitTimeout is the WriteTimeout of the lost-commit tests: short enough to cut a
 // slow COMMIT, long enough that asking the server about it afterwards (the same budget)
 // gets an answer on a box busy with the race detector and other packages' tests, and
-// that the COMMIT has begun when the cancellation lands (with 2 s, a CI run beside the
-// other packages' tests cancelled the finish before it: the commits=true case aborted).
-const lostCommitTimeout = 4 * time.Second
+// that the COMMIT has begun when the cancellation lands. The cancellation must land in
+// the trigger: one that lands in the finish before it aborts the transaction whatever
+// the trigger does (with 2 s, and once in a CI run with 4 s, the commits=true case
+// aborted so). The tests take as long as this, not as long as the trigger's sleep.
+const lostCommitTimeout = 10 * time.Second
 
 // slowCommitOf creates the table effects and makes the COMMIT of a transaction that
-// inserted key into it take 8 s (a deferred trigger): longer than a WriteTimeout of
-// lostCommitTimeout, so its answer is lost. When commits, the trigger survives the cancellation and
-// the transaction commits all the same; else it aborts.
+// inserted key into it sleep for a minute (a deferred trigger): far longer than a
+// WriteTimeout of lostCommitTimeout, so its answer is lost, and the cancellation that
+// comes with the dropped connection ends the sleep. When commits, the trigger swallows
+// the cancellation and the transaction commits all the same; else it aborts.
 func slowCommitOf(t *testing.T, pool *pgxpool.Pool, key string, commits bool) {
 	t.Helper()
-	body := `PERFORM pg_sleep(8);`
+	body := `PERFORM pg_sleep(60);`
 	if commits {
-		body = `BEGIN PERFORM pg_sleep(8); EXCEPTION WHEN query_canceled THEN NULL; END;`
+		body = `BEGIN PERFORM pg_sleep(60); EXCEPTION WHEN query_canceled THEN NULL; END;`
 	}
 	batchExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	batchExec(t, pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN `+body+` RETURN NULL; END $$`)
@@ -883,7 +886,7 @@ func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
 	for _, commits := range []bool{false, true} {
 		t.Run(fmt.Sprintf("commits=%t", commits), func(t *testing.T) {
 			t.Parallel()
-			ctx := testenv.Context(t, time.Minute)
+			ctx := testenv.Context(t, 2*time.Minute)
 			pool := testenv.Postgres(t)
 			l := New(pool, &Config{Committers: 1, WriteTimeout: lostCommitTimeout, ClaimLockTimeout: 100 * time.Millisecond})
 			l.tx.Budget, l.tx.Slow = 50*time.Millisecond, time.Hour // z-last's turn comes past the budget
@@ -910,7 +913,7 @@ func TestDoTxBatchedLostCommitAnswerLaterMember(t *testing.T) {
 			go func() { wg.Wait(); close(done) }()
 			select {
 			case <-done:
-			case <-time.After(30 * time.Second):
+			case <-time.After(time.Minute):
 				t.Fatal("a member of the batch was never answered")
 			}
 			waitHolder()
