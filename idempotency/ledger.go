@@ -3,8 +3,10 @@ package idempotency
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -83,6 +85,14 @@ type Config struct {
 	// them. Default: a pool of at most 2 connections the Ledger opens with the main pool's
 	// configuration, closed by Ledger.Close.
 	HeartbeatPool *pgxpool.Pool
+	// SQL is the database/sql pool DoSQLTx takes its transactions from, on the ledger's
+	// database: pgx's stdlib (stdlib.OpenDBFromPool, say) or lib/pq. Default: none, and
+	// DoSQLTx fails.
+	SQL *sql.DB
+	// SQLDriver vouches for SQL's driver when it is a wrapper (otelsql and the like)
+	// around one of the two supported ones: "pgx" or "pq". Default: SQL's driver must be
+	// one of them itself (see CheckSQL).
+	SQLDriver string
 	// TracerProvider makes Do's spans (idemq.claim, idemq.handler, idemq.complete, under
 	// the caller's span, and idemq.step for each Step and StepTx call, under the handler's). Default: the global one (otel.GetTracerProvider), a no-op unless
 	// the program installed one.
@@ -173,6 +183,9 @@ type Ledger struct {
 	keeper *keeper                      // the leases of running Do handlers
 	tx     *sharedtx.Exec               // DoTx transactions
 	hist   *history                     // keys' history events not written yet
+
+	sqlOnce sync.Once
+	sqlErr  error // why Config.SQL cannot serve DoSQLTx
 }
 
 // New returns a Ledger on pool, whose connections must see the processed_jobs table

@@ -363,9 +363,12 @@ func (b *batch) finishAndCommit(ctx context.Context, pre []string, ps []store.Fi
 }
 
 // params are m's row in the finish.
-func (b *batch) params(m *member) store.FinishParams {
-	d, r, f := &m.d, &m.out.Row, m.finish
-	p := store.FinishParams{Key: d.Key, Fence: r.Fence.Int64, Owner: m.out.Owner, Action: f.action, Result: m.out.Stored, Error: m.out.LastErr,
+func (b *batch) params(m *member) store.FinishParams { return finishParams(&m.d, &m.out, m.finish) }
+
+// finishParams are the row the finish f writes for d, whose outcome so far is o.
+func finishParams(d *Delivery, o *Outcome, f finish) store.FinishParams {
+	r := &o.Row
+	p := store.FinishParams{Key: d.Key, Fence: r.Fence.Int64, Owner: o.Owner, Action: f.action, Result: o.Stored, Error: o.LastErr,
 		IntentSum: d.IntentSum, TaskType: d.TaskType, Fingerprint: d.Fingerprint, Attempt: int(r.Attempts.Int32), Generation: int(r.Generation.Int32), TraceID: d.TraceID,
 		Found: r.Status.Valid}
 	if f.action == store.ActionFail {

@@ -89,6 +89,8 @@ type Delivery struct {
 	// the key's own): they take turns, several to a shared transaction when they meet.
 	Scope string
 	Fn    Fn
+	// SQL is the work of a DoSQLTx delivery (Exec.RunSQL), in place of Fn.
+	SQL SQLFn
 }
 
 // StatementError is the error of the executor's own work on the database, not a

@@ -1,0 +1,202 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"reflect"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// The database/sql form of a DoTx transaction (DoSQLTx): the same statements as
+// BeginClaims and FinishAndCommit, sent one at a time (database/sql has no pipeline), on a
+// *sql.Tx of pgx's stdlib or lib/pq. Arrays go as their text form ('{"a","b"}'), which
+// both drivers send as text for the statements' casts to read, and a server's error comes
+// back as a *pgconn.PgError whichever driver answered, so that the ledger reads it as it
+// reads pgx's.
+
+// SQLDriver names the database/sql drivers DoSQLTx runs on.
+type SQLDriver string
+
+const (
+	DriverPgx SQLDriver = "pgx" // github.com/jackc/pgx/v5/stdlib
+	DriverPq  SQLDriver = "pq"  // github.com/lib/pq
+)
+
+// SQLDriverOf tells which driver db runs on, from its driver's Go type, or refuses it with
+// a message naming that type and the two that are supported.
+func SQLDriverOf(db *sql.DB) (SQLDriver, error) {
+	t := reflect.TypeOf(db.Driver())
+	name := fmt.Sprint(t)
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch {
+	case t != nil && t.PkgPath() == "github.com/jackc/pgx/v5/stdlib":
+		return DriverPgx, nil
+	case t != nil && t.PkgPath() == "github.com/lib/pq":
+		return DriverPq, nil
+	}
+	return "", fmt.Errorf("database/sql driver %s is not supported: use github.com/jackc/pgx/v5/stdlib (*stdlib.Driver) or github.com/lib/pq (*pq.Driver)", name)
+}
+
+// BeginClaimSQL begins a transaction on db and holds and reads p's key in it, waiting for
+// the key's lock up to lockTimeout (hold_keys.sql, read_keys.sql): three round trips,
+// each bounded by ctx. The transaction lives until txCtx ends (database/sql then rolls it
+// back, or cuts its COMMIT) or the caller ends it. idle is the transaction's
+// idle_in_transaction_session_timeout. On an error the transaction is rolled back.
+func (w *Writes) BeginClaimSQL(ctx, txCtx context.Context, db *sql.DB, idle, lockTimeout string, p ClaimParams, maxAge time.Duration) (*sql.Tx, TxClaims, error) {
+	var t TxClaims
+	tx, err := db.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return nil, t, SQLError(err)
+	}
+	fail := func(err error) (*sql.Tx, TxClaims, error) {
+		_ = tx.Rollback()
+		return nil, t, SQLError(err)
+	}
+	keys, err := textArray(pgtype.TextArrayOID, []string{p.Key})
+	if err != nil {
+		return fail(err)
+	}
+	fps, err := textArray(pgtype.ByteaArrayOID, [][]byte{p.Fingerprint})
+	if err != nil {
+		return fail(err)
+	}
+	if t.XID, t.ServerStart, err = lastTwoSQL(ctx, tx, w.HoldKeyWait, lockTimeout, keys, idle); err != nil {
+		return fail(err)
+	}
+	var r ClaimRow
+	var ord int
+	targets := sqlTargets(r.targets(&ord))
+	if err := tx.QueryRowContext(ctx, readKeysSQL, keys, maxAge.Microseconds(), fps).Scan(targets...); err != nil {
+		return fail(err)
+	}
+	t.Rows = []ClaimRow{r}
+	return tx, t, nil
+}
+
+// lastTwoSQL runs the hold statement and returns the last two columns of its one row.
+func lastTwoSQL(ctx context.Context, tx *sql.Tx, query string, args ...any) (xid, start string, err error) {
+	rows, err := tx.QueryContext(ctx, query, args...)
+	if err != nil {
+		return "", "", err
+	}
+	defer rows.Close()
+	cols, err := rows.Columns()
+	if err != nil {
+		return "", "", err
+	}
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return "", "", err
+		}
+		return "", "", errors.New("hold keys: no row")
+	}
+	vals := make([]any, len(cols))
+	for i := range vals {
+		vals[i] = new(sql.NullString)
+	}
+	if err := rows.Scan(vals...); err != nil {
+		return "", "", err
+	}
+	n := len(vals)
+	return vals[n-2].(*sql.NullString).String, vals[n-1].(*sql.NullString).String, rows.Close()
+}
+
+// FinishSQL writes p's row (FinishTx, which fails unless it wrote it) and commits. commit
+// is the COMMIT's own error, apart from the statements' before it: when it is set and
+// Answered is false, the answer was lost (resolve it from the transaction id).
+func (w *Writes) FinishSQL(ctx context.Context, tx *sql.Tx, lockTimeout string, p FinishParams) (err error, commit error) {
+	args, err := finishTxTextArgs([]FinishParams{p})
+	if err != nil {
+		return SQLError(err), nil
+	}
+	if _, err := tx.ExecContext(ctx, claimSettingsSQL, lockTimeout); err != nil {
+		return SQLError(err), nil
+	}
+	var guard sql.NullString
+	if err := tx.QueryRowContext(ctx, w.FinishTx, args...).Scan(&guard); err != nil {
+		return SQLError(err), nil
+	}
+	if err := tx.Commit(); err != nil {
+		return nil, SQLError(err)
+	}
+	return nil, nil
+}
+
+// finishTxTextArgs are FinishTx's arguments for ps, each array in its text form.
+func finishTxTextArgs(ps []FinishParams) ([]any, error) {
+	args := finishTxArgs(ps)
+	for i, a := range args {
+		s, err := textArray(finishTxOIDs[i], a)
+		if err != nil {
+			return nil, fmt.Errorf("finish argument %d: %w", i+1, err)
+		}
+		args[i] = s
+	}
+	return args, nil
+}
+
+// textMaps encode arrays to their text form: a pgx type map caches its plans, so each
+// goroutine takes one of its own.
+var textMaps = sync.Pool{New: func() any { return pgtype.NewMap() }}
+
+// textArray is v, an array of the type oid, in Postgres's text form.
+func textArray(oid uint32, v any) (string, error) {
+	m := textMaps.Get().(*pgtype.Map)
+	defer textMaps.Put(m)
+	b, err := m.Encode(oid, pgtype.TextFormatCode, v, nil)
+	return string(b), err
+}
+
+// sqlTargets adapts scan targets to database/sql: a column that lib/pq hands over as
+// bytes (a uuid, say) reaches a pgtype target as text, and a column read for nothing
+// (a nil target) is discarded.
+func sqlTargets(targets []any) []any {
+	out := make([]any, len(targets))
+	for i, t := range targets {
+		switch t := t.(type) {
+		case nil:
+			out[i] = new(any)
+		case sql.Scanner:
+			out[i] = textScanner{t}
+		default:
+			out[i] = t
+		}
+	}
+	return out
+}
+
+type textScanner struct{ sql.Scanner }
+
+func (s textScanner) Scan(src any) error {
+	if b, ok := src.([]byte); ok {
+		src = string(b)
+	}
+	return s.Scanner.Scan(src)
+}
+
+// SQLError returns err, a database/sql driver's, with a server's error as a
+// *pgconn.PgError (pgx's stdlib answers one already; lib/pq's *pq.Error is read through
+// its methods), so that IsCode, Conflict and Answered read it.
+func SQLError(err error) error {
+	var pe *pgconn.PgError
+	if err == nil || errors.As(err, &pe) {
+		return err
+	}
+	var state interface{ SQLState() string }
+	if !errors.As(err, &state) || state.SQLState() == "" {
+		return err
+	}
+	pe = &pgconn.PgError{Code: state.SQLState(), Message: err.Error()}
+	if f, ok := state.(interface{ Get(byte) string }); ok {
+		pe.Severity, pe.Message, pe.Detail, pe.ConstraintName = f.Get('S'), f.Get('M'), f.Get('D'), f.Get('n')
+	}
+	return pe
+}
