@@ -17,7 +17,7 @@
 // A library user applies the core set beside the application's own migrations, through
 // the application's pgx pool or any *sql.DB whose connections use the schema:
 //
-//	if err := migrations.UpPool(ctx, pool); err != nil {
+//	if _, err := migrations.UpPool(ctx, pool); err != nil {
 //		return err
 //	}
 //	// or: if _, err := migrations.Up(ctx, db); err != nil { … }

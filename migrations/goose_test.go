@@ -350,11 +350,12 @@ func TestUpPool(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
 	pool := testenv.Pool(t, testenv.EmptyPostgresURL(t))
-	if err := migrations.UpPool(ctx, pool); err != nil {
-		t.Fatal(err)
+	applied, err := migrations.UpPool(ctx, pool)
+	if err != nil || len(applied) == 0 {
+		t.Fatalf("UpPool on an empty schema: %d applied, %v", len(applied), err)
 	}
-	if err := migrations.UpPool(ctx, pool); err != nil {
-		t.Fatalf("UpPool on a current schema: %v", err)
+	if again, err := migrations.UpPool(ctx, pool); err != nil || len(again) != 0 {
+		t.Fatalf("UpPool on a current schema: %d applied, %v; want none", len(again), err)
 	}
 	for _, table := range coreTables {
 		if n := testenv.Count(t, pool, "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema() AND tablename = $1", table); n != 1 {

@@ -88,13 +88,12 @@ func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 
 // UpPool is Up through a pgx pool, for an application that holds a *pgxpool.Pool rather
 // than a *sql.DB: it opens a database/sql handle on pool (stdlib.OpenDBFromPool), applies
-// the pending core migrations and closes the handle, leaving pool open. It returns Up's
-// error (a *ContractError when a contract step is refused).
-func UpPool(ctx context.Context, pool *pgxpool.Pool) error {
+// the pending core migrations and closes the handle, leaving pool open. It returns what
+// Up returns (a *ContractError when a contract step is refused).
+func UpPool(ctx context.Context, pool *pgxpool.Pool) ([]*goose.MigrationResult, error) {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	_, err := Up(ctx, db)
-	return err
+	return Up(ctx, db)
 }
 
 // UpExample applies every pending migration of the example set: the tables of the

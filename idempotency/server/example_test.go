@@ -47,7 +47,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := migrations.UpPool(ctx, pool); err != nil { // idemq's tables, beside yours
+	if _, err := migrations.UpPool(ctx, pool); err != nil { // idemq's tables, beside yours
 		log.Fatal(err)
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"}) // the Redis asynq uses
