@@ -4,21 +4,18 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"errors"
 	"fmt"
 
+	"github.com/jackc/pgx/v5/stdlib"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemq/idemq/idempotency/internal/sharedtx"
 	"github.com/idemq/idemq/idempotency/internal/store"
 )
 
-// ErrNoSQL reports a DoSQLTx call on a ledger without Config.SQL.
-var ErrNoSQL = errors.New("idempotency: DoSQLTx needs Config.SQL, a *sql.DB on the ledger's database")
-
 // DoSQLTx is DoTx for code that writes through database/sql (GORM, sqlx, ent, bun, sqlc):
 // fn's writes through tx and the key's ledger row commit in one transaction, taken from
-// Config.SQL, with DoTx's guarantee, answers and errors. The transaction is the
+// Config.SQL (by default a *sql.DB over the ledger's own pool), with DoTx's guarantee, answers and errors. The transaction is the
 // delivery's own (it is never shared), on the caller's goroutine: BEGIN, the key's
 // advisory lock and its row's read (three round trips: database/sql sends one statement
 // at a time), fn, then the row's fenced write and the COMMIT (three more).
@@ -40,20 +37,22 @@ func (l *Ledger) DoSQLTx(ctx context.Context, req Request, fn func(ctx context.C
 	if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
 		d.TraceID = sc.TraceID().String()
 	}
-	o := l.tx.RunSQL(ctx, l.cfg.SQL, d)
+	o := l.tx.RunSQL(ctx, l.sqlDB, d)
 	c, res, err := l.settle(ctx, req, &o)
 	endTxSpan(span, c, res, err)
 	return res, err
 }
 
-// CheckSQL reports whether Config.SQL can serve DoSQLTx: set, and on pgx's stdlib or
-// lib/pq (told from its driver's type, or vouched for with Config.SQLDriver). Any other
-// driver is refused with a message naming its type.
+// CheckSQL reports whether Config.SQL can serve DoSQLTx: on pgx's stdlib or lib/pq (told
+// from its driver's type, or vouched for with Config.SQLDriver). Any other driver is
+// refused with a message naming its type. Without Config.SQL, the first call opens a
+// *sql.DB over the ledger's pool (stdlib.OpenDBFromPool), which Close closes.
 func (l *Ledger) CheckSQL() error {
 	l.sqlOnce.Do(func() {
+		l.sqlDB = l.cfg.SQL
 		switch v := l.cfg.SQLDriver; {
-		case l.cfg.SQL == nil:
-			l.sqlErr = ErrNoSQL
+		case l.sqlDB == nil:
+			l.sqlDB, l.ownSQL = stdlib.OpenDBFromPool(l.pool), true
 		case v == string(store.DriverPgx) || v == string(store.DriverPq):
 		case v != "":
 			l.sqlErr = fmt.Errorf("idempotency: Config.SQLDriver %q: must be \"pgx\" or \"pq\"", v)

@@ -251,26 +251,32 @@ func TestDoSQLTxBusy(t *testing.T) {
 	}
 }
 
-// A ledger without Config.SQL, or with a driver that is neither pgx's stdlib nor lib/pq,
-// refuses DoSQLTx and says why; a vouched-for wrapper is taken at its word.
+// A ledger without Config.SQL runs DoSQLTx on a *sql.DB over its own pool; one with a
+// driver that is neither pgx's stdlib nor lib/pq refuses DoSQLTx and says why; a
+// vouched-for wrapper is taken at its word.
 func TestDoSQLTxRefusesOtherDrivers(t *testing.T) {
 	t.Parallel()
 	ctx := testenv.Context(t, time.Minute)
 	pool := testenv.Postgres(t)
+	mustExec(t, pool, `CREATE TABLE effects (key text NOT NULL)`)
 	fn := func(context.Context, *sql.Tx) (json.RawMessage, error) {
 		t.Error("fn ran")
 		return nil, nil
 	}
 	l := idempotency.New(pool, nil)
 	defer l.Close()
-	if _, err := l.DoSQLTx(ctx, req("k"), fn); !errors.Is(err, idempotency.ErrNoSQL) {
-		t.Fatalf("without Config.SQL: %v, want ErrNoSQL", err)
+	res, err := l.DoSQLTx(ctx, req("own-pool"), func(ctx context.Context, tx *sql.Tx) (json.RawMessage, error) {
+		_, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('own-pool')`)
+		return json.RawMessage(`"ok"`), err
+	})
+	if err != nil || !jsonEqual(res.Result, json.RawMessage(`"ok"`)) || count(t, pool, `SELECT count(*) FROM effects`) != 1 {
+		t.Fatalf("without Config.SQL: %+v, %v; want it run on the ledger's pool", res, err)
 	}
 	other := sql.OpenDB(otherConnector{})
 	defer other.Close()
 	l2 := idempotency.New(pool, &idempotency.Config{SQL: other})
 	defer l2.Close()
-	_, err := l2.DoSQLTx(ctx, req("k"), fn)
+	_, err = l2.DoSQLTx(ctx, req("k"), fn)
 	if err == nil || !strings.Contains(err.Error(), "idempotency_test.otherDriver") || !strings.Contains(err.Error(), "lib/pq") || !strings.Contains(err.Error(), "pgx/v5/stdlib") {
 		t.Fatalf("another driver: %v, want its type and the two supported named", err)
 	}

@@ -86,8 +86,8 @@ type Config struct {
 	// configuration, closed by Ledger.Close.
 	HeartbeatPool *pgxpool.Pool
 	// SQL is the database/sql pool DoSQLTx takes its transactions from, on the ledger's
-	// database: pgx's stdlib (stdlib.OpenDBFromPool, say) or lib/pq. Default: none, and
-	// DoSQLTx fails.
+	// database: pgx's stdlib (stdlib.OpenDBFromPool, say) or lib/pq. Default: one over
+	// the ledger's pool (stdlib.OpenDBFromPool), opened at the first DoSQLTx.
 	SQL *sql.DB
 	// SQLDriver vouches for SQL's driver when it is a wrapper (otelsql and the like)
 	// around one of the two supported ones: "pgx" or "pq". Default: SQL's driver must be
@@ -185,6 +185,8 @@ type Ledger struct {
 	hist   *history                     // keys' history events not written yet
 
 	sqlOnce sync.Once
+	sqlDB   *sql.DB // DoSQLTx's: Config.SQL, or one over pool (ownSQL), once CheckSQL ran
+	ownSQL  bool
 	sqlErr  error // why Config.SQL cannot serve DoSQLTx
 }
 
@@ -270,10 +272,13 @@ func New(pool *pgxpool.Pool, cfg *Config) *Ledger {
 }
 
 // Close writes the history events not written yet (see Record) and closes the heartbeat
-// pool the Ledger opened, if it opened one. It does not close the pools passed in. Do not
+// pool and the *sql.DB the Ledger opened, if it opened them. It does not close the pools passed in. Do not
 // use the Ledger after Close.
 func (l *Ledger) Close() {
 	l.hist.close()
+	if l.ownSQL {
+		l.sqlDB.Close()
+	}
 	if l.ownHBPool {
 		l.hbPool.Close()
 	}

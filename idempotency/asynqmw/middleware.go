@@ -2,6 +2,7 @@ package asynqmw
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,7 +38,7 @@ func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (
 			// The effect is over when fn returns (or panics): the scope's next delivery
 			// may start its own while this one's completion commits.
 			defer effectDone()
-			return permanentIfSkip(testhook.Effect(ctx, nil, func() (json.RawMessage, error) { return fn(ctx, job) }))
+			return permanentIfSkip(testhook.Effect(ctx, false, func() (json.RawMessage, error) { return fn(ctx, job) }))
 		})
 	}}
 }
@@ -48,7 +49,21 @@ func Leased[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (
 func Transactional[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error)) asynq.Handler {
 	return &handler[T]{w: w, taskType: taskType, decode: decode, tx: true, run: func(ctx context.Context, req idempotency.Request, job T, _ func()) (idempotency.Result, error) {
 		return w.ledger.DoTx(ctx, req, func(ctx context.Context, tx pgx.Tx) (json.RawMessage, error) {
-			return permanentIfSkip(testhook.Effect(ctx, tx, func() (json.RawMessage, error) { return fn(ctx, tx, job) }))
+			return permanentIfSkip(testhook.Effect(ctx, true, func() (json.RawMessage, error) { return fn(ctx, tx, job) }))
+		})
+	}}
+}
+
+// TransactionalSQL is Transactional for handlers that write through database/sql (GORM,
+// sqlx, ent, bun, sqlc): fn's writes through tx and the completion commit in one
+// transaction (idempotency.Ledger.DoSQLTx), taken from the ledger's Config.SQL. Each
+// delivery runs in a transaction of its own; the deliveries of one scope take turns
+// through the scope's lock, one at a time. fn must not do external I/O, nor commit or
+// roll back tx. decode as for Leased.
+func TransactionalSQL[T idempotency.Job](w *Worker, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx *sql.Tx, job T) (json.RawMessage, error)) asynq.Handler {
+	return &handler[T]{w: w, taskType: taskType, decode: decode, run: func(ctx context.Context, req idempotency.Request, job T, _ func()) (idempotency.Result, error) {
+		return w.ledger.DoSQLTx(ctx, req, func(ctx context.Context, tx *sql.Tx) (json.RawMessage, error) {
+			return permanentIfSkip(testhook.Effect(ctx, true, func() (json.RawMessage, error) { return fn(ctx, tx, job) }))
 		})
 	}}
 }

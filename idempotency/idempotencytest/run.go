@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/idempotency"
 	"github.com/idemq/idemq/idempotency/internal/asynqkeys"
@@ -169,10 +168,10 @@ type hook struct {
 	d *delivery
 }
 
-func (h *hook) BeforeEffect(ctx context.Context, tx pgx.Tx) {
+func (h *hook) BeforeEffect(ctx context.Context, inTx bool) {
 	key, fence, _ := idempotency.FromContext(ctx)
 	h.r.mu.Lock()
-	h.d.Fence, h.d.tx = fence, tx != nil
+	h.d.Fence, h.d.tx = fence, inTx
 	if h.r.key == "" {
 		h.r.key = key
 	}
@@ -190,8 +189,8 @@ func (h *hook) BeforeEffect(ctx context.Context, tx pgx.Tx) {
 	}
 }
 
-func (h *hook) AfterEffect(ctx context.Context, tx pgx.Tx, out json.RawMessage, err error) (json.RawMessage, error) {
-	if tx != nil && err == nil {
+func (h *hook) AfterEffect(ctx context.Context, inTx bool, out json.RawMessage, err error) (json.RawMessage, error) {
+	if inTx && err == nil {
 		h.r.checkUncommitted()
 	}
 	if err == nil {

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -88,6 +89,23 @@ func (m muxRegistrar) register(taskType string, handler func(*asynqmw.Worker) as
 func HandleTx[T idempotency.Job](r Registrar, taskType string, fn func(ctx context.Context, tx pgx.Tx, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
 	decode := decoder(opts)
 	r.register(taskType, func(w *asynqmw.Worker) asynq.Handler { return asynqmw.Transactional(w, taskType, decode, fn) })
+}
+
+// HandleSQLTx registers fn for tasks of taskType as a transactional job whose handler
+// writes through database/sql (asynqmw.TransactionalSQL): GORM, sqlx, ent, bun or sqlc
+// over the *sql.Tx it is given. fn's writes and the key's completion commit in one
+// transaction, taken from Config.SQL, with HandleTx's guarantee and refusals. fn must do
+// no external I/O, must not commit or roll back tx, and may run more than once per
+// delivery (its writes rolled back in between). Run refuses to start when Config.SQL's
+// driver is neither pgx's stdlib nor lib/pq, naming it. It panics like HandleTx.
+func HandleSQLTx[T idempotency.Job](r Registrar, taskType string, fn func(ctx context.Context, tx *sql.Tx, job T) (json.RawMessage, error), opts ...HandleOption[T]) {
+	decode := decoder(opts)
+	r.register(taskType, func(w *asynqmw.Worker) asynq.Handler { return asynqmw.TransactionalSQL(w, taskType, decode, fn) })
+	if s, ok := r.(*Server); ok {
+		s.mu.Lock()
+		s.sqlHandlers = true
+		s.mu.Unlock()
+	}
 }
 
 // HandleLeased registers fn for tasks of taskType as a leased job (asynqmw.Leased): the

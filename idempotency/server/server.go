@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -54,6 +55,13 @@ type Config struct {
 
 	// Redis holds asynq's queues and the locks. Required; the Server does not close it.
 	Redis redis.UniversalClient
+
+	// SQL is the database/sql pool HandleSQLTx handlers get their transactions from, on
+	// the same database as Postgres: pgx's stdlib or lib/pq (a wrapper around one of them
+	// is vouched for with Ledger.SQLDriver). Default: one over Postgres
+	// (stdlib.OpenDBFromPool), opened at the first SQL delivery. The Server does not
+	// close one passed in.
+	SQL *sql.DB
 
 	// Concurrency is how many tasks run at once. Default 10.
 	Concurrency int
@@ -173,6 +181,8 @@ type Server struct {
 	mux     *asynq.ServeMux
 	types   []string // registered task types, in order
 	started bool
+	// sqlHandlers: a HandleSQLTx handler is registered, so Run checks Config.SQL.
+	sqlHandlers bool
 }
 
 // New checks cfg, fills its defaults and returns a Server with its ledger, locker,
@@ -189,6 +199,9 @@ func New(cfg Config) (*Server, error) {
 		lcfg = *cfg.Ledger
 	}
 	lcfg.Lease = cfg.Lease
+	if cfg.SQL != nil {
+		lcfg.SQL = cfg.SQL
+	}
 	if lcfg.Logger == nil {
 		lcfg.Logger = s.log
 	}
@@ -369,7 +382,12 @@ func (s *Server) Run(ctx context.Context) error {
 	s.mu.Unlock()
 	defer s.ledger.Close()
 	if len(types) == 0 {
-		return errors.New("server: no handlers: register task types with HandleTx, HandleLeased or Handle before Run")
+		return errors.New("server: no handlers: register task types with HandleTx, HandleSQLTx, HandleLeased or Handle before Run")
+	}
+	if s.sqlHandlers {
+		if err := s.ledger.CheckSQL(); err != nil {
+			return fmt.Errorf("server: HandleSQLTx: %w", err)
+		}
 	}
 
 	srv := asynq.NewServerFromRedisClient(s.cfg.Redis, s.acfg)

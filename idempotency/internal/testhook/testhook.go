@@ -7,19 +7,18 @@ import (
 	"context"
 	"encoding/json"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemq/idemq/idempotency"
 )
 
 // Hook is called by the middleware's handlers on the delivery's goroutine.
 type Hook interface {
-	// BeforeEffect runs after the claim, just before the handler; tx is the DoTx
-	// transaction (nil for leased work). It may never return (a crash).
-	BeforeEffect(ctx context.Context, tx pgx.Tx)
+	// BeforeEffect runs after the claim, just before the handler; inTx: the handler
+	// runs in the ledger's transaction (DoTx, DoSQLTx), not leased. It may never return
+	// (a crash).
+	BeforeEffect(ctx context.Context, inTx bool)
 	// AfterEffect runs just after the handler returned out and err, before the
 	// completion, and returns what the middleware goes on with. It may never return.
-	AfterEffect(ctx context.Context, tx pgx.Tx, out json.RawMessage, err error) (json.RawMessage, error)
+	AfterEffect(ctx context.Context, inTx bool, out json.RawMessage, err error) (json.RawMessage, error)
 	// Answered runs with the ledger's answer to a delivery that succeeded.
 	Answered(ctx context.Context, res idempotency.Result)
 }
@@ -36,13 +35,13 @@ func From(ctx context.Context) Hook {
 }
 
 // Effect runs fn, the handler's effect, between h's BeforeEffect and AfterEffect when ctx
-// carries a hook.
-func Effect(ctx context.Context, tx pgx.Tx, fn func() (json.RawMessage, error)) (json.RawMessage, error) {
+// carries a hook; inTx as for BeforeEffect.
+func Effect(ctx context.Context, inTx bool, fn func() (json.RawMessage, error)) (json.RawMessage, error) {
 	h := From(ctx)
 	if h == nil {
 		return fn()
 	}
-	h.BeforeEffect(ctx, tx)
+	h.BeforeEffect(ctx, inTx)
 	out, err := fn()
-	return h.AfterEffect(ctx, tx, out, err)
+	return h.AfterEffect(ctx, inTx, out, err)
 }
