@@ -9,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/trace"
 
@@ -208,73 +207,6 @@ func step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	}
 	if !recorded {
 		return v, false, run.leaseLost(name)
-	}
-	v, err = recordedStep[T](run, call, b)
-	return v, false, err
-}
-
-// StepTx runs fn, a database effect, in a transaction of its own on the ledger's pool that
-// also records the step: the transaction begins with a fenced row lock of the job's row
-// (so a takeover of the key waits for it, or it fails because a takeover came first),
-// runs fn, writes the step's record and commits. A claim that no longer holds the key
-// writes nothing (an error wrapping ErrLeaseLost); an error of fn, or the end of ctx
-// (the handler's, cancelled when its lease is lost), rolls everything back. A later
-// delivery gets the recorded result without running fn, as for Step, whose rules
-// (names, order, StepInput, errors) it shares.
-//
-// The transaction holds the job's row lock from its first statement to its commit, which
-// also delays the handler's heartbeats: keep it short, well inside the lease. No external
-// I/O in fn, and no step calls (they are refused: their records would wait for that row
-// lock). Unlike Step, StepTx has no gap between effect and record.
-func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...StepOption) (T, error) {
-	return hooked(ctx, name, true, func(h claimctx.StepHook) (T, bool, error) { return stepTx(ctx, name, fn, opts, h) })
-}
-
-// stepTx is StepTx; cached reports a step that an earlier delivery recorded.
-func stepTx[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error), opts []StepOption, h claimctx.StepHook) (v T, cached bool, err error) {
-	run, err := stepRunOf(ctx, name)
-	if err != nil {
-		return v, false, err
-	}
-	ctx, span := run.l.startSpan(ctx, "idemq.step", run.c.Key)
-	call, done, err := run.begin(ctx, name, opts)
-	defer func() { run.end(span, name, call, done, err) }()
-	if err != nil || done != nil {
-		v, err = decodeStep[T](run, name, done, err)
-		return v, err == nil, err
-	}
-	var b []byte
-	var fnErr error // fn's error, or its result's: returned as is
-	err = pgx.BeginFunc(ctx, run.l.pool, func(tx pgx.Tx) error {
-		p := run.holdParams(call)
-		held, err := run.l.writes.HoldStep(ctx, tx, p)
-		if err != nil {
-			return err
-		}
-		if !held {
-			return run.leaseLost(name)
-		}
-		v, err := fn(context.WithValue(ctx, inStepTxKey{}, name), tx)
-		if err == nil {
-			b, p, err = run.params(call, v)
-		}
-		if err != nil {
-			fnErr = err
-			return err
-		}
-		if err := run.l.writes.InsertStep(ctx, tx, p); err != nil {
-			return err
-		}
-		if h != nil {
-			h.Effected(ctx, name, true)
-		}
-		return nil
-	})
-	if err != nil {
-		if fnErr == nil && !errors.Is(err, ErrLeaseLost) {
-			err = asUnavailable(ctx, fmt.Errorf("idempotency: step %q of %s: %w", name, run.c.Key, err))
-		}
-		return v, false, withLeaseLoss(err, ctx)
 	}
 	v, err = recordedStep[T](run, call, b)
 	return v, false, err

@@ -200,3 +200,27 @@ func SQLError(err error) error {
 	}
 	return pe
 }
+
+// HoldStepDB is HoldStep on a database/sql transaction (StepSQLTx).
+func (w *Writes) HoldStepDB(ctx context.Context, tx *sql.Tx, p StepParams) (held bool, err error) {
+	rows, err := tx.QueryContext(ctx, w.HoldStepSQL, p.Key, p.Fence, p.Owner, p.Generation)
+	if err != nil {
+		return false, SQLError(err)
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		n++
+	}
+	return n == 1, SQLError(rows.Err())
+}
+
+// InsertStepDB is InsertStep on a database/sql transaction (StepSQLTx).
+func (w *Writes) InsertStepDB(ctx context.Context, tx *sql.Tx, p StepParams) error {
+	var input any // NULL for none, whatever the driver makes of a nil slice
+	if p.InputFingerprint != nil {
+		input = p.InputFingerprint
+	}
+	_, err := tx.ExecContext(ctx, w.InsertStepSQL, p.Key, p.Generation, p.Step, p.Seq, p.Fence, input, p.Result)
+	return SQLError(err)
+}
