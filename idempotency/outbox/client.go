@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -204,7 +205,19 @@ func (c *Client) observe(ev Event, taskType string) {
 // *MismatchError. An invalid key returns an error wrapping ErrInvalidKey. A concurrent
 // uncommitted EnqueueTx of the same key makes this one wait for it.
 func (c *Client) EnqueueTx(ctx context.Context, tx pgx.Tx, spec Spec) (EnqueueResult, error) {
-	// A single intent is a batch of one: the statements are EnqueueManyTx's.
+	return enqueueOne(ctx, pgxIntents{tx}, spec)
+}
+
+// EnqueueSQLTx is EnqueueTx in a database/sql transaction (GORM's, sqlx's, ent's, bun's
+// or sqlc's, on pgx's stdlib or lib/pq): the intent commits with the caller's own writes,
+// and a rolled-back tx leaves no intent. It returns what EnqueueTx returns.
+func (c *Client) EnqueueSQLTx(ctx context.Context, tx *sql.Tx, spec Spec) (EnqueueResult, error) {
+	return enqueueOne(ctx, sqlIntents{tx}, spec)
+}
+
+// enqueueOne records spec's intent in tx: a batch of one, whose statements are
+// EnqueueManyTx's.
+func enqueueOne(ctx context.Context, tx intentTx, spec Spec) (EnqueueResult, error) {
 	res, errs, err := enqueueMany(ctx, tx, []Spec{withTrace(ctx, spec)}, 0)
 	if err != nil {
 		return EnqueueResult{}, err

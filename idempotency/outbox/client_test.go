@@ -14,6 +14,7 @@ import (
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/idempotency"
@@ -52,16 +53,49 @@ func taskExists(t testing.TB, rdb *redis.Client, id string) bool {
 	return err == nil
 }
 
+// enqueuer records spec's intent in a transaction of its own on pool, and commits it
+// when commit is set.
+type enqueuer func(t testing.TB, pool *pgxpool.Pool, c *outbox.Client, spec outbox.Spec, commit bool) (outbox.EnqueueResult, error)
+
+// enqueueSQLTx is enqueueTx through database/sql (EnqueueSQLTx over pgx's stdlib).
+func enqueueSQLTx(t testing.TB, pool *pgxpool.Pool, c *outbox.Client, spec outbox.Spec, commit bool) (outbox.EnqueueResult, error) {
+	t.Helper()
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	res, err := c.EnqueueSQLTx(ctx, tx, spec)
+	if err == nil && commit {
+		err = tx.Commit()
+	}
+	return res, err
+}
+
+// EnqueueTx and EnqueueSQLTx record an intent exactly when the caller's transaction
+// commits; the relay publishes it; a duplicate, a mismatch and a bad spec are told apart.
 func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 	t.Parallel()
+	for name, enq := range map[string]enqueuer{"pgx": enqueueTx, "sql": enqueueSQLTx} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testEnqueueTxCommitsWithTheCaller(t, enq)
+		})
+	}
+}
+
+func testEnqueueTxCommitsWithTheCaller(t *testing.T, enq enqueuer) {
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	c := outbox.NewClient(pool, rdb, nil)
 	ctx := testenv.Context(t, 30*time.Second)
 
-	if _, err := enqueueTx(t, pool, c, debitSpec(t, "rolled-back", 5), false); err != nil {
+	if _, err := enq(t, pool, c, debitSpec(t, "rolled-back", 5), false); err != nil {
 		t.Fatal(err)
 	}
-	res, err := enqueueTx(t, pool, c, debitSpec(t, "committed", 5), true)
+	res, err := enq(t, pool, c, debitSpec(t, "committed", 5), true)
 	if err != nil || res.Duplicate || res.State != outbox.IntentPending || res.Key != "debit:committed" {
 		t.Fatalf("first record: %+v %v", res, err)
 	}
@@ -101,18 +135,18 @@ func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 	}
 
 	// Recording again: a duplicate with the same payload, a mismatch with another.
-	res, err = enqueueTx(t, pool, c, debitSpec(t, "committed", 5), true)
+	res, err = enq(t, pool, c, debitSpec(t, "committed", 5), true)
 	if err != nil || !res.Duplicate || res.State != outbox.IntentPublished {
 		t.Fatalf("re-record: %+v %v, want a duplicate", res, err)
 	}
-	_, err = enqueueTx(t, pool, c, debitSpec(t, "committed", 6), true)
+	_, err = enq(t, pool, c, debitSpec(t, "committed", 6), true)
 	var mm *idempotency.MismatchError
 	if !errors.As(err, &mm) || mm.Key != "debit:committed" {
 		t.Fatalf("re-record with another amount: %v, want a mismatch naming the key", err)
 	}
 	bad := debitSpec(t, "x", 1)
 	bad.Key = "has space"
-	if _, err := enqueueTx(t, pool, c, bad, true); !errors.Is(err, idempotency.ErrInvalidKey) {
+	if _, err := enq(t, pool, c, bad, true); !errors.Is(err, idempotency.ErrInvalidKey) {
 		t.Fatalf("bad key: %v, want ErrInvalidKey", err)
 	}
 
@@ -121,20 +155,20 @@ func TestEnqueueTxCommitsWithTheCaller(t *testing.T) {
 	long := debitSpec(t, "steps", 1)
 	long.Key = "debit:" + strings.Repeat("x", idempotency.MaxKeyBytes-len("debit:")-len("#s/charge")+1)
 	long.Steps = []string{"charge"}
-	_, err = enqueueTx(t, pool, c, long, true)
+	_, err = enq(t, pool, c, long, true)
 	if !errors.Is(err, idempotency.ErrInvalidKey) || !strings.Contains(err.Error(), "at most 255") {
 		t.Fatalf("a step key of 256 bytes: %v, want ErrInvalidKey naming the limit", err)
 	}
 	long.Key = long.Key[:len(long.Key)-1]
 	long.Steps = []string{"charge", "Bad Name"}
-	if _, err = enqueueTx(t, pool, c, long, true); !errors.Is(err, idempotency.ErrInvalidRequest) {
+	if _, err = enq(t, pool, c, long, true); !errors.Is(err, idempotency.ErrInvalidRequest) {
 		t.Fatalf("a bad step name: %v, want ErrInvalidRequest", err)
 	}
 	if _, err := c.Intent(ctx, long.Key); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Fatalf("a refused job's intent: %v, want ErrNotFound", err)
 	}
 	long.Steps = []string{"charge"}
-	if _, err = enqueueTx(t, pool, c, long, true); err != nil {
+	if _, err = enq(t, pool, c, long, true); err != nil {
 		t.Fatalf("a step key of 255 bytes: %v", err)
 	}
 }

@@ -98,7 +98,7 @@ func (c *Client) sendEnqueues(ctx context.Context, batches [][]*enqueueOp) (err 
 	if err := tx.QueryRow(ctx, store.XactIDSQL).Scan(&id.Xid, &id.ServerStart); err != nil {
 		return err
 	}
-	res, errs, err := enqueueMany(ctx, tx, specs, c.cfg.RelayHold)
+	res, errs, err := enqueueMany(ctx, pgxIntents{tx}, specs, c.cfg.RelayHold)
 	if err != nil {
 		return err
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"database/sql"
 	"fmt"
 	"slices"
 	"time"
@@ -50,10 +51,38 @@ func (c *Client) EnqueueManyTx(ctx context.Context, tx pgx.Tx, specs []Spec, sel
 	if selfPublish {
 		hold = c.cfg.RelayHold
 	}
-	return enqueueMany(ctx, tx, specs, hold)
+	return enqueueMany(ctx, pgxIntents{tx}, specs, hold)
 }
 
-func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duration) ([]EnqueueResult, []error, error) {
+// intentTx is the caller's transaction the intents are recorded in: pgx's or
+// database/sql's.
+type intentTx interface {
+	insert(ctx context.Context, ps []store.IntentParams, hold time.Duration) (map[string]string, error)
+	read(ctx context.Context, keys []string) (map[string]store.RecordedIntent, error)
+}
+
+type pgxIntents struct{ tx pgx.Tx }
+
+func (t pgxIntents) insert(ctx context.Context, ps []store.IntentParams, hold time.Duration) (map[string]string, error) {
+	return store.InsertIntents(ctx, t.tx, ps, hold)
+}
+
+func (t pgxIntents) read(ctx context.Context, keys []string) (map[string]store.RecordedIntent, error) {
+	return store.ReadIntents(ctx, t.tx, keys)
+}
+
+type sqlIntents struct{ tx *sql.Tx }
+
+func (t sqlIntents) insert(ctx context.Context, ps []store.IntentParams, hold time.Duration) (map[string]string, error) {
+	return store.InsertIntentsDB(ctx, t.tx, ps, hold)
+}
+
+func (t sqlIntents) read(ctx context.Context, keys []string) (map[string]store.RecordedIntent, error) {
+	return store.ReadIntentsDB(ctx, t.tx, keys)
+}
+
+// enqueueMany is EnqueueManyTx in tx.
+func enqueueMany(ctx context.Context, tx intentTx, specs []Spec, hold time.Duration) ([]EnqueueResult, []error, error) {
 	res, errs := make([]EnqueueResult, len(specs)), make([]error, len(specs))
 	var order []int // the valid specs, by key
 	for i, s := range specs {
@@ -71,7 +100,7 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 		ps[j] = store.IntentParams{Key: s.Key, TaskType: s.Type, Payload: s.Payload, Fingerprint: idempotency.Fingerprint(s.Type, s.Payload),
 			Queue: s.Queue, MaxRetry: s.MaxRetry, Timeout: s.Timeout, Retention: s.Retention, TraceParent: s.TraceParent}
 	}
-	inserted, err := store.InsertIntents(ctx, tx, ps, hold) // key → state
+	inserted, err := tx.insert(ctx, ps, hold) // key → state
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: record intents: %w", err)
 	}
@@ -87,7 +116,7 @@ func enqueueMany(ctx context.Context, tx pgx.Tx, specs []Spec, hold time.Duratio
 	if len(recorded) == 0 {
 		return res, errs, nil
 	}
-	known, err := store.ReadIntents(ctx, tx, recorded)
+	known, err := tx.read(ctx, recorded)
 	if err != nil {
 		return nil, nil, fmt.Errorf("outbox: read intents: %w", err)
 	}

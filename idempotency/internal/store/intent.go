@@ -63,6 +63,21 @@ var insertIntentsSQL = sqlText("insert_intents", nil)
 // are not recorded yet, held from the relays for hold when it is positive, and returns
 // the state of each it recorded, by key.
 func InsertIntents(ctx context.Context, q DB, ps []IntentParams, hold time.Duration) (map[string]string, error) {
+	rows, err := q.Query(ctx, insertIntentsSQL, append(intentArgs(ps), hold.Milliseconds())...)
+	if err != nil {
+		return nil, err
+	}
+	inserted := make(map[string]string, len(ps))
+	var key, state string
+	_, err = pgx.ForEachRow(rows, []any{&key, &state}, func() error {
+		inserted[key] = state
+		return nil
+	})
+	return inserted, err
+}
+
+// intentArgs are insert_intents.sql's arrays ($1..$9) for ps.
+func intentArgs(ps []IntentParams) []any {
 	n := len(ps)
 	keys, types, queues := make([]string, n), make([]string, n), make([]string, n)
 	payloads, fps, traces := make([][]byte, n), make([][]byte, n), make([]string, n)
@@ -71,17 +86,7 @@ func InsertIntents(ctx context.Context, q DB, ps []IntentParams, hold time.Durat
 		keys[i], types[i], queues[i], payloads[i], fps[i], traces[i] = p.Key, p.TaskType, p.Queue, p.Payload, p.Fingerprint, p.TraceParent
 		maxRetry[i], timeouts[i], retentions[i] = int32(p.MaxRetry), p.Timeout.Milliseconds(), p.Retention.Milliseconds()
 	}
-	rows, err := q.Query(ctx, insertIntentsSQL, keys, types, payloads, fps, queues, maxRetry, timeouts, retentions, traces, hold.Milliseconds())
-	if err != nil {
-		return nil, err
-	}
-	inserted := make(map[string]string, n)
-	var key, state string
-	_, err = pgx.ForEachRow(rows, []any{&key, &state}, func() error {
-		inserted[key] = state
-		return nil
-	})
-	return inserted, err
+	return []any{keys, types, payloads, fps, queues, maxRetry, timeouts, retentions, traces}
 }
 
 // RecordedIntent is what an intent recorded before holds of a new one's identity.

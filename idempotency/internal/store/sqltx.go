@@ -224,3 +224,73 @@ func (w *Writes) InsertStepDB(ctx context.Context, tx *sql.Tx, p StepParams) err
 	_, err := tx.ExecContext(ctx, w.InsertStepSQL, p.Key, p.Generation, p.Step, p.Seq, p.Fence, input, p.Result)
 	return SQLError(err)
 }
+
+// InsertIntentsDB is InsertIntents on a database/sql transaction (EnqueueSQLTx).
+func InsertIntentsDB(ctx context.Context, tx *sql.Tx, ps []IntentParams, hold time.Duration) (map[string]string, error) {
+	args, err := textArrays(intentArgs(ps))
+	if err != nil {
+		return nil, err
+	}
+	rows, err := tx.QueryContext(ctx, insertIntentsSQL, append(args, hold.Milliseconds())...)
+	if err != nil {
+		return nil, SQLError(err)
+	}
+	defer rows.Close()
+	inserted := make(map[string]string, len(ps))
+	for rows.Next() {
+		var key, state string
+		if err := rows.Scan(&key, &state); err != nil {
+			return nil, err
+		}
+		inserted[key] = state
+	}
+	return inserted, SQLError(rows.Err())
+}
+
+// ReadIntentsDB is ReadIntents on a database/sql transaction (EnqueueSQLTx).
+func ReadIntentsDB(ctx context.Context, tx *sql.Tx, keys []string) (map[string]RecordedIntent, error) {
+	arr, err := textArray(pgtype.TextArrayOID, keys)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := tx.QueryContext(ctx, readIntentsSQL, arr)
+	if err != nil {
+		return nil, SQLError(err)
+	}
+	defer rows.Close()
+	known := make(map[string]RecordedIntent, len(keys))
+	for rows.Next() {
+		var key string
+		var r RecordedIntent
+		if err := rows.Scan(&key, &r.TaskType, &r.Fingerprint, &r.State); err != nil {
+			return nil, err
+		}
+		known[key] = r
+	}
+	return known, SQLError(rows.Err())
+}
+
+// textArrays turns each array of args into its text form.
+func textArrays(args []any) ([]any, error) {
+	out := make([]any, len(args))
+	for i, a := range args {
+		oid, ok := arrayOIDs[reflect.TypeOf(a)]
+		if !ok {
+			return nil, fmt.Errorf("argument %d: no array type for %T", i+1, a)
+		}
+		s, err := textArray(oid, a)
+		if err != nil {
+			return nil, fmt.Errorf("argument %d: %w", i+1, err)
+		}
+		out[i] = s
+	}
+	return out, nil
+}
+
+// arrayOIDs are the Postgres array types of the Go slices the statements take.
+var arrayOIDs = map[reflect.Type]uint32{
+	reflect.TypeFor[[]string](): pgtype.TextArrayOID,
+	reflect.TypeFor[[][]byte](): pgtype.ByteaArrayOID,
+	reflect.TypeFor[[]int32]():  pgtype.Int4ArrayOID,
+	reflect.TypeFor[[]int64]():  pgtype.Int8ArrayOID,
+}
