@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -36,6 +37,20 @@ func Debit(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, erro
 	}
 	res := DebitResult{AccountID: d.AccountID, AmountCents: d.AmountCents, Reference: d.Reference, Fence: fence}
 	if err := tx.QueryRow(ctx, insertEntry, d.AccountID, d.AmountCents, d.Reference, fence).Scan(&res.EntryID, &res.CreatedAt); err != nil {
+		return nil, fmt.Errorf("debit %s: insert wallet entry: %w", d.Key(), err)
+	}
+	return json.Marshal(res)
+}
+
+// DebitSQL is Debit through database/sql (server.HandleSQLTx): the same entry in tx, the
+// same result.
+func DebitSQL(ctx context.Context, tx *sql.Tx, d tasks.Debit) (json.RawMessage, error) {
+	_, fence, ok := idempotency.FromContext(ctx)
+	if !ok {
+		return nil, errors.New("handlers: DebitSQL must run inside the ledger (no fence in context)")
+	}
+	res := DebitResult{AccountID: d.AccountID, AmountCents: d.AmountCents, Reference: d.Reference, Fence: fence}
+	if err := tx.QueryRowContext(ctx, insertEntry, d.AccountID, d.AmountCents, d.Reference, fence).Scan(&res.EntryID, &res.CreatedAt); err != nil {
 		return nil, fmt.Errorf("debit %s: insert wallet entry: %w", d.Key(), err)
 	}
 	return json.Marshal(res)

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/idemq/idemq/tasks"
 )
@@ -78,36 +77,43 @@ func (fp faultPoints) crash(point string, p float64, key string, log *slog.Logge
 	}
 }
 
-func (fp faultPoints) wrap(charge func(context.Context, tasks.Charge) (json.RawMessage, error),
-	debit func(context.Context, pgx.Tx, tasks.Debit) (json.RawMessage, error), log *slog.Logger,
-) (func(context.Context, tasks.Charge) (json.RawMessage, error), func(context.Context, pgx.Tx, tasks.Debit) (json.RawMessage, error)) {
+// wrap puts the fault points around the charge handler (see wrapDebit for the debit's).
+func (fp faultPoints) wrap(charge func(context.Context, tasks.Charge) (json.RawMessage, error), log *slog.Logger) func(context.Context, tasks.Charge) (json.RawMessage, error) {
 	if fp == (faultPoints{}) {
-		return charge, debit
+		return charge
 	}
 	log.Warn("IDEMQ_UNSAFE_FAULTS is set: this worker kills itself on purpose (tests only)", "after_claim", fp.afterClaim, "after_effect", fp.afterEffect, "debit_delay", fp.debitDelay, "debit_error", fp.debitError)
 	return func(ctx context.Context, c tasks.Charge) (json.RawMessage, error) {
-			fp.crash("after_claim", fp.afterClaim, c.Key(), log)
-			out, err := charge(ctx, c)
-			if err == nil {
-				fp.crash("after_effect", fp.afterEffect, c.Key(), log)
-			}
-			return out, err
-		}, func(ctx context.Context, tx pgx.Tx, d tasks.Debit) (json.RawMessage, error) {
-			fp.crash("after_claim", fp.afterClaim, d.Key(), log)
-			if fp.debitDelay > 0 {
-				select {
-				case <-time.After(mrand.N(fp.debitDelay)):
-				case <-ctx.Done():
-					return nil, ctx.Err()
-				}
-			}
-			out, err := debit(ctx, tx, d)
-			if err == nil {
-				fp.crash("after_effect", fp.afterEffect, d.Key(), log)
-				if n, _ := asynq.GetRetryCount(ctx); n == 0 && fp.debitError > 0 && mrand.Float64() < fp.debitError {
-					return nil, fmt.Errorf("IDEMQ_UNSAFE_FAULTS: debit_error after the wallet insert of %s (rolled back; retried)", d.Key())
-				}
-			}
-			return out, err
+		fp.crash("after_claim", fp.afterClaim, c.Key(), log)
+		out, err := charge(ctx, c)
+		if err == nil {
+			fp.crash("after_effect", fp.afterEffect, c.Key(), log)
 		}
+		return out, err
+	}
+}
+
+// wrapDebit is wrap for the debit handler, whatever its transaction (a pgx.Tx, a *sql.Tx).
+func wrapDebit[X any](fp faultPoints, debit func(context.Context, X, tasks.Debit) (json.RawMessage, error), log *slog.Logger) func(context.Context, X, tasks.Debit) (json.RawMessage, error) {
+	if fp == (faultPoints{}) {
+		return debit
+	}
+	return func(ctx context.Context, tx X, d tasks.Debit) (json.RawMessage, error) {
+		fp.crash("after_claim", fp.afterClaim, d.Key(), log)
+		if fp.debitDelay > 0 {
+			select {
+			case <-time.After(mrand.N(fp.debitDelay)):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		out, err := debit(ctx, tx, d)
+		if err == nil {
+			fp.crash("after_effect", fp.afterEffect, d.Key(), log)
+			if n, _ := asynq.GetRetryCount(ctx); n == 0 && fp.debitError > 0 && mrand.Float64() < fp.debitError {
+				return nil, fmt.Errorf("IDEMQ_UNSAFE_FAULTS: debit_error after the wallet insert of %s (rolled back; retried)", d.Key())
+			}
+		}
+		return out, err
+	}
 }

@@ -420,3 +420,54 @@ func TestWorkerWithoutGroupCommit(t *testing.T) {
 		t.Errorf("%d wallet entries over %d references, want %d each: one per debit", entries, refs, n)
 	}
 }
+
+// TestWorkerDebitsThroughSQL: with IDEMQ_DEBIT_DRIVER=sql the worker's debits run through
+// database/sql (server.HandleSQLTx): every debit and its duplicate complete once, one
+// entry each, fenced like the pgx handler's; a bad value stops the worker naming it.
+func TestWorkerDebitsThroughSQL(t *testing.T) {
+	t.Parallel()
+	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
+	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
+	cfg := &config.Worker{
+		Redis: config.Redis{RedisURL: rurl}, Database: config.Database{DatabaseURL: dsn},
+		Concurrency: 8, Queues: []string{"default"}, Lease: 5 * time.Second, LockTTL: 5 * time.Second,
+		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: "http://127.0.0.1:1",
+		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: true, DebitDriver: "sql",
+	}
+	bad := *cfg
+	bad.DebitDriver = "mysql"
+	if err := runWorker(testenv.Context(t, time.Minute), &bad, slog.New(slog.DiscardHandler)); err == nil || !strings.Contains(err.Error(), "IDEMQ_DEBIT_DRIVER") {
+		t.Fatalf("IDEMQ_DEBIT_DRIVER=mysql: %v, want a refusal naming it", err)
+	}
+	metricsURL := startWorker(t, cfg, nil)
+	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
+	t.Cleanup(func() { client.Close() })
+	tctx := testenv.Context(t, 3*time.Minute)
+	const n = 40
+	for i := range n {
+		s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("sql-%d", i%4), AmountCents: 100, Reference: fmt.Sprintf("sql-%d", i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, id := range []string{s.Key, s.Key + "#dup"} {
+			if _, err := client.EnqueueContext(tctx, s.Task(id, time.Now())); err != nil {
+				t.Fatalf("enqueue %s: %v", id, err)
+			}
+		}
+	}
+	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted), func(v float64) bool { return v >= n })
+	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCached), func(v float64) bool { return v >= n })
+	if v := scrape(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted)); v != n {
+		t.Errorf("%v debits completed, want %d: each once", v, n)
+	}
+	pool := testenv.Pool(t, dsn)
+	var entries, refs, fenced int
+	if err := pool.QueryRow(tctx, `SELECT count(*), count(DISTINCT e.reference), count(*) FILTER (WHERE e.fence = p.fence)
+		FROM wallet_entries e JOIN processed_jobs p ON p.idempotency_key = 'debit:' || e.reference
+		WHERE e.reference LIKE 'sql-%'`).Scan(&entries, &refs, &fenced); err != nil {
+		t.Fatal(err)
+	}
+	if entries != n || refs != n || fenced != n {
+		t.Errorf("%d wallet entries over %d references, %d with the completion's fence; want %d each", entries, refs, fenced, n)
+	}
+}

@@ -54,6 +54,9 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if err != nil {
 		return fmt.Errorf("IDEMQ_QUEUES: %w", err)
 	}
+	if d := cfg.DebitDriver; d != "" && d != "pgx" && d != "sql" {
+		return fmt.Errorf("IDEMQ_DEBIT_DRIVER=%q: want pgx or sql", d)
+	}
 	// The server refuses a short retention too; this names the variable.
 	busyBudget := max(2*cfg.Lease, 15*time.Minute)
 	if min := server.MinRetention(tasks.DefaultRetention, tasks.DefaultMaxRetry, busyBudget); cfg.Retention < min {
@@ -166,7 +169,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if err != nil {
 		return fmt.Errorf("IDEMQ_UNSAFE_FAULTS: %w", err)
 	}
-	charge, debit := fp.wrap(charge, handlers.Debit, log)
+	charge = fp.wrap(charge, log)
+	debit := wrapDebit(fp, handlers.Debit, log)
 	if cfg.UnsafeNoGuards {
 		log.Warn("IDEMQ_UNSAFE_NO_GUARDS is set: no lock, no ledger, no step records; duplicate deliveries take effect twice")
 		s.Handle(tasks.TypeCharge, unguarded.Leased(tasks.TypeCharge, tasks.DecodeCharge, charge))
@@ -176,7 +180,11 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		s.Handle(tasks.TypeSettle, unguarded.Transactional(pool, tasks.TypeSettle, tasks.DecodeSettle, handlers.Settle))
 	} else {
 		server.HandleLeased(s, tasks.TypeCharge, charge, server.WithDecoder(tasks.DecodeCharge))
-		server.HandleTx(s, tasks.TypeDebit, debit, server.WithDecoder(tasks.DecodeDebit))
+		if cfg.DebitDriver == "sql" {
+			server.HandleSQLTx(s, tasks.TypeDebit, wrapDebit(fp, handlers.DebitSQL, log), server.WithDecoder(tasks.DecodeDebit))
+		} else {
+			server.HandleTx(s, tasks.TypeDebit, debit, server.WithDecoder(tasks.DecodeDebit))
+		}
 		server.HandleLeased(s, tasks.TypeCheckout, charger.Checkout, server.WithDecoder(tasks.DecodeCheckout))
 		server.HandleTx(s, tasks.TypeSettle, handlers.Settle, server.WithDecoder(tasks.DecodeSettle))
 	}

@@ -98,6 +98,7 @@ type Worker struct {
 	MaxAge            time.Duration `envconfig:"IDEMQ_MAX_AGE" default:"24h" desc:"an in-progress row older than this needs an operator instead of re-running"`
 	ReconcileGrace    time.Duration `envconfig:"IDEMQ_RECONCILE_GRACE" default:"3m" desc:"how long an accepted job may be missing from Redis before it is republished (above asynq's 60-120 s recovery)"`
 	GroupCommit       bool          `envconfig:"IDEMQ_GROUP_COMMIT" default:"true" desc:"concurrent deliveries share commits (leased claims and completions in one transaction, transactional deliveries in shared transactions); false gives each its own transaction on its own goroutine"`
+	DebitDriver       string        `envconfig:"IDEMQ_DEBIT_DRIVER" default:"pgx" desc:"how the example's wallet:debit handler writes its entry: pgx (server.HandleTx, a pgx.Tx) or sql (server.HandleSQLTx, a *sql.Tx over pgx's stdlib)"`
 	HistoryDuplicates bool          `envconfig:"IDEMQ_HISTORY_DUPLICATES" default:"true" desc:"record each delivery answered from the ledger (a cached duplicate) in its key's history; false leaves them out (still counted in idemq_ledger_events_total), sparing a duplicate-heavy load a row per duplicate"`
 	LogLevel          string        `envconfig:"IDEMQ_LOG_LEVEL" default:"info" desc:"debug, info, warn or error"`
 	UnsafeNoGuards    bool          `envconfig:"IDEMQ_UNSAFE_NO_GUARDS" default:"false" desc:"DEMO AND TESTS ONLY: run handlers without the lock and the ledger, to show the duplicates they prevent"`
