@@ -95,10 +95,15 @@ type drainWorkload struct {
 	// leasedBase is a workload of leased one-effect jobs whose cost over bare asynq the
 	// step table subtracts, to leave the steps' own ("" for none).
 	leasedBase string
+	// workerEnv is set in the worker binaries' environment (bare asynq runs as always).
+	workerEnv []string
 }
 
 var drainWorkloads = map[string]drainWorkload{
-	"debit-distinct":  {name: "debit-distinct", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }},
+	"debit-distinct": {name: "debit-distinct", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }},
+	// debit-sql is debit-distinct through server.HandleSQLTx (database/sql over pgx's
+	// stdlib): its ratio to debit-distinct, in the same run, is the SQL path's cost.
+	"debit-sql":       {name: "debit-sql", typ: tasks.TypeDebit, dup: 1, share: 1, scope: func(_ *rand.Rand, i int) int { return i }, workerEnv: []string{"IDEMQ_DEBIT_DRIVER=sql"}},
 	"debit-hot":       {name: "debit-hot", typ: tasks.TypeDebit, dup: 1, share: 0.25, scope: func(_ *rand.Rand, i int) int { return i % 13 }},
 	"debit-zipf":      {name: "debit-zipf", typ: tasks.TypeDebit, dup: 1, share: 0.25, scope: zipf(1000)},
 	"debit-dup":       {name: "debit-dup", typ: tasks.TypeDebit, dup: 3, share: 1.0 / 3, scope: func(_ *rand.Rand, i int) int { return i }},
@@ -110,7 +115,7 @@ var drainWorkloads = map[string]drainWorkload{
 }
 
 // DrainWorkloadNames lists drain mode's workloads, in the order a run measures them.
-var DrainWorkloadNames = []string{"debit-distinct", "debit-hot", "debit-zipf", "debit-dup", "debit-prefilled", "charge-distinct", "charge-hot", "checkout-distinct"}
+var DrainWorkloadNames = []string{"debit-distinct", "debit-sql", "debit-hot", "debit-zipf", "debit-dup", "debit-prefilled", "charge-distinct", "charge-hot", "checkout-distinct"}
 
 // zipf draws scopes from a Zipf(s = 1.1) distribution over n scopes.
 func zipf(n uint64) func(*rand.Rand, int) int {
@@ -296,7 +301,8 @@ func (e *env) drain(ctx context.Context, opt Options, w drainWorkload, keys, con
 				return s, err
 			}
 			metricsURLs = append(metricsURLs, "http://"+addr+"/metrics")
-			if err := start(cfg.binary, []string{"worker"}, "IDEMQ_CONCURRENCY="+strconv.Itoa(conc), "IDEMQ_METRICS_ADDR="+addr, "IDEMQ_LOG_LEVEL=error"); err != nil {
+			extra := append([]string{"IDEMQ_CONCURRENCY=" + strconv.Itoa(conc), "IDEMQ_METRICS_ADDR=" + addr, "IDEMQ_LOG_LEVEL=error"}, w.workerEnv...)
+			if err := start(cfg.binary, []string{"worker"}, extra...); err != nil {
 				return s, err
 			}
 		}
