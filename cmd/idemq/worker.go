@@ -12,6 +12,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
@@ -174,7 +175,13 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if cfg.UnsafeNoGuards {
 		log.Warn("IDEMQ_UNSAFE_NO_GUARDS is set: no lock, no ledger, no step records; duplicate deliveries take effect twice")
 		s.Handle(tasks.TypeCharge, unguarded.Leased(tasks.TypeCharge, tasks.DecodeCharge, charge))
-		s.Handle(tasks.TypeDebit, unguarded.Transactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
+		if cfg.DebitDriver == "sql" {
+			db := stdlib.OpenDBFromPool(pool)
+			defer db.Close()
+			s.Handle(tasks.TypeDebit, unguarded.TransactionalSQL(db, tasks.TypeDebit, tasks.DecodeDebit, wrapDebit(fp, handlers.DebitSQL, log)))
+		} else {
+			s.Handle(tasks.TypeDebit, unguarded.Transactional(pool, tasks.TypeDebit, tasks.DecodeDebit, debit))
+		}
 		// The same three effects without step records: a redelivery records and emails again.
 		s.Handle(tasks.TypeCheckout, unguarded.Leased(tasks.TypeCheckout, tasks.DecodeCheckout, unguarded.Checkout(charger, pool)))
 		s.Handle(tasks.TypeSettle, unguarded.Transactional(pool, tasks.TypeSettle, tasks.DecodeSettle, handlers.Settle))

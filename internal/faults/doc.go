@@ -1,6 +1,7 @@
 // Package faults is idemq's fault-injection proof suite, in the manner of Jepsen sized to
-// one machine: a workload of charges, debits and checkouts (recorded steps) with
-// duplicate deliveries, two scheduler replicas enqueueing a settlement every 2 s, a seeded
+// one machine: a workload of charges, debits (on half the workers through database/sql,
+// server.HandleSQLTx over pgx's stdlib) and checkouts (recorded steps) with duplicate
+// deliveries, two scheduler replicas enqueueing a settlement every 2 s, a seeded
 // nemesis (worker and scheduler SIGKILL/SIGSTOP/SIGTERM, Redis SIGKILL, Postgres immediate
 // shutdown, terminated backends, handler fault points; with a synchronous standby,
 // promotions), a recorded history and an offline checker (every tick exactly once among

@@ -270,14 +270,20 @@ func modes(p profile) []deployment {
 	return ms
 }
 
+// sqlDebits runs a worker's debits through database/sql (server.HandleSQLTx over pgx's
+// stdlib): half of the nemesis run's workers, and every worker of control (a), so that
+// the checker's count of wallet entries judges that path as it judges the pgx one.
+var sqlDebits = []string{"IDEMQ_DEBIT_DRIVER=sql"}
+
 func runMain(t *testing.T, p profile, seed uint64, m deployment) runReport {
 	modeName := m.label()
 	began := time.Now()
 	hist := newHistory()
 	c := startCluster(t, clusterConfig{mode: m.mode, sentinel: m.sentinel, pgStandby: m.pgStandby, workers: 4, honorKeys: true,
-		schedulers:  2,
-		workerEnv:   []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints},
-		workerEnvAt: map[int][]string{0: {"IDEMQ_UNSAFE_FAULTS=" + quickFaultPoints, "IDEMQ_CONCURRENCY=8"}}}, hist)
+		schedulers: 2,
+		workerEnv:  []string{"IDEMQ_UNSAFE_FAULTS=" + faultPoints},
+		workerEnvAt: map[int][]string{0: {"IDEMQ_UNSAFE_FAULTS=" + quickFaultPoints, "IDEMQ_CONCURRENCY=8"},
+			2: sqlDebits, 3: sqlDebits}}, hist)
 	ctx, cancel := context.WithTimeout(context.Background(), p.nemesis+p.drain+5*time.Minute)
 	defer cancel()
 	jobs := plan(seed, p.jobs, p.spread)
@@ -524,13 +530,14 @@ func (c *cluster) unsettled(ctx context.Context) (map[string]int, error) {
 
 // runNoGuards is negative control (a): the same seed's workload (its first jobs) with the
 // ledger and lock off (IDEMQ_UNSAFE_NO_GUARDS: checkouts run unguarded.Checkout, with no
-// step records) and the provider ignoring keys. Every checkout is also sent a second time.
+// step records; debits go through database/sql, sqlDebits) and the provider ignoring keys.
+// Every checkout is also sent a second time.
 // The checker must find duplicate effects, and duplicate order rows or emails of checkouts.
 func runNoGuards(t *testing.T, p profile, seed uint64) controlReport {
 	r := controlReport{Name: "a: no ledger/lock/step records, provider keys off"}
 	hist := newHistory()
 	c := startCluster(t, clusterConfig{mode: localserver.PersistNone, workers: 4, honorKeys: false,
-		workerEnv: []string{"IDEMQ_UNSAFE_NO_GUARDS=true"}}, hist)
+		workerEnv: append([]string{"IDEMQ_UNSAFE_NO_GUARDS=true"}, sqlDebits...)}, hist)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	jobs := plan(seed, p.jobs, p.spread)[:p.controlJobs]
@@ -553,6 +560,9 @@ func runNoGuards(t *testing.T, p profile, seed uint64) controlReport {
 	r.Verdict, r.Counters = v, c.counters()
 	if v.DuplicateEffects == 0 {
 		r.Failures = append(r.Failures, "the checker found no duplicate effect with the guards off: it cannot see what they prevent")
+	}
+	if v.DupEntries == 0 {
+		r.Failures = append(r.Failures, "the checker found no duplicate wallet entry of the debits written through database/sql with the guards off: it cannot see what the ledger prevents on that path")
 	}
 	if v.DupOrders+v.DupEmails == 0 {
 		r.Failures = append(r.Failures, fmt.Sprintf("the checker found no duplicate order row and no unattributed email of %d checkouts without step records: it cannot see what the steps prevent", v.Checkouts))

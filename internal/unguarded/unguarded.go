@@ -6,6 +6,7 @@ package unguarded
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 
@@ -44,6 +45,23 @@ func Transactional[T idempotency.Job](pool *pgxpool.Pool, taskType string, decod
 			return err
 		})
 		return out, err
+	})
+}
+
+// TransactionalSQL is Transactional for a database/sql fn: each delivery runs fn in a
+// transaction of its own on db, with no claim and no completion.
+func TransactionalSQL[T idempotency.Job](db *sql.DB, taskType string, decode func([]byte) (T, error), fn func(ctx context.Context, tx *sql.Tx, job T) (json.RawMessage, error)) asynq.Handler {
+	return Leased(taskType, decode, func(ctx context.Context, job T) (json.RawMessage, error) {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return nil, err
+		}
+		defer tx.Rollback()
+		out, err := fn(ctx, tx, job)
+		if err != nil {
+			return nil, err
+		}
+		return out, tx.Commit()
 	})
 }
 
