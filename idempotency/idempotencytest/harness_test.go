@@ -3,6 +3,7 @@ package idempotencytest_test
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -15,6 +16,7 @@ import (
 	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/handlers"
@@ -356,4 +358,28 @@ func TestCatchesExternalIOInAStepTx(t *testing.T) {
 	})
 	mustCatch(t, cfg, checkoutCase(pool, "checkout-charge", countCharges), idempotencytest.CrashAfterStep("charge"),
 		`crash after step "charge" effect, before its record: the effect of StepTx "charge" was visible before its transaction committed`)
+}
+
+// The debit written through database/sql (server.HandleSQLTx, over pgx's stdlib) passes
+// every schedule, as the pgx one does; one that writes through the *sql.DB instead of
+// the transaction it was given is caught.
+func TestSQLHandlersTakeEffectOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	cfg := idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: func(r server.Registrar) {
+		server.HandleSQLTx(r, tasks.TypeDebit, handlers.DebitSQL, server.WithDecoder(tasks.DecodeDebit))
+	}}
+	idempotencytest.Run(t, cfg, debitCase(pool))
+
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { db.Close() })
+	leaky := idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: func(r server.Registrar) {
+		server.HandleSQLTx(r, tasks.TypeDebit, func(ctx context.Context, _ *sql.Tx, d tasks.Debit) (json.RawMessage, error) {
+			_, fence, _ := idempotency.FromContext(ctx)
+			_, err := db.ExecContext(ctx, `INSERT INTO wallet_entries (account_id, amount_cents, reference, fence) VALUES ($1, $2, $3, $4)`,
+				d.AccountID, d.AmountCents, d.Reference, fence)
+			return json.RawMessage(`{}`), err
+		}, server.WithDecoder(tasks.DecodeDebit))
+	}}
+	mustCatch(t, leaky, debitCase(pool), idempotencytest.CrashAfterEffect, "writes outside the transaction", "happened 2 times")
 }
