@@ -8,6 +8,8 @@ require (
 	github.com/hibiken/asynq v0.26.0
 	github.com/idemq/idemq v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.13.0
+	github.com/jmoiron/sqlx v1.4.0
+	github.com/lib/pq v1.12.3
 	github.com/redis/go-redis/v9 v9.23.0
 	gorm.io/driver/postgres v1.6.3
 	gorm.io/gorm v1.31.2
