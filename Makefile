@@ -9,11 +9,18 @@ PKGS    ?= ./...
 ## Postgres. A test that needs a program which is not installed (chromium, pgbouncer,
 ## prometheus's promtool) skips, except under CI=true, where it fails; the last line then
 ## says what was skipped and how to install it. The timeout leaves room for a loaded box:
-## cmd/idemq, the longest package, takes about 7 minutes on an idle 2-core one.
+## cmd/idemq, the longest package, takes about 7 minutes on an idle 2-core one. Then the
+## examples module's tests (examples/, a module of its own: the ORM examples), with the same
+## flags, whether or not idemq's passed; either failing fails make test. EXAMPLE_PKGS= skips them.
 TEST_TIMEOUT ?= 30m
+EXAMPLE_PKGS ?= ./...
 test: lint
 	@echo "$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)"; skips=$$(mktemp); \
 	IDEMQ_SKIP_LOG=$$skips $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS); rc=$$?; \
+	if [ -n "$(EXAMPLE_PKGS)" ]; then \
+		echo "cd examples && $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(EXAMPLE_PKGS)"; \
+		(cd examples && IDEMQ_SKIP_LOG=$$skips $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(EXAMPLE_PKGS)) || rc=1; \
+	fi; \
 	if [ -s $$skips ]; then \
 		echo "make test: skipped $$(wc -l <$$skips) tests for want of: $$(sort $$skips | uniq -c | awk -F'\t' '{split($$1, a, " "); printf "%s%s (%s tests; %s)", sep, a[2], a[1], $$2; sep="; "}')"; \
 	fi; \
@@ -23,9 +30,11 @@ test: lint
 build:
 	$(GO) build -o $(BIN) ./cmd/idemq
 
-## lint: go vet and a gofmt check
+## lint: go vet (idemq's packages, then the examples module's) and a gofmt check of every
+## tracked Go file, the examples' and their generated code included
 lint:
 	$(GO) vet $(PKGS)
+	cd examples && $(GO) vet ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
