@@ -131,15 +131,27 @@ func Count(ctx context.Context, pool *pgxpool.Pool, query string, args ...any) (
 // Queue returns an asynq queue name of the test's own, for a server.Server under test
 // (server.Config.Queues) and the tasks it enqueues (asynq.Queue), so that test processes
 // sharing a Redis database do not take each other's tasks. The queue is deleted when the
-// test ends.
+// test ends, with every key asynq and idemq keep for it (its tasks, its counters, the
+// server's Redis epoch of the queue).
 func Queue(t testing.TB, rdb *redis.Client) string {
 	t.Helper()
 	var b [6]byte
 	rand.Read(b[:])
 	q := "examples-" + hex.EncodeToString(b[:])
 	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
 		// The queue may not exist (nothing was enqueued): nothing to delete.
 		_ = asynq.NewInspectorFromRedisClient(rdb).DeleteQueue(q, true)
+		for _, pattern := range []string{"asynq:{" + q + "}:*", "idemq:{" + q + "}:*"} {
+			iter := rdb.Scan(ctx, 0, pattern, 100).Iterator()
+			for iter.Next(ctx) {
+				rdb.Del(ctx, iter.Val())
+			}
+			if err := iter.Err(); err != nil {
+				t.Errorf("delete the keys of queue %s: %v", q, err)
+			}
+		}
 	})
 	return q
 }
