@@ -19,6 +19,7 @@ import (
 	"github.com/idemq/idemq/idempotency/idempotencytest"
 	"github.com/idemq/idemq/idempotency/outbox"
 	"github.com/idemq/idemq/idempotency/server"
+	"github.com/idemq/idemq/lock"
 )
 
 // The harness delivers a posting under every schedule (duplicates, crashes before and
@@ -65,6 +66,7 @@ func TestServerWritesEachPostingOnce(t *testing.T) {
 			srv, err := server.New(server.Config{
 				Postgres: pool, Redis: rdb, SQL: db,
 				Queues: map[string]int{queue: 1}, Concurrency: 8, ShutdownTimeout: 5 * time.Second,
+				Lock:   &lock.Config{Prefix: "idemq:{" + queue + "}:lock:"}, // the purge's lock too: deleted with the queue
 				Logger: slog.New(slog.DiscardHandler),
 			})
 			if err != nil {
