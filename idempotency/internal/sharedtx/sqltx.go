@@ -149,8 +149,10 @@ func (e *Exec) runSQLFn(ctx context.Context, d Delivery, tx *sql.Tx, fence int64
 	return out, err
 }
 
-// finishSQL writes p's row and commits, cutting the COMMIT at the write timeout (stop
-// ends the transaction's context, and the driver drops the connection). err is the
+// finishSQL writes p's row and commits, cutting the COMMIT at the write timeout: stop
+// ends the transaction's context, and pgx's stdlib then drops the connection (the
+// answer is lost, resolved from the transaction id). lib/pq only asks the server to
+// cancel: on a network gone silent its call waits until TCP gives up. err is the
 // finish's (the transaction rolled back), commitErr the COMMIT's.
 func (e *Exec) finishSQL(ctx context.Context, tx *sql.Tx, stop func(), p store.FinishParams) (err, commitErr error) {
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.WriteTimeout+e.cfg.ClaimLockTimeout)
