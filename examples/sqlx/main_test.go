@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/url"
+	"strings"
 	"testing"
 	"time"
 
@@ -24,20 +26,38 @@ import (
 
 // The harness delivers a posting under every schedule (duplicates, crashes before and
 // after the effect, a stale owner, an error after the effect, Redis loss, shared commits)
-// and wants exactly one row for its reference each time. The harness's workers take
-// their transactions from pgx's stdlib; TestServerWritesEachPostingOnce runs lib/pq.
+// and wants exactly one row for its reference each time: with the handlers' transactions
+// on pgx's stdlib (the harness's default) and on lib/pq (idempotencytest.Config.SQL, each
+// simulated process's sessions named so that its crash ends them).
 func TestPostingsTakeEffectOnce(t *testing.T) {
-	pool, _ := exampletest.Postgres(t)
-	cfg := idempotencytest.Config{Pool: pool, Redis: exampletest.Redis(t), Handlers: register}
-	idempotencytest.Run(t, cfg, idempotencytest.Case{
-		Name: "posting",
-		Task: func(id string) (*asynq.Task, error) {
-			return posting.NewTask(posting.Posting{Account: "acct-" + id, Cents: 250, Ref: "ref-" + id})
-		},
-		Effects: func(ctx context.Context, id string) (int, error) {
-			return exampletest.Count(ctx, pool, `SELECT count(*) FROM postings WHERE ref = $1`, "ref-"+id)
-		},
-	})
+	for _, driver := range []string{"pgx", "pq"} {
+		t.Run(driver, func(t *testing.T) {
+			pool, dsn := exampletest.Postgres(t)
+			cfg := idempotencytest.Config{Pool: pool, Redis: exampletest.Redis(t), Handlers: register}
+			if driver == "pq" {
+				cfg.SQL = func(app string) (*sql.DB, error) {
+					return sql.Open("postgres", dsn+sep(dsn)+"application_name="+url.QueryEscape(app))
+				}
+			}
+			idempotencytest.Run(t, cfg, idempotencytest.Case{
+				Name: "posting",
+				Task: func(id string) (*asynq.Task, error) {
+					return posting.NewTask(posting.Posting{Account: "acct-" + id, Cents: 250, Ref: "ref-" + id})
+				},
+				Effects: func(ctx context.Context, id string) (int, error) {
+					return exampletest.Count(ctx, pool, `SELECT count(*) FROM postings WHERE ref = $1`, "ref-"+id)
+				},
+			})
+		})
+	}
+}
+
+// sep is what joins one more parameter to the URL u.
+func sep(u string) string {
+	if strings.Contains(u, "?") {
+		return "&"
+	}
+	return "?"
 }
 
 // The worker as main builds it, its handlers' transactions on lib/pq (as main opens

@@ -3,6 +3,7 @@ package idempotencytest
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"log/slog"
@@ -37,6 +38,12 @@ type Config struct {
 	// harness made for one simulated process), for an application that wires
 	// asynqmw.Transactional and asynqmw.Leased itself.
 	Register func(w *asynqmw.Worker, mux *asynq.ServeMux)
+	// SQL opens the *sql.DB one simulated process's database/sql handlers
+	// (server.HandleSQLTx, StepSQLTx) take their transactions from
+	// (idempotency.Config.SQL), for a driver other than pgx's stdlib, such as lib/pq. Its
+	// sessions must carry application_name appName, so that a crash ends them. The
+	// harness closes it with the process. Default: pgx's stdlib over the process's pool.
+	SQL func(appName string) (*sql.DB, error)
 	// Lease is the ledger lease, the lock TTL and the idle timeout of a DoTx transaction
 	// in the simulated processes. Default 1s.
 	Lease time.Duration

@@ -2,6 +2,7 @@ package idempotencytest
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"net"
@@ -119,6 +120,7 @@ type process struct {
 	gate gate
 
 	pool   *pgxpool.Pool
+	sql    *sql.DB // Config.SQL's, if set
 	ledger *idempotency.Ledger
 	worker *asynqmw.Worker
 	locks  *redis.Client // the lock and the result writes; dies with the process
@@ -165,8 +167,15 @@ func (r *run) startProcess(concurrency int) (*process, error) {
 		return nil, err
 	}
 	p.pool = pool
+	if r.cfg.SQL != nil {
+		if p.sql, err = r.cfg.SQL(p.app); err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("idempotencytest: Config.SQL: %w", err)
+		}
+	}
 	lease := r.cfg.Lease
 	p.ledger = idempotency.New(pool, &idempotency.Config{
+		SQL:   p.sql,
 		Lease: lease, SessionTimeout: lease, ClaimLockTimeout: lease / 4, WriteTimeout: 5 * time.Second,
 		Logger: r.cfg.Logger.With("process", p.name),
 		ObserveBatch: func(_ string, n int) {
@@ -240,6 +249,9 @@ func (p *process) close() {
 	}
 	p.worker.Wait()
 	p.ledger.Close()
+	if p.sql != nil {
+		p.sql.Close()
+	}
 	p.pool.Close()
 	p.locks.Close()
 	p.queue.Close()
