@@ -9,20 +9,15 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"log"
-	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/redis/go-redis/v9"
 	"github.com/uptrace/bun"
 	"github.com/uptrace/bun/dialect/pgdialect"
 
 	"github.com/idemq/idemq/examples/internal/posting"
+	"github.com/idemq/idemq/examples/internal/worker"
 	"github.com/idemq/idemq/idempotency/server"
-	"github.com/idemq/idemq/migrations"
 )
 
 // Posting is bun's model of a row of postings.
@@ -58,47 +53,8 @@ func (a app) post(ctx context.Context, tx *sql.Tx, p posting.Posting) (json.RawM
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx); err != nil {
-		log.Fatal(err)
-	}
-}
-
-// run migrates DATABASE_URL (idemq's tables and postings) and serves jobs from REDIS_URL
-// until ctx ends.
-func run(ctx context.Context) error {
-	pool, err := pgxpool.New(ctx, getenv("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"))
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if _, err := migrations.UpPool(ctx, pool); err != nil {
-		return err
-	}
-	if _, err := pool.Exec(ctx, posting.Schema); err != nil {
-		return err
-	}
-	opt, err := redis.ParseURL(getenv("REDIS_URL", "redis://127.0.0.1:6379/0"))
-	if err != nil {
-		return err
-	}
-	rdb := redis.NewClient(opt)
-	defer rdb.Close()
 	// One *sql.DB for bun and the handlers' transactions (server.Config.SQL).
-	sqldb := stdlib.OpenDBFromPool(pool)
-	defer sqldb.Close()
-	srv, err := server.New(server.Config{Postgres: pool, Redis: rdb, SQL: sqldb})
-	if err != nil {
-		return err
-	}
-	app{db: bun.NewDB(sqldb, pgdialect.New())}.register(srv)
-	return srv.Run(ctx)
-}
-
-func getenv(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
+	worker.Main(func(_ context.Context, _ string, pool *pgxpool.Pool) (*sql.DB, error) {
+		return stdlib.OpenDBFromPool(pool), nil
+	}, func(db *sql.DB, r server.Registrar) { app{db: bun.NewDB(db, pgdialect.New())}.register(r) })
 }

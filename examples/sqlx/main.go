@@ -10,20 +10,15 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"log"
-	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jmoiron/sqlx"
 	"github.com/jmoiron/sqlx/reflectx"
 	_ "github.com/lib/pq" // the "postgres" driver
-	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/examples/internal/posting"
+	"github.com/idemq/idemq/examples/internal/worker"
 	"github.com/idemq/idemq/idempotency/server"
-	"github.com/idemq/idemq/migrations"
 )
 
 // Posting is a row of postings as sqlx maps it.
@@ -66,50 +61,12 @@ func post(ctx context.Context, tx *sql.Tx, p posting.Posting) (json.RawMessage, 
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx); err != nil {
-		log.Fatal(err)
-	}
-}
-
-// run migrates DATABASE_URL (idemq's tables and postings) and serves jobs from REDIS_URL
-// until ctx ends.
-func run(ctx context.Context) error {
-	dsn := getenv("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable")
-	pool, err := pgxpool.New(ctx, dsn) // the ledger's own pool
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if _, err := migrations.UpPool(ctx, pool); err != nil {
-		return err
-	}
-	if _, err := pool.Exec(ctx, posting.Schema); err != nil {
-		return err
-	}
-	db, err := sqlx.Open("postgres", dsn) // lib/pq, for the handlers' transactions
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	opt, err := redis.ParseURL(getenv("REDIS_URL", "redis://127.0.0.1:6379/0"))
-	if err != nil {
-		return err
-	}
-	rdb := redis.NewClient(opt)
-	defer rdb.Close()
-	srv, err := server.New(server.Config{Postgres: pool, Redis: rdb, SQL: db.DB})
-	if err != nil {
-		return err
-	}
-	register(srv)
-	return srv.Run(ctx)
-}
-
-func getenv(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
+	// The handlers' transactions on lib/pq (server.Config.SQL).
+	worker.Main(func(_ context.Context, dsn string, _ *pgxpool.Pool) (*sql.DB, error) {
+		db, err := sqlx.Open("postgres", dsn)
+		if err != nil {
+			return nil, err
+		}
+		return db.DB, nil
+	}, func(_ *sql.DB, r server.Registrar) { register(r) })
 }
