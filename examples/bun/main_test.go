@@ -1,16 +1,13 @@
 package main
 
 import (
-	"context"
 	"testing"
 
-	"github.com/hibiken/asynq"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/uptrace/bun"
 	"github.com/uptrace/bun/dialect/pgdialect"
 
 	"github.com/idemq/idemq/examples/internal/exampletest"
-	"github.com/idemq/idemq/examples/internal/posting"
 	"github.com/idemq/idemq/idempotency/idempotencytest"
 )
 
@@ -24,13 +21,5 @@ func TestPostingsTakeEffectOnce(t *testing.T) {
 	t.Cleanup(func() { sqldb.Close() })
 	a := app{db: bun.NewDB(sqldb, pgdialect.New())}
 	cfg := idempotencytest.Config{Pool: pool, Redis: exampletest.Redis(t), Handlers: a.register}
-	idempotencytest.Run(t, cfg, idempotencytest.Case{
-		Name: "posting",
-		Task: func(id string) (*asynq.Task, error) {
-			return posting.NewTask(posting.Posting{Account: "acct-" + id, Cents: 250, Ref: "ref-" + id})
-		},
-		Effects: func(ctx context.Context, id string) (int, error) {
-			return exampletest.Count(ctx, pool, `SELECT count(*) FROM postings WHERE ref = $1`, "ref-"+id)
-		},
-	})
+	idempotencytest.Run(t, cfg, exampletest.PostingCase(pool))
 }

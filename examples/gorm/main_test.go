@@ -1,13 +1,9 @@
 package main
 
 import (
-	"context"
 	"testing"
 
-	"github.com/hibiken/asynq"
-
 	"github.com/idemq/idemq/examples/internal/exampletest"
-	"github.com/idemq/idemq/examples/internal/posting"
 	"github.com/idemq/idemq/idempotency/idempotencytest"
 )
 
@@ -17,13 +13,5 @@ import (
 func TestPostingsTakeEffectOnce(t *testing.T) {
 	pool, _ := exampletest.Postgres(t)
 	cfg := idempotencytest.Config{Pool: pool, Redis: exampletest.Redis(t), Handlers: register}
-	idempotencytest.Run(t, cfg, idempotencytest.Case{
-		Name: "posting",
-		Task: func(id string) (*asynq.Task, error) {
-			return posting.NewTask(posting.Posting{Account: "acct-" + id, Cents: 250, Ref: "ref-" + id})
-		},
-		Effects: func(ctx context.Context, id string) (int, error) {
-			return exampletest.Count(ctx, pool, `SELECT count(*) FROM postings WHERE ref = $1`, "ref-"+id)
-		},
-	})
+	idempotencytest.Run(t, cfg, exampletest.PostingCase(pool))
 }

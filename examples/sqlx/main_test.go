@@ -39,15 +39,7 @@ func TestPostingsTakeEffectOnce(t *testing.T) {
 					return sql.Open("postgres", dsn+sep(dsn)+"application_name="+url.QueryEscape(app))
 				}
 			}
-			idempotencytest.Run(t, cfg, idempotencytest.Case{
-				Name: "posting",
-				Task: func(id string) (*asynq.Task, error) {
-					return posting.NewTask(posting.Posting{Account: "acct-" + id, Cents: 250, Ref: "ref-" + id})
-				},
-				Effects: func(ctx context.Context, id string) (int, error) {
-					return exampletest.Count(ctx, pool, `SELECT count(*) FROM postings WHERE ref = $1`, "ref-"+id)
-				},
-			})
+			idempotencytest.Run(t, cfg, exampletest.PostingCase(pool))
 		})
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemq/idemq/examples/internal/posting"
+	"github.com/idemq/idemq/idempotency/idempotencytest"
 	"github.com/idemq/idemq/migrations"
 )
 
@@ -154,4 +155,18 @@ func Queue(t testing.TB, rdb *redis.Client) string {
 		}
 	})
 	return q
+}
+
+// PostingCase is the harness's case of a ledger:posting: a posting of its own for each
+// schedule, whose effect is its row in postings (exactly one wanted).
+func PostingCase(pool *pgxpool.Pool) idempotencytest.Case {
+	return idempotencytest.Case{
+		Name: "posting",
+		Task: func(id string) (*asynq.Task, error) {
+			return posting.NewTask(posting.Posting{Account: "acct-" + id, Cents: 250, Ref: "ref-" + id})
+		},
+		Effects: func(ctx context.Context, id string) (int, error) {
+			return Count(ctx, pool, `SELECT count(*) FROM postings WHERE ref = $1`, "ref-"+id)
+		},
+	}
 }
