@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemq/idemq/handlers"
 	"github.com/idemq/idemq/idempotency"
@@ -379,41 +380,14 @@ func mustRedisDB(t *testing.T, url string) int {
 // exactly once in a transaction of its own: no shared commit is observed.
 func TestWorkerWithoutGroupCommit(t *testing.T) {
 	t.Parallel()
-	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
-	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
-	cfg := &config.Worker{
-		Redis: config.Redis{RedisURL: rurl}, Database: config.Database{DatabaseURL: dsn},
-		Concurrency: 8, Queues: []string{"default"}, Lease: 5 * time.Second, LockTTL: 5 * time.Second,
-		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: "http://127.0.0.1:1",
-		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: false,
-	}
-	metricsURL := startWorker(t, cfg, nil)
-	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
-	t.Cleanup(func() { client.Close() })
-	tctx := testenv.Context(t, 3*time.Minute)
-	const n = 40
-	for i := range n {
-		s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("gc-%d", i%4), AmountCents: 100, Reference: fmt.Sprintf("gc-%d", i)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, id := range []string{s.Key, s.Key + "#dup"} {
-			if _, err := client.EnqueueContext(tctx, s.Task(id, time.Now())); err != nil {
-				t.Fatalf("enqueue %s: %v", id, err)
-			}
-		}
-	}
-	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted), func(v float64) bool { return v >= n })
-	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCached), func(v float64) bool { return v >= n })
-	if v := scrape(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted)); v != n {
-		t.Errorf("%v debits completed, want %d: each once", v, n)
-	}
+	cfg := debitWorker(t)
+	cfg.GroupCommit = false
+	metricsURL, pool, n := drainDebitsTwice(t, cfg, "gc")
 	if v := scrape(t, metricsURL, `idemq_ledger_commit_requests_count{kind="tx"}`); v != 0 {
 		t.Errorf("%v shared transactions observed with group commit off, want 0", v)
 	}
-	pool := testenv.Pool(t, dsn)
 	var entries, refs int
-	if err := pool.QueryRow(tctx, `SELECT count(*), count(DISTINCT reference) FROM wallet_entries WHERE reference LIKE 'gc-%'`).Scan(&entries, &refs); err != nil {
+	if err := pool.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT reference) FROM wallet_entries WHERE reference LIKE 'gc-%'`).Scan(&entries, &refs); err != nil {
 		t.Fatal(err)
 	}
 	if entries != n || refs != n {
@@ -426,26 +400,49 @@ func TestWorkerWithoutGroupCommit(t *testing.T) {
 // entry each, fenced like the pgx handler's; a bad value stops the worker naming it.
 func TestWorkerDebitsThroughSQL(t *testing.T) {
 	t.Parallel()
-	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
-	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
-	cfg := &config.Worker{
-		Redis: config.Redis{RedisURL: rurl}, Database: config.Database{DatabaseURL: dsn},
-		Concurrency: 8, Queues: []string{"default"}, Lease: 5 * time.Second, LockTTL: 5 * time.Second,
-		ShutdownTimeout: 5 * time.Second, MetricsAddr: addr, FakepayURL: "http://127.0.0.1:1",
-		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: true, DebitDriver: "sql",
-	}
+	cfg := debitWorker(t)
 	bad := *cfg
 	bad.DebitDriver = "mysql"
 	if err := runWorker(testenv.Context(t, time.Minute), &bad, slog.New(slog.DiscardHandler)); err == nil || !strings.Contains(err.Error(), "IDEMQ_DEBIT_DRIVER") {
 		t.Fatalf("IDEMQ_DEBIT_DRIVER=mysql: %v, want a refusal naming it", err)
 	}
-	metricsURL := startWorker(t, cfg, nil)
-	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, rurl), DB: mustRedisDB(t, rurl)})
+	cfg.DebitDriver = "sql"
+	_, pool, n := drainDebitsTwice(t, cfg, "sql")
+	var entries, refs, fenced int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT e.reference), count(*) FILTER (WHERE e.fence = p.fence)
+		FROM wallet_entries e JOIN processed_jobs p ON p.idempotency_key = 'debit:' || e.reference
+		WHERE e.reference LIKE 'sql-%'`).Scan(&entries, &refs, &fenced); err != nil {
+		t.Fatal(err)
+	}
+	if entries != n || refs != n || fenced != n {
+		t.Errorf("%d wallet entries over %d references, %d with the completion's fence; want %d each", entries, refs, fenced, n)
+	}
+}
+
+// debitWorker is a worker's configuration on the test's own schema and Redis database.
+func debitWorker(t *testing.T) *config.Worker {
+	dsn, rurl := testenv.PostgresURL(t), testenv.RedisURL(t)
+	return &config.Worker{
+		Redis: config.Redis{RedisURL: rurl}, Database: config.Database{DatabaseURL: dsn},
+		Concurrency: 8, Queues: []string{"default"}, Lease: 5 * time.Second, LockTTL: 5 * time.Second,
+		ShutdownTimeout: 5 * time.Second, MetricsAddr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), FakepayURL: "http://127.0.0.1:1",
+		Retention: 720 * time.Hour, MaxAge: 24 * time.Hour, LogLevel: "warn", GroupCommit: true,
+	}
+}
+
+// drainDebitsTwice starts a worker with cfg, enqueues n debits over 4 accounts, each
+// twice under TaskIDs of its own (references prefix-0 …), waits until every one was
+// answered, and checks that each completed once. It returns the worker's metrics URL,
+// a pool on its schema and n.
+func drainDebitsTwice(t *testing.T, cfg *config.Worker, prefix string) (metricsURL string, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	metricsURL = startWorker(t, cfg, nil)
+	client := asynq.NewClient(asynq.RedisClientOpt{Addr: mustRedisAddr(t, cfg.RedisURL), DB: mustRedisDB(t, cfg.RedisURL)})
 	t.Cleanup(func() { client.Close() })
 	tctx := testenv.Context(t, 3*time.Minute)
-	const n = 40
+	n = 40
 	for i := range n {
-		s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("sql-%d", i%4), AmountCents: 100, Reference: fmt.Sprintf("sql-%d", i)})
+		s, err := tasks.DebitSpec(tasks.Debit{AccountID: fmt.Sprintf("%s-%d", prefix, i%4), AmountCents: 100, Reference: fmt.Sprintf("%s-%d", prefix, i)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -455,19 +452,10 @@ func TestWorkerDebitsThroughSQL(t *testing.T) {
 			}
 		}
 	}
-	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted), func(v float64) bool { return v >= n })
-	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCached), func(v float64) bool { return v >= n })
-	if v := scrape(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted)); v != n {
+	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted), func(v float64) bool { return v >= float64(n) })
+	waitMetric(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCached), func(v float64) bool { return v >= float64(n) })
+	if v := scrape(t, metricsURL, handled(tasks.TypeDebit, asynqmw.OutcomeCompleted)); v != float64(n) {
 		t.Errorf("%v debits completed, want %d: each once", v, n)
 	}
-	pool := testenv.Pool(t, dsn)
-	var entries, refs, fenced int
-	if err := pool.QueryRow(tctx, `SELECT count(*), count(DISTINCT e.reference), count(*) FILTER (WHERE e.fence = p.fence)
-		FROM wallet_entries e JOIN processed_jobs p ON p.idempotency_key = 'debit:' || e.reference
-		WHERE e.reference LIKE 'sql-%'`).Scan(&entries, &refs, &fenced); err != nil {
-		t.Fatal(err)
-	}
-	if entries != n || refs != n || fenced != n {
-		t.Errorf("%d wallet entries over %d references, %d with the completion's fence; want %d each", entries, refs, fenced, n)
-	}
+	return metricsURL, testenv.Pool(t, cfg.DatabaseURL), n
 }
