@@ -131,8 +131,10 @@ func (l *Ledger) List(ctx context.Context, status string, limit int) ([]Record, 
 	return recs, nil
 }
 
-// CountStatus returns how many rows have the given status. It scans the table: call it for a
-// gauge at most every few tens of seconds, not per delivery. Safe for concurrent use.
+// CountStatus returns how many rows have the given status. In progress and needs
+// attention are read from an index of the open rows; completed and failed scan the
+// table: count those for a gauge at most every few tens of seconds, not per delivery.
+// Safe for concurrent use.
 func (l *Ledger) CountStatus(ctx context.Context, status string) (int64, error) {
 	switch status {
 	case StatusInProgress, StatusCompleted, StatusFailed, StatusNeedsAttention:

@@ -11,8 +11,9 @@ import (
 )
 
 // LedgerCollector exports the ledger rows that need an operator (status
-// needs_attention). Counting them scans processed_jobs, so a scrape reuses the last
-// count while it is younger than the collector's interval.
+// needs_attention). They are counted from the index of the open rows (a schema before
+// 113 scans processed_jobs), and a scrape reuses the last count while it is younger than
+// the collector's interval.
 type LedgerCollector struct {
 	ledger *idempotency.Ledger
 	every  time.Duration
