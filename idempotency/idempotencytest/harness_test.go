@@ -383,3 +383,28 @@ func TestSQLHandlersTakeEffectOnce(t *testing.T) {
 	}}
 	mustCatch(t, leaky, debitCase(pool), idempotencytest.CrashAfterEffect, "writes outside the transaction", "happened 2 times")
 }
+
+// A checkout whose order row is a StepSQLTx (database/sql over pgx's stdlib) passes every
+// schedule, its step schedules included: the row and the step's record commit together.
+func TestStepSQLTxTakesEffectOnce(t *testing.T) {
+	t.Parallel()
+	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
+	charger := provider(t, pool, true)
+	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
+		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
+			return charger.ChargeCheckout(ctx, key, c)
+		})
+		if err != nil {
+			return nil, err
+		}
+		row, err := idempotency.StepSQLTx(ctx, "record", func(ctx context.Context, tx *sql.Tx) (int64, error) {
+			_, fence, _ := idempotency.FromContext(ctx)
+			var id int64
+			err := tx.QueryRowContext(ctx, `INSERT INTO orders (order_id, customer_id, amount_cents, currency, charge_id, fence)
+				VALUES ($1, $2, $3, $4, $5, $6) RETURNING id`, c.OrderID, c.CustomerID, c.AmountCents, c.Currency, charge.ChargeID, fence).Scan(&id)
+			return id, err
+		})
+		return json.RawMessage(fmt.Sprintf(`{"order_row":%d}`, row)), err
+	})
+	idempotencytest.Run(t, cfg, checkoutCase(pool, "checkout-order", countOrders))
+}
