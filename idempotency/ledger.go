@@ -68,6 +68,12 @@ const (
 	StepError     StepOutcome = "error"      // fn failed, or its result or record could not be stored
 )
 
+// Tables passed to Config.ObservePurge.
+const (
+	PurgeLedger      = "processed_jobs" // terminal rows past the window, with their intents, steps and events
+	PurgeDeadIntents = "job_intents"    // dead intents past the window whose key has no row
+)
+
 // Kinds of shared commit passed to Config.ObserveBatch.
 const (
 	BatchClaim     = "claim"     // leased claims (Do)
@@ -154,6 +160,12 @@ type Config struct {
 	// written (HistoryWritten), dropped from a full buffer (HistoryDropped) or lost to a
 	// failed write (HistoryFailed). It must be fast and safe for concurrent use.
 	ObserveHistory func(outcome string, n int)
+	// ObservePurge, if set, is called after each batch statement of Purge (and so of the
+	// retention round) with the table it purged (PurgeLedger: completed and failed rows,
+	// with their intents, steps and events; PurgeDeadIntents: dead intents without a
+	// row), how many rows it deleted and how long it took. It must be fast and safe for
+	// concurrent use.
+	ObservePurge func(table string, rows int64, took time.Duration)
 	// NoDuplicateHistory leaves cached duplicates (a delivery of a completed key answered
 	// from the ledger) out of keys' histories; Observe still counts them (EventCacheHit).
 	// Each recorded duplicate costs a row: on a load whose deliveries are mostly

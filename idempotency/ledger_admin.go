@@ -233,11 +233,11 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	if batch <= 0 {
 		batch = 1000
 	}
-	rows, err := l.purgeBatches(ctx, store.PurgeSQL, olderThan, batch)
+	rows, err := l.purgeBatches(ctx, PurgeLedger, store.PurgeSQL, olderThan, batch)
 	if err != nil {
 		return rows, fmt.Errorf("idempotency: purge: %w", err)
 	}
-	dead, err := l.purgeBatches(ctx, store.PurgeDeadIntentsSQL, olderThan, batch)
+	dead, err := l.purgeBatches(ctx, PurgeDeadIntents, store.PurgeDeadIntentsSQL, olderThan, batch)
 	if dead > 0 {
 		l.log.Info("idempotency: purged dead intents without a ledger row", "count", dead, "older_than", olderThan)
 	}
@@ -247,14 +247,19 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	return rows + dead, nil
 }
 
-// purgeBatches runs sql, a purge of one batch answering how many it deleted, until a
-// batch deletes fewer than batch.
-func (l *Ledger) purgeBatches(ctx context.Context, sql string, olderThan time.Duration, batch int) (int64, error) {
+// purgeBatches runs sql, a purge of one batch of table answering how many it deleted,
+// until a batch deletes fewer than batch; each batch is its own statement and
+// transaction, reported to Config.ObservePurge.
+func (l *Ledger) purgeBatches(ctx context.Context, table, sql string, olderThan time.Duration, batch int) (int64, error) {
 	var total int64
 	for {
 		var n int64
+		began := time.Now()
 		if err := l.pool.QueryRow(ctx, sql, olderThan.Microseconds(), batch).Scan(&n); err != nil {
 			return total, err
+		}
+		if l.cfg.ObservePurge != nil {
+			l.cfg.ObservePurge(table, n, time.Since(began))
 		}
 		total += n
 		if n < int64(batch) {

@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -60,7 +61,14 @@ func TestRunRetentionPurgesOnItsTurn(t *testing.T) {
 func TestPurgeRemovesDeadIntentsWithoutARow(t *testing.T) {
 	t.Parallel()
 	for _, withIndex := range []bool{true, false} {
-		l, pool := newLedger(t, nil)
+		var mu sync.Mutex
+		purged, statements := map[string]int64{}, map[string]int{}
+		l, pool := newLedger(t, &idempotency.Config{ObservePurge: func(table string, rows int64, took time.Duration) {
+			mu.Lock()
+			defer mu.Unlock()
+			purged[table] += rows
+			statements[table]++
+		}})
 		ctx := testenv.Context(t, 30*time.Second)
 		if !withIndex {
 			mustExec(t, pool, `DROP INDEX IF EXISTS job_intents_dead_idx`)
@@ -91,5 +99,13 @@ func TestPurgeRemovesDeadIntentsWithoutARow(t *testing.T) {
 		if e := count(t, pool, `SELECT count(*) FROM processed_job_events WHERE idempotency_key = 'dead-new'`); e != 1 {
 			t.Fatalf("index %v: the history of a dead intent inside the window: %d events, want 1", withIndex, e)
 		}
+		mu.Lock()
+		// Each batch statement is observed: the ledger's one (nothing past the window), then
+		// the dead intents' two (2, then 1: fewer than a batch ends it).
+		if purged[idempotency.PurgeDeadIntents] != 3 || statements[idempotency.PurgeDeadIntents] != 2 ||
+			purged[idempotency.PurgeLedger] != 0 || statements[idempotency.PurgeLedger] != 1 {
+			t.Errorf("index %v: observed rows %v in statements %v; want job_intents 3 in 2, processed_jobs 0 in 1", withIndex, purged, statements)
+		}
+		mu.Unlock()
 	}
 }

@@ -383,6 +383,9 @@ func TestWorkerWithoutGroupCommit(t *testing.T) {
 	cfg := debitWorker(t)
 	cfg.GroupCommit = false
 	metricsURL, pool, n := drainDebitsTwice(t, cfg, "gc")
+	// The retention round the worker runs at its start sent its two purge statements
+	// (the ledger's, the dead intents'), each observed.
+	waitMetric(t, metricsURL, "idemq_purge_seconds_count", func(v float64) bool { return v >= 2 })
 	if v := scrape(t, metricsURL, `idemq_ledger_commit_requests_count{kind="tx"}`); v != 0 {
 		t.Errorf("%v shared transactions observed with group commit off, want 0", v)
 	}

@@ -125,6 +125,7 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			},
 			ObserveBatch:   m.ObserveBatch,
 			ObserveHistory: m.ObserveHistory,
+			ObservePurge:   m.ObservePurge,
 			ObserveStep: func(taskType, step string, outcome idempotency.StepOutcome) {
 				m.ObserveStep(taskType, step, string(outcome))
 			},

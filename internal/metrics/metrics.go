@@ -58,6 +58,10 @@ type Metrics struct {
 	// HistoryEvents counts the events of keys' histories by outcome (written, dropped:
 	// the buffer was full, failed: the write failed); see idempotency.Ledger.Record.
 	HistoryEvents *prometheus.CounterVec
+	// PurgeRows counts the rows the retention purge deleted, by table; PurgeSeconds
+	// times each of its batch statements (idempotency.Config.ObservePurge).
+	PurgeRows    *prometheus.CounterVec
+	PurgeSeconds prometheus.Histogram
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -118,6 +122,15 @@ func New() *Metrics {
 			Name: "idemq_history_events_total",
 			Help: "Events of keys' histories (processed_job_events) by outcome: written, dropped (the buffer was full), failed (the write failed).",
 		}, []string{"outcome"}),
+		PurgeRows: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemq_purge_rows_total",
+			Help: "Rows the retention purge deleted, by table: processed_jobs (terminal rows past the window, with their intents, steps and events), job_intents (dead intents without a ledger row).",
+		}, []string{"table"}),
+		PurgeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "idemq_purge_seconds",
+			Help:    "Duration of each batch statement of the retention purge (each its own transaction, at most 1,000 rows).",
+			Buckets: []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -138,6 +151,7 @@ func New() *Metrics {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
 		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.AsynqRecovered, m.OverBudget, m.HistoryEvents,
+		m.PurgeRows, m.PurgeSeconds,
 	)
 	return m
 }
@@ -198,6 +212,13 @@ func (m *Metrics) ObserveStep(taskType, step, outcome string) {
 // (idempotency.Config.ObserveHistory).
 func (m *Metrics) ObserveHistory(outcome string, n int) {
 	m.HistoryEvents.WithLabelValues(outcome).Add(float64(n))
+}
+
+// ObservePurge records one batch statement of the retention purge
+// (idempotency.Config.ObservePurge).
+func (m *Metrics) ObservePurge(table string, rows int64, took time.Duration) {
+	m.PurgeRows.WithLabelValues(table).Add(float64(rows))
+	m.PurgeSeconds.Observe(took.Seconds())
 }
 
 // ObserveBatch records how many requests a shared commit of a kind carried in
