@@ -155,15 +155,27 @@ func closeResult(pipe *pgconn.Pipeline) error {
 
 // encodeArgs encodes args in the binary format for the parameter types oids.
 func encodeArgs(m *pgtype.Map, oids []uint32, args []any) ([][]byte, []int16, error) {
-	params, formats := make([][]byte, len(args)), make([]int16, len(args))
-	for j, a := range args {
-		var err error
-		if params[j], err = m.Encode(oids[j], pgtype.BinaryFormatCode, a, nil); err != nil {
-			return nil, nil, fmt.Errorf("argument %d: %w", j+1, err)
-		}
+	params, err := encode(m, pgtype.BinaryFormatCode, oids, args)
+	if err != nil {
+		return nil, nil, err
+	}
+	formats := make([]int16, len(args))
+	for j := range formats {
 		formats[j] = pgtype.BinaryFormatCode
 	}
 	return params, formats, nil
+}
+
+// encode encodes args in format for the parameter types oids.
+func encode(m *pgtype.Map, format int16, oids []uint32, args []any) ([][]byte, error) {
+	params := make([][]byte, len(args))
+	for j, a := range args {
+		var err error
+		if params[j], err = m.Encode(oids[j], format, a, nil); err != nil {
+			return nil, fmt.Errorf("argument %d: %w", j+1, err)
+		}
+	}
+	return params, nil
 }
 
 // cleanText makes s a value Postgres text takes (valid UTF-8, no NUL), of at most limit

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // The outbox's statements on job_intents: recording intents, the relays' takes and
@@ -76,7 +77,11 @@ func InsertIntents(ctx context.Context, q DB, ps []IntentParams, hold time.Durat
 	return inserted, err
 }
 
-// intentArgs are insert_intents.sql's arrays ($1..$9) for ps.
+// intentOIDs are intentArgs' parameter types.
+var intentOIDs = []uint32{pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.ByteaArrayOID, pgtype.ByteaArrayOID,
+	pgtype.TextArrayOID, pgtype.Int4ArrayOID, pgtype.Int8ArrayOID, pgtype.Int8ArrayOID, pgtype.TextArrayOID}
+
+// intentArgs are insert_intents.sql's arrays ($1..$9) for ps, of the types intentOIDs.
 func intentArgs(ps []IntentParams) []any {
 	n := len(ps)
 	keys, types, queues := make([]string, n), make([]string, n), make([]string, n)

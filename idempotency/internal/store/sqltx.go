@@ -60,14 +60,11 @@ func (w *Writes) BeginClaimSQL(ctx, txCtx context.Context, db *sql.DB, idle, loc
 		_ = tx.Rollback()
 		return nil, t, SQLError(err)
 	}
-	keys, err := textArray(pgtype.TextArrayOID, []string{p.Key})
+	a, err := textArgs([]uint32{pgtype.TextArrayOID, pgtype.ByteaArrayOID}, []any{[]string{p.Key}, [][]byte{p.Fingerprint}})
 	if err != nil {
 		return fail(err)
 	}
-	fps, err := textArray(pgtype.ByteaArrayOID, [][]byte{p.Fingerprint})
-	if err != nil {
-		return fail(err)
-	}
+	keys, fps := a[0], a[1]
 	if t.XID, t.ServerStart, err = lastTwoSQL(ctx, tx, w.HoldKeyWait, lockTimeout, keys, idle); err != nil {
 		return fail(err)
 	}
@@ -113,7 +110,7 @@ func lastTwoSQL(ctx context.Context, tx *sql.Tx, query string, args ...any) (xid
 // is the COMMIT's own error, apart from the statements' before it: when it is set and
 // Answered is false, the answer was lost (resolve it from the transaction id).
 func (w *Writes) FinishSQL(ctx context.Context, tx *sql.Tx, lockTimeout string, p FinishParams) (err error, commit error) {
-	args, err := finishTxTextArgs([]FinishParams{p})
+	args, err := textArgs(finishTxOIDs, finishTxArgs([]FinishParams{p}))
 	if err != nil {
 		return SQLError(err), nil
 	}
@@ -130,29 +127,24 @@ func (w *Writes) FinishSQL(ctx context.Context, tx *sql.Tx, lockTimeout string, 
 	return nil, nil
 }
 
-// finishTxTextArgs are FinishTx's arguments for ps, each array in its text form.
-func finishTxTextArgs(ps []FinishParams) ([]any, error) {
-	args := finishTxArgs(ps)
-	for i, a := range args {
-		s, err := textArray(finishTxOIDs[i], a)
-		if err != nil {
-			return nil, fmt.Errorf("finish argument %d: %w", i+1, err)
-		}
-		args[i] = s
-	}
-	return args, nil
-}
-
-// textMaps encode arrays to their text form: a pgx type map caches its plans, so each
+// textMaps encode arguments to their text form: a pgx type map caches its plans, so each
 // goroutine takes one of its own.
 var textMaps = sync.Pool{New: func() any { return pgtype.NewMap() }}
 
-// textArray is v, an array of the type oid, in Postgres's text form.
-func textArray(oid uint32, v any) (string, error) {
+// textArgs is args, of the parameter types oids, each in Postgres's text form (a string):
+// what the database/sql statements send, taken alike by pgx's stdlib and lib/pq.
+func textArgs(oids []uint32, args []any) ([]any, error) {
 	m := textMaps.Get().(*pgtype.Map)
 	defer textMaps.Put(m)
-	b, err := m.Encode(oid, pgtype.TextFormatCode, v, nil)
-	return string(b), err
+	params, err := encode(m, pgtype.TextFormatCode, oids, args)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]any, len(params))
+	for i, b := range params {
+		out[i] = string(b)
+	}
+	return out, nil
 }
 
 // sqlTargets adapts scan targets to database/sql: a column that lib/pq hands over as
@@ -227,7 +219,7 @@ func (w *Writes) InsertStepDB(ctx context.Context, tx *sql.Tx, p StepParams) err
 
 // InsertIntentsDB is InsertIntents on a database/sql transaction (EnqueueSQLTx).
 func InsertIntentsDB(ctx context.Context, tx *sql.Tx, ps []IntentParams, hold time.Duration) (map[string]string, error) {
-	args, err := textArrays(intentArgs(ps))
+	args, err := textArgs(intentOIDs, intentArgs(ps))
 	if err != nil {
 		return nil, err
 	}
@@ -249,11 +241,11 @@ func InsertIntentsDB(ctx context.Context, tx *sql.Tx, ps []IntentParams, hold ti
 
 // ReadIntentsDB is ReadIntents on a database/sql transaction (EnqueueSQLTx).
 func ReadIntentsDB(ctx context.Context, tx *sql.Tx, keys []string) (map[string]RecordedIntent, error) {
-	arr, err := textArray(pgtype.TextArrayOID, keys)
+	arr, err := textArgs([]uint32{pgtype.TextArrayOID}, []any{keys})
 	if err != nil {
 		return nil, err
 	}
-	rows, err := tx.QueryContext(ctx, readIntentsSQL, arr)
+	rows, err := tx.QueryContext(ctx, readIntentsSQL, arr[0])
 	if err != nil {
 		return nil, SQLError(err)
 	}
@@ -268,29 +260,4 @@ func ReadIntentsDB(ctx context.Context, tx *sql.Tx, keys []string) (map[string]R
 		known[key] = r
 	}
 	return known, SQLError(rows.Err())
-}
-
-// textArrays turns each array of args into its text form.
-func textArrays(args []any) ([]any, error) {
-	out := make([]any, len(args))
-	for i, a := range args {
-		oid, ok := arrayOIDs[reflect.TypeOf(a)]
-		if !ok {
-			return nil, fmt.Errorf("argument %d: no array type for %T", i+1, a)
-		}
-		s, err := textArray(oid, a)
-		if err != nil {
-			return nil, fmt.Errorf("argument %d: %w", i+1, err)
-		}
-		out[i] = s
-	}
-	return out, nil
-}
-
-// arrayOIDs are the Postgres array types of the Go slices the statements take.
-var arrayOIDs = map[reflect.Type]uint32{
-	reflect.TypeFor[[]string](): pgtype.TextArrayOID,
-	reflect.TypeFor[[][]byte](): pgtype.ByteaArrayOID,
-	reflect.TypeFor[[]int32]():  pgtype.Int4ArrayOID,
-	reflect.TypeFor[[]int64]():  pgtype.Int8ArrayOID,
 }
