@@ -336,9 +336,11 @@ func (e *Exec) acquire() (*pgxpool.Conn, error) {
 	return e.cfg.Pool.Acquire(ctx)
 }
 
-func (e *Exec) observe(ev string, m *member) {
+func (e *Exec) observe(ev string, m *member) { e.observeType(ev, m.d.TaskType) }
+
+func (e *Exec) observeType(ev, taskType string) {
 	if e.cfg.Observe != nil {
-		e.cfg.Observe(ev, m.d.TaskType)
+		e.cfg.Observe(ev, taskType)
 	}
 }
 

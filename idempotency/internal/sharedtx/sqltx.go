@@ -23,7 +23,7 @@ type SQLFn func(ctx context.Context, tx *sql.Tx) (json.RawMessage, error)
 // begins, holds and reads the key (three round trips: database/sql sends one statement
 // at a time), runs d.SQL, then writes the row and commits (three more). A finish that
 // finds the row changed since the read runs d again, up to requeueRounds (then the key is
-// busy, store.Race). A panic of sqlFn is raised again after the rollback.
+// busy, store.Race). A panic of d.SQL is raised again after the rollback.
 func (e *Exec) RunSQL(ctx context.Context, db *sql.DB, d Delivery) Outcome {
 	for round := 0; ; round++ {
 		o, conflict := e.runSQL(ctx, db, d)
@@ -210,10 +210,4 @@ func asPgError(err error) *pgconn.PgError {
 	var pe *pgconn.PgError
 	errors.As(err, &pe)
 	return pe
-}
-
-func (e *Exec) observeType(ev, taskType string) {
-	if e.cfg.Observe != nil {
-		e.cfg.Observe(ev, taskType)
-	}
 }
