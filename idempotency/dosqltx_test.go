@@ -3,7 +3,6 @@ package idempotency_test
 import (
 	"context"
 	"database/sql"
-	"database/sql/driver"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -272,12 +271,11 @@ func TestDoSQLTxRefusesOtherDrivers(t *testing.T) {
 	if err != nil || !jsonEqual(res.Result, json.RawMessage(`"ok"`)) || count(t, pool, `SELECT count(*) FROM effects`) != 1 {
 		t.Fatalf("without Config.SQL: %+v, %v; want it run on the ledger's pool", res, err)
 	}
-	other := sql.OpenDB(otherConnector{})
-	defer other.Close()
+	other := testenv.OtherSQLDB(t)
 	l2 := idempotency.New(pool, &idempotency.Config{SQL: other})
 	defer l2.Close()
 	_, err = l2.DoSQLTx(ctx, req("k"), fn)
-	if err == nil || !strings.Contains(err.Error(), "idempotency_test.otherDriver") || !strings.Contains(err.Error(), "lib/pq") || !strings.Contains(err.Error(), "pgx/v5/stdlib") {
+	if err == nil || !strings.Contains(err.Error(), "testenv.OtherDriver") || !strings.Contains(err.Error(), "lib/pq") || !strings.Contains(err.Error(), "pgx/v5/stdlib") {
 		t.Fatalf("another driver: %v, want its type and the two supported named", err)
 	}
 	l3 := idempotency.New(pool, &idempotency.Config{SQL: other, SQLDriver: "mysql"})
@@ -291,15 +289,3 @@ func TestDoSQLTxRefusesOtherDrivers(t *testing.T) {
 		t.Fatalf("a vouched-for wrapper: %v", err)
 	}
 }
-
-// otherConnector opens nothing: it stands for a driver DoSQLTx does not know.
-type otherConnector struct{}
-
-func (otherConnector) Connect(context.Context) (driver.Conn, error) {
-	return nil, errors.New("not a database")
-}
-func (otherConnector) Driver() driver.Driver { return otherDriver{} }
-
-type otherDriver struct{}
-
-func (otherDriver) Open(string) (driver.Conn, error) { return nil, errors.New("not a database") }

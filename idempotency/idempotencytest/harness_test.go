@@ -222,6 +222,14 @@ func checkoutCase(pool *pgxpool.Pool, name, count string) idempotencytest.Case {
 	}
 }
 
+// chargeStep is a checkout's first step, as the checkout handler takes it: the charge,
+// recorded as step "charge".
+func chargeStep(ctx context.Context, charger *handlers.Charger, c tasks.Checkout) (handlers.ChargeResult, error) {
+	return idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
+		return charger.ChargeCheckout(ctx, key, c)
+	})
+}
+
 // checkoutConfig registers fn as the order:checkout handler.
 func checkoutConfig(pool *pgxpool.Pool, rdb *redis.Client, fn func(context.Context, tasks.Checkout) (json.RawMessage, error)) idempotencytest.Config {
 	return idempotencytest.Config{Pool: pool, Redis: rdb, Handlers: func(r server.Registrar) {
@@ -264,9 +272,7 @@ func TestCatchesAnEffectOutsideAnyStep(t *testing.T) {
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	charger := provider(t, pool, true)
 	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
-		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
-			return charger.ChargeCheckout(ctx, key, c)
-		})
+		charge, err := chargeStep(ctx, charger, c)
 		if err != nil {
 			return nil, err
 		}
@@ -290,9 +296,7 @@ func TestCatchesADatabaseEffectInStep(t *testing.T) {
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	charger := provider(t, pool, true)
 	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
-		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
-			return charger.ChargeCheckout(ctx, key, c)
-		})
+		charge, err := chargeStep(ctx, charger, c)
 		if err != nil {
 			return nil, err
 		}
@@ -318,9 +322,7 @@ func TestCatchesAStaleOwnerThatOutlivesItsLease(t *testing.T) {
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	charger := provider(t, pool, true)
 	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
-		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
-			return charger.ChargeCheckout(ctx, key, c)
-		})
+		charge, err := chargeStep(ctx, charger, c)
 		if err != nil {
 			return nil, err
 		}
@@ -391,9 +393,7 @@ func TestStepSQLTxTakesEffectOnce(t *testing.T) {
 	pool, rdb := testenv.Postgres(t), testenv.Redis(t)
 	charger := provider(t, pool, true)
 	cfg := checkoutConfig(pool, rdb, func(ctx context.Context, c tasks.Checkout) (json.RawMessage, error) {
-		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (handlers.ChargeResult, error) {
-			return charger.ChargeCheckout(ctx, key, c)
-		})
+		charge, err := chargeStep(ctx, charger, c)
 		if err != nil {
 			return nil, err
 		}

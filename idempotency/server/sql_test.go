@@ -3,9 +3,7 @@ package server_test
 import (
 	"context"
 	"database/sql"
-	"database/sql/driver"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -89,8 +87,7 @@ func TestRunRunsEachSQLJobOnce(t *testing.T) {
 func TestRunRefusesAnUnsupportedSQLDriver(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	other := sql.OpenDB(otherConnector{})
-	defer other.Close()
+	other := testenv.OtherSQLDB(t)
 	s, err := server.New(server.Config{Postgres: e.pool, Redis: e.rdb, SQL: other})
 	if err != nil {
 		t.Fatal(err)
@@ -100,19 +97,7 @@ func TestRunRefusesAnUnsupportedSQLDriver(t *testing.T) {
 		return nil, nil
 	})
 	err = s.Run(testenv.Context(t, time.Minute))
-	if err == nil || !strings.Contains(err.Error(), "server_test.otherDriver") || !strings.Contains(err.Error(), "lib/pq") {
+	if err == nil || !strings.Contains(err.Error(), "testenv.OtherDriver") || !strings.Contains(err.Error(), "lib/pq") {
 		t.Fatalf("Run = %v, want a refusal naming the driver and the supported ones", err)
 	}
 }
-
-// otherConnector opens nothing: it stands for a driver HandleSQLTx does not know.
-type otherConnector struct{}
-
-func (otherConnector) Connect(context.Context) (driver.Conn, error) {
-	return nil, errors.New("not a database")
-}
-func (otherConnector) Driver() driver.Driver { return otherDriver{} }
-
-type otherDriver struct{}
-
-func (otherDriver) Open(string) (driver.Conn, error) { return nil, errors.New("not a database") }
