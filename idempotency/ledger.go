@@ -70,8 +70,9 @@ const (
 
 // Tables passed to Config.ObservePurge.
 const (
-	PurgeLedger      = "processed_jobs" // terminal rows past the window, with their intents, steps and events
-	PurgeDeadIntents = "job_intents"    // dead intents past the window whose key has no row
+	PurgeLedger      = "processed_jobs"       // terminal rows past the window, with their intents and steps
+	PurgeDeadIntents = "job_intents"          // dead intents past the window whose key has no row
+	PurgeEvents      = "processed_job_events" // a day of keys' histories past the window, dropped whole
 )
 
 // Kinds of shared commit passed to Config.ObserveBatch.
@@ -162,9 +163,10 @@ type Config struct {
 	ObserveHistory func(outcome string, n int)
 	// ObservePurge, if set, is called after each batch statement of Purge (and so of the
 	// retention round) with the table it purged (PurgeLedger: completed and failed rows,
-	// with their intents, steps and events; PurgeDeadIntents: dead intents without a
-	// row), how many rows it deleted and how long it took. It must be fast and safe for
-	// concurrent use.
+	// with their intents and steps; PurgeDeadIntents: dead intents without a row;
+	// PurgeEvents: a day of keys' histories, dropped whole, its rows estimated from its
+	// statistics), how many rows it deleted and how long it took. It must be fast and
+	// safe for concurrent use.
 	ObservePurge func(table string, rows int64, took time.Duration)
 	// NoDuplicateHistory leaves cached duplicates (a delivery of a completed key answered
 	// from the ledger) out of keys' histories; Observe still counts them (EventCacheHit).

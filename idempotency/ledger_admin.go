@@ -219,9 +219,11 @@ func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error
 }
 
 // Purge deletes completed and failed rows that completed more than olderThan ago, with
-// their outbox intents, and then dead intents that finished more than olderThan ago and
-// whose key has no row (their task's payload was refused, say), in transactions of at
-// most batch rows (default 1000 when batch <= 0), until none is left or ctx ends.
+// their outbox intents and recorded steps, and then dead intents that finished more than
+// olderThan ago and whose key has no row (their task's payload was refused, say), in
+// transactions of at most batch rows (default 1000 when batch <= 0), until none is left
+// or ctx ends. Keys' histories go by the day: it drops each day of events that ended more
+// than olderThan ago, and readies the partitions of the coming week.
 // In-progress and needs_attention rows (and their intents) are never purged. It returns
 // how many rows and dead intents it deleted; the dead intents are also logged, as such. A
 // key delivered or enqueued again after it is purged runs again: keep the window longer
@@ -243,6 +245,9 @@ func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) 
 	}
 	if err != nil {
 		return rows + dead, fmt.Errorf("idempotency: purge dead intents: %w", err)
+	}
+	if _, err := l.purgeHistory(ctx, time.Now(), olderThan); err != nil {
+		return rows + dead, fmt.Errorf("idempotency: purge history: %w", err)
 	}
 	return rows + dead, nil
 }

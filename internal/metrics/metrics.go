@@ -124,7 +124,7 @@ func New() *Metrics {
 		}, []string{"outcome"}),
 		PurgeRows: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemq_purge_rows_total",
-			Help: "Rows the retention purge deleted, by table: processed_jobs (terminal rows past the window, with their intents, steps and events), job_intents (dead intents without a ledger row).",
+			Help: "Rows the retention purge deleted, by table: processed_jobs (terminal rows past the window, with their intents and steps), job_intents (dead intents without a ledger row), processed_job_events (days of keys' histories dropped whole, rows estimated from statistics).",
 		}, []string{"table"}),
 		PurgeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "idemq_purge_seconds",

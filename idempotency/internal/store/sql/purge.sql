@@ -1,6 +1,7 @@
 -- PurgeSQL deletes one batch of terminal rows older than the window, with their outbox
--- intents, recorded steps and history events. A row completed
--- before the cutoff also started before it, which lets the started_at index find them.
+-- intents and recorded steps (history events go by the day: store.DropEventDay). A row
+-- completed before the cutoff also started before it, which lets the started_at index
+-- find them.
 -- The outer conditions are checked again on the row version it deletes, so a row re-run
 -- meanwhile stays.
 WITH d AS (
@@ -16,7 +17,5 @@ WITH d AS (
 	DELETE FROM job_intents WHERE idempotency_key IN (SELECT idempotency_key FROM d)
 ), s AS (
 	DELETE FROM processed_job_steps WHERE idempotency_key IN (SELECT idempotency_key FROM d)
-), h AS (
-	DELETE FROM processed_job_events WHERE idempotency_key IN (SELECT idempotency_key FROM d)
 )
 SELECT count(*) FROM d

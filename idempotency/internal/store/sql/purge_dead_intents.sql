@@ -1,6 +1,6 @@
 -- PurgeDeadIntentsSQL deletes one batch of dead intents that finished longer ago than the
 -- window ($1, microseconds) and whose key has no ledger row (PurgeSQL deletes the others
--- with their row), with the key's steps and history events. The batch is read from the
+-- with their row), with the key's steps. The batch is read from the
 -- job_intents_dead_idx index (migration 00112; without it the statement still works,
 -- scanning), locked (SKIP LOCKED: a concurrent purge takes others), each row's ledger key
 -- looked up by primary key (OFFSET 0 keeps that lookup a per-row probe, never a scan of
@@ -16,7 +16,5 @@ WITH d AS (
 	RETURNING j.idempotency_key
 ), s AS (
 	DELETE FROM processed_job_steps WHERE idempotency_key IN (SELECT idempotency_key FROM d)
-), h AS (
-	DELETE FROM processed_job_events WHERE idempotency_key IN (SELECT idempotency_key FROM d)
 )
 SELECT count(*) FROM d
