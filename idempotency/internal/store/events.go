@@ -19,8 +19,8 @@ import (
 // Postgres (InsertEvents as one more Part, or queued in a DoTx finish), or are written by
 // a background flush.
 
-// MaxEventsPerGeneration caps the events kept per key and generation: an insert past it
-// is skipped.
+// MaxEventsPerGeneration caps the events kept per key, generation and day (UTC, the
+// table's partitions): an insert past it is skipped.
 const MaxEventsPerGeneration = 50
 
 // MaxEventDetail caps an event's detail, in bytes (the table's CHECK).
@@ -67,7 +67,8 @@ var eventsSettingsSQL = sqlText("events_settings", map[string]string{"EventsLock
 // lock outside any lock_timeout (see Statement).
 var InsertEvents = &Statement{Name: "idemq_insert_events", SQL: insertEventsSQL, ParamOIDs: []uint32{
 	pgtype.TextArrayOID, pgtype.Int4ArrayOID, pgtype.TimestamptzArrayOID, pgtype.TextArrayOID, pgtype.TextArrayOID,
-	pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int8ArrayOID, pgtype.Int8ArrayOID, pgtype.TextArrayOID}}
+	pgtype.TextArrayOID, pgtype.TextArrayOID, pgtype.Int8ArrayOID, pgtype.Int8ArrayOID, pgtype.TextArrayOID,
+	pgtype.TimestamptzOID, pgtype.TimestamptzOID}}
 
 // EventArgs returns InsertEvents' arguments for es.
 func EventArgs(es []EventParams) []any {
@@ -75,17 +76,26 @@ func EventArgs(es []EventParams) []any {
 	keys, gens, ats, kinds := make([]string, n), make([]int32, n), make([]time.Time, n), make([]string, n)
 	types, ids, workers, details := make([]pgtype.Text, n), make([]pgtype.Text, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
 	fences, olds := make([]pgtype.Int8, n), make([]pgtype.Int8, n)
+	var first, last time.Time // the days the events fall in, for the cap's count
 	for i, e := range es {
 		keys[i], gens[i], ats[i], kinds[i] = cleanText(e.Key, 255), int32(max(e.Generation, 0)), e.At, e.Kind
 		if ats[i].IsZero() {
 			ats[i] = time.Now()
+		}
+		if i == 0 || ats[i].Before(first) {
+			first = ats[i]
+		}
+		if i == 0 || ats[i].After(last) {
+			last = ats[i]
 		}
 		types[i], ids[i], workers[i] = optText(e.TaskType, 255), optText(e.TaskID, 255), optText(e.Worker, 255)
 		details[i] = optText(e.Detail, MaxEventDetail)
 		fences[i] = pgtype.Int8{Int64: e.Fence, Valid: e.Fence != 0}
 		olds[i] = pgtype.Int8{Int64: e.OldFence, Valid: e.OldFence != 0}
 	}
-	return []any{keys, gens, ats, kinds, types, ids, workers, fences, olds, details}
+	const day = 24 * time.Hour
+	return []any{keys, gens, ats, kinds, types, ids, workers, fences, olds, details,
+		first.UTC().Truncate(day), last.UTC().Truncate(day).Add(day)}
 }
 
 // EventsPart is InsertEvents for es as a Part of a Round: it answers no rows.
