@@ -229,46 +229,62 @@ func (l *Ledger) statusError(ctx context.Context, key string, wrong error) error
 // key delivered or enqueued again after it is purged runs again: keep the window longer
 // than anything can still deliver the key. Safe for concurrent use.
 func (l *Ledger) Purge(ctx context.Context, olderThan time.Duration, batch int) (int64, error) {
+	n, _, err := l.purge(ctx, olderThan, batch, time.Time{})
+	return n, err
+}
+
+// purge is Purge stopping after the first batch that ends past deadline (unless deadline
+// is zero). caughtUp means that both of its purges ran until a batch found fewer rows than
+// it may delete; it is false when purge stopped at deadline or on an error, leaving rows
+// past the window.
+func (l *Ledger) purge(ctx context.Context, olderThan time.Duration, batch int, deadline time.Time) (n int64, caughtUp bool, err error) {
 	if olderThan < 0 {
-		return 0, fmt.Errorf("%w: negative purge window %s", ErrInvalidRequest, olderThan)
+		return 0, false, fmt.Errorf("%w: negative purge window %s", ErrInvalidRequest, olderThan)
 	}
 	if batch <= 0 {
 		batch = 1000
 	}
-	rows, err := l.purgeBatches(ctx, PurgeLedger, store.PurgeSQL, olderThan, batch)
-	if err != nil {
-		return rows, fmt.Errorf("idempotency: purge: %w", err)
+	// Histories first: readying the coming days must not wait for a backlog of rows.
+	if _, herr := l.purgeHistory(ctx, time.Now(), olderThan); herr != nil {
+		defer func() { err = errors.Join(err, fmt.Errorf("idempotency: purge history: %w", herr)) }()
 	}
-	dead, err := l.purgeBatches(ctx, PurgeDeadIntents, store.PurgeDeadIntentsSQL, olderThan, batch)
+	rows, caughtUp, err := l.purgeBatches(ctx, PurgeLedger, store.PurgeSQL, olderThan, batch, deadline)
+	if err != nil {
+		return rows, false, fmt.Errorf("idempotency: purge: %w", err)
+	}
+	if !caughtUp {
+		return rows, false, nil
+	}
+	dead, caughtUp, err := l.purgeBatches(ctx, PurgeDeadIntents, store.PurgeDeadIntentsSQL, olderThan, batch, deadline)
 	if dead > 0 {
 		l.log.Info("idempotency: purged dead intents without a ledger row", "count", dead, "older_than", olderThan)
 	}
 	if err != nil {
-		return rows + dead, fmt.Errorf("idempotency: purge dead intents: %w", err)
+		return rows + dead, false, fmt.Errorf("idempotency: purge dead intents: %w", err)
 	}
-	if _, err := l.purgeHistory(ctx, time.Now(), olderThan); err != nil {
-		return rows + dead, fmt.Errorf("idempotency: purge history: %w", err)
-	}
-	return rows + dead, nil
+	return rows + dead, caughtUp, nil
 }
 
 // purgeBatches runs sql, a purge of one batch of table answering how many it deleted,
-// until a batch deletes fewer than batch; each batch is its own statement and
-// transaction, reported to Config.ObservePurge.
-func (l *Ledger) purgeBatches(ctx context.Context, table, sql string, olderThan time.Duration, batch int) (int64, error) {
-	var total int64
+// until a batch deletes fewer than batch (caughtUp) or one ends past deadline (unless it
+// is zero); each batch is its own statement and transaction, reported to
+// Config.ObservePurge.
+func (l *Ledger) purgeBatches(ctx context.Context, table, sql string, olderThan time.Duration, batch int, deadline time.Time) (total int64, caughtUp bool, err error) {
 	for {
 		var n int64
 		began := time.Now()
 		if err := l.pool.QueryRow(ctx, sql, olderThan.Microseconds(), batch).Scan(&n); err != nil {
-			return total, err
+			return total, false, err
 		}
 		if l.cfg.ObservePurge != nil {
 			l.cfg.ObservePurge(table, n, time.Since(began))
 		}
 		total += n
 		if n < int64(batch) {
-			return total, nil
+			return total, true, nil
+		}
+		if !deadline.IsZero() && time.Now().After(deadline) {
+			return total, false, nil
 		}
 	}
 }

@@ -12,48 +12,76 @@ type RetentionConfig struct {
 	// OlderThan is the retention window: completed and failed rows that completed longer
 	// ago are purged (see Purge). Required.
 	OlderThan time.Duration
-	// Every is how often a round may run. Default 1h.
+	// Every is how often a round may run. Default 1m: rounds that follow the inflow of
+	// expiring rows delete a minute of them at a time instead of an hour's in one burst.
 	Every time.Duration
-	// Turn, if set, is asked every minute (or Every, if shorter) whether this process
+	// Budget is how long a round may purge: it stops after the batch that ends past it and
+	// leaves the rest to the next rounds, so that a large backlog is worked off over
+	// several rounds. Keep it under Every, so that rounds of different replicas do not
+	// overlap (they would be safe, only wasteful). Default Every/2.
+	Budget time.Duration
+	// Batch is how many rows each purge statement deletes, in its own transaction (see
+	// Purge). Default 1000.
+	Batch int
+	// Turn, if set, is asked every Every/4 (at most every minute) whether this process
 	// takes a round now; it should grant one round per Every across all replicas (for
-	// example a Redis lock with a TTL of Every, taken and left to expire). Default: no
-	// coordination, a round every Every.
+	// example a Redis lock with a TTL of Every, taken and left to expire). Asking more
+	// often than Every keeps the rounds at most a quarter late, whichever replica's clock
+	// meets the lock's expiry first. Default: no coordination, a round every Every.
 	Turn func(ctx context.Context) bool
-	// Logger gets a line per round. Default: discard.
+	// Logger gets a line per round that purged or marked rows (the others log at debug
+	// level). Default: discard.
 	Logger *slog.Logger
 }
 
-// RunRetention purges expired rows (Purge) and marks stuck ones (MarkStuck) at once and
-// then every RetentionConfig.Every whose turn this process takes, until ctx ends. It
-// returns nil when ctx ends.
+// RunRetention runs a retention round at once and then every RetentionConfig.Every whose
+// turn this process takes, until ctx ends. A round purges expired rows (Purge) for at
+// most RetentionConfig.Budget and marks stuck ones (MarkStuck). It returns nil when ctx
+// ends.
 func (l *Ledger) RunRetention(ctx context.Context, cfg RetentionConfig) error {
 	if cfg.Every <= 0 {
-		cfg.Every = time.Hour
+		cfg.Every = time.Minute
 	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
+	if cfg.Budget <= 0 {
+		cfg.Budget = cfg.Every / 2
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	check := cfg.Every
 	if cfg.Turn != nil {
-		check = min(cfg.Every, time.Minute) // ask for the turn often; it grants one round per Every
+		check = max(min(cfg.Every/4, time.Minute), 1) // ask for the turn often; it grants one round per Every
 	}
 	t := time.NewTicker(check)
 	defer t.Stop()
 	for {
 		if cfg.Turn == nil || cfg.Turn(ctx) {
-			n, err := l.Purge(ctx, cfg.OlderThan, 1000)
-			stuck, err2 := l.MarkStuck(ctx)
-			if err = errors.Join(err, err2); err != nil && ctx.Err() == nil {
-				log.Warn("retention purge", "err", err)
-			} else {
-				log.Info("retention purge", "purged", n, "needs_attention", stuck, "older_than", cfg.OlderThan)
-			}
+			l.retentionRound(ctx, cfg)
 		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
 		}
+	}
+}
+
+// retentionRound purges for at most cfg.Budget, marks stuck rows and logs what it did.
+// The stuck-row sweep runs every round: it reads only the open rows
+// (processed_jobs_open_idx), so a row past the maximum age is set aside within a round.
+func (l *Ledger) retentionRound(ctx context.Context, cfg RetentionConfig) {
+	began := time.Now()
+	n, caughtUp, err := l.purge(ctx, cfg.OlderThan, cfg.Batch, began.Add(cfg.Budget))
+	stuck, err2 := l.MarkStuck(ctx)
+	log := cfg.Logger
+	attrs := []any{"purged", n, "caught_up", caughtUp, "needs_attention", stuck, "older_than", cfg.OlderThan,
+		"took", time.Since(began).Round(time.Millisecond)}
+	switch err = errors.Join(err, err2); {
+	case err != nil && ctx.Err() == nil:
+		log.Warn("retention round", append(attrs, "err", err)...)
+	case n > 0 || stuck > 0 || !caughtUp:
+		log.Info("retention round", attrs...)
+	default:
+		log.Debug("retention round", attrs...)
 	}
 }

@@ -111,3 +111,78 @@ func TestPurgeRemovesDeadIntentsWithoutARow(t *testing.T) {
 		mu.Unlock()
 	}
 }
+
+// A retention round purges for at most its budget: past it, the round stops after its
+// current batch and leaves the rest to the next rounds, which work the backlog off. Every
+// batch is one statement of at most Batch rows.
+func TestRetentionRoundsStopAtTheirBudget(t *testing.T) {
+	t.Parallel()
+	var (
+		mu         sync.Mutex
+		statements []string // table:rows, one per batch statement
+	)
+	l, pool := newLedger(t, &idempotency.Config{ObservePurge: func(table string, rows int64, _ time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		statements = append(statements, fmt.Sprintf("%s:%d", table, rows))
+	}})
+	ctx := testenv.Context(t, 30*time.Second)
+	mustExec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, started_at, completed_at)
+		SELECT 'old-' || i, 'test:task', 'completed', nextval('processed_jobs_fence_seq'), now() - interval '3 days', now() - interval '2 days'
+		FROM generate_series(1, 7) i`)
+	mustExec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, started_at, completed_at)
+		VALUES ('new', 'test:task', 'completed', nextval('processed_jobs_fence_seq'), now(), now())`)
+	// Statistics, as autovacuum keeps them on a live table: the batch statement's plan
+	// depends on them.
+	mustExec(t, pool, `ANALYZE processed_jobs`)
+
+	grant := make(chan struct{}, 1)
+	run, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- l.RunRetention(run, idempotency.RetentionConfig{OlderThan: 24 * time.Hour, Every: 200 * time.Millisecond,
+			Budget: time.Nanosecond, Batch: 2, Turn: func(context.Context) bool {
+				select {
+				case <-grant:
+					return true
+				default:
+					return false
+				}
+			}})
+	}()
+	// Each round deletes one batch of 2 and stops on its budget; the fourth finds the last
+	// row, fewer than a batch: it has caught up and goes on to the dead intents.
+	for round, want := range []struct {
+		statements string
+		left       int
+	}{
+		{"[processed_jobs:2]", 5},
+		{"[processed_jobs:2 processed_jobs:2]", 3},
+		{"[processed_jobs:2 processed_jobs:2 processed_jobs:2]", 1},
+		{"[processed_jobs:2 processed_jobs:2 processed_jobs:2 processed_jobs:1 job_intents:0]", 0},
+	} {
+		grant <- struct{}{}
+		for {
+			mu.Lock()
+			got := fmt.Sprint(statements)
+			mu.Unlock()
+			if got == want.statements {
+				break
+			}
+			if len(got) > len(want.statements) || ctx.Err() != nil {
+				t.Fatalf("round %d: statements %s, want %s", round+1, got, want.statements)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if left := count(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key LIKE 'old-%'`); left != want.left {
+			t.Fatalf("round %d left %d expired rows, want %d", round+1, left, want.left)
+		}
+	}
+	stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if count(t, pool, `SELECT count(*) FROM processed_jobs WHERE idempotency_key = 'new'`) != 1 {
+		t.Fatal("a row inside the window was purged")
+	}
+}

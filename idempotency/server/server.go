@@ -36,8 +36,9 @@ const (
 )
 
 // purgeEvery is how often one replica (whichever takes the purge lock) purges expired
-// ledger rows and marks stuck ones.
-const purgeEvery = time.Hour
+// ledger rows, for at most half of it, and marks stuck ones: often enough that each round
+// deletes about a minute's inflow of expiring rows, not an hour's in one burst.
+const purgeEvery = time.Minute
 
 // purgeLock is the lock scope whose holder takes the purge's turn.
 const purgeLock = "idemq:purge"
@@ -78,11 +79,11 @@ type Config struct {
 	// before they are handed back to asynq. Default 30s.
 	ShutdownTimeout time.Duration
 
-	// Retention is how long completed and failed ledger rows are kept: one replica an
-	// hour purges older ones, with their outbox intents, and marks rows stuck in progress
-	// past idempotency.Config.MaxAge as needing attention. It must be at least
-	// MinRetention(TaskRetention, TaskMaxRetry, the busy budget), or New refuses it.
-	// Default 720h (30 days).
+	// Retention is how long completed and failed ledger rows are kept: one replica a
+	// minute purges older ones (for at most 30 s a round), with their outbox intents, and
+	// marks rows stuck in progress past idempotency.Config.MaxAge as needing attention.
+	// It must be at least MinRetention(TaskRetention, TaskMaxRetry, the busy budget), or
+	// New refuses it. Default 720h (30 days).
 	Retention time.Duration
 
 	// TaskRetention and TaskMaxRetry are the longest asynq Retention and the largest
@@ -365,12 +366,12 @@ func (s *Server) Outbox() *outbox.Client { return s.outbox }
 
 // Run starts the asynq server with the registered handlers (a task of any other type is
 // archived at once, with a reason naming the known ones), the outbox relay and
-// reconciler, and the ledger's retention (one replica an hour, by a Redis lock, purges
-// rows older than Config.Retention and marks stuck ones). When ctx ends it drains:
-// deliveries waiting for a scope's lock answer busy (another replica runs them), running
-// ones get Config.ShutdownTimeout, their locks go back to Redis, the background loops
-// stop; then it closes the ledger and returns nil. It returns an error when asynq cannot
-// start, when no handler is registered, or when called a second time.
+// reconciler, and the ledger's retention (one replica a minute, by a Redis lock, purges
+// rows older than Config.Retention for at most 30 s and marks stuck ones). When ctx ends
+// it drains: deliveries waiting for a scope's lock answer busy (another replica runs
+// them), running ones get Config.ShutdownTimeout, their locks go back to Redis, the
+// background loops stop; then it closes the ledger and returns nil. It returns an error
+// when asynq cannot start, when no handler is registered, or when called a second time.
 func (s *Server) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.started {
@@ -398,7 +399,7 @@ func (s *Server) Run(ctx context.Context) error {
 		"lease", s.cfg.Lease, "lock_ttl", s.lockTTL)
 
 	var wg sync.WaitGroup
-	// One replica an hour purges: whichever takes the purge lock, left to expire.
+	// One replica a minute purges: whichever takes the purge lock, left to expire.
 	wg.Go(func() {
 		s.ledger.RunRetention(ctx, idempotency.RetentionConfig{OlderThan: s.cfg.Retention, Every: purgeEvery, Logger: s.log,
 			Turn: func(ctx context.Context) bool {
