@@ -168,6 +168,16 @@ type Config struct {
 	// statistics), how many rows it deleted and how long it took. It must be fast and
 	// safe for concurrent use.
 	ObservePurge func(table string, rows int64, took time.Duration)
+	// ObservePurgeBacklog, if set, is called after each round of RunRetention with the
+	// rows the round left to purge: 0 when it caught up; when it stopped at its budget (or
+	// on an error), the terminal rows and dead intents past the window, counted from the
+	// purge's indexes and capped at 1,000,000 of each, so that the count stays cheap. A
+	// round that could not count reports nothing. Only the process that ran the round
+	// knows the value: it stands for validFor (three intervals of the retention rounds),
+	// and a process that has run no round since should stop reporting it, so that a stale
+	// value is never read as the backlog. Purge alone does not call it. It must be fast
+	// and safe for concurrent use. Default: nil, not reported.
+	ObservePurgeBacklog func(rows int64, validFor time.Duration)
 	// NoDuplicateHistory leaves cached duplicates (a delivery of a completed key answered
 	// from the ledger) out of keys' histories; Observe still counts them (EventCacheHit).
 	// Each recorded duplicate costs a row: on a load whose deliveries are mostly

@@ -289,6 +289,21 @@ func (l *Ledger) purgeBatches(ctx context.Context, table, sql string, olderThan 
 	}
 }
 
+// purgeBacklogCap bounds each table's count of the rows a retention round left to purge
+// (Config.ObservePurgeBacklog).
+const purgeBacklogCap = 1_000_000
+
+// purgeBacklog counts the rows Purge(olderThan) would still delete, at most
+// purgeBacklogCap of the ledger's and as many dead intents, from the indexes the purge
+// reads them from.
+func (l *Ledger) purgeBacklog(ctx context.Context, olderThan time.Duration) (int64, error) {
+	var n int64
+	if err := l.pool.QueryRow(ctx, store.PurgeBacklogSQL, olderThan.Microseconds(), purgeBacklogCap).Scan(&n); err != nil {
+		return 0, fmt.Errorf("idempotency: count the purge's backlog: %w", err)
+	}
+	return n, nil
+}
+
 // MarkStuck turns every in-progress row whose lease has ended and whose generation
 // started more than Config.MaxAge ago into needs_attention, and returns how many it
 // changed. Claim does the same for the key it meets; MarkStuck finds the ones no delivery

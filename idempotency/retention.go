@@ -16,8 +16,8 @@ type RetentionConfig struct {
 	// expiring rows delete a minute of them at a time instead of an hour's in one burst.
 	Every time.Duration
 	// Budget is how long a round may purge: it stops after the batch that ends past it and
-	// leaves the rest to the next rounds, so that a large backlog is worked off over
-	// several rounds. Keep it under Every, so that rounds of different replicas do not
+	// leaves the rest to the next rounds (reported to Config.ObservePurgeBacklog), so that
+	// a large backlog is worked off over several rounds. Keep it under Every, so that rounds of different replicas do not
 	// overlap (they would be safe, only wasteful). Default Every/2.
 	Budget time.Duration
 	// Batch is how many rows each purge statement deletes, in its own transaction (see
@@ -36,8 +36,8 @@ type RetentionConfig struct {
 
 // RunRetention runs a retention round at once and then every RetentionConfig.Every whose
 // turn this process takes, until ctx ends. A round purges expired rows (Purge) for at
-// most RetentionConfig.Budget and marks stuck ones (MarkStuck). It returns nil when ctx
-// ends.
+// most RetentionConfig.Budget, reports what it left to purge (Config.ObservePurgeBacklog)
+// and marks stuck rows (MarkStuck). It returns nil when ctx ends.
 func (l *Ledger) RunRetention(ctx context.Context, cfg RetentionConfig) error {
 	if cfg.Every <= 0 {
 		cfg.Every = time.Minute
@@ -66,20 +66,31 @@ func (l *Ledger) RunRetention(ctx context.Context, cfg RetentionConfig) error {
 	}
 }
 
-// retentionRound purges for at most cfg.Budget, marks stuck rows and logs what it did.
-// The stuck-row sweep runs every round: it reads only the open rows
-// (processed_jobs_open_idx), so a row past the maximum age is set aside within a round.
+// retentionRound purges for at most cfg.Budget, counts what it left behind, marks stuck
+// rows, and reports (Config.ObservePurgeBacklog) and logs what it did. The stuck-row
+// sweep runs every round: it reads only the open rows (processed_jobs_open_idx), so a row
+// past the maximum age is set aside within a round.
 func (l *Ledger) retentionRound(ctx context.Context, cfg RetentionConfig) {
 	began := time.Now()
 	n, caughtUp, err := l.purge(ctx, cfg.OlderThan, cfg.Batch, began.Add(cfg.Budget))
-	stuck, err2 := l.MarkStuck(ctx)
+	// A purge that failed leaves a backlog too: counted, so that a purge failing round
+	// after round shows as one falling behind.
+	var backlog int64
+	var errBacklog error
+	if !caughtUp && ctx.Err() == nil {
+		backlog, errBacklog = l.purgeBacklog(ctx, cfg.OlderThan)
+	}
+	stuck, errStuck := l.MarkStuck(ctx)
+	if l.cfg.ObservePurgeBacklog != nil && errBacklog == nil && ctx.Err() == nil {
+		l.cfg.ObservePurgeBacklog(backlog, 3*cfg.Every)
+	}
 	log := cfg.Logger
-	attrs := []any{"purged", n, "caught_up", caughtUp, "needs_attention", stuck, "older_than", cfg.OlderThan,
+	attrs := []any{"purged", n, "backlog", backlog, "needs_attention", stuck, "older_than", cfg.OlderThan,
 		"took", time.Since(began).Round(time.Millisecond)}
-	switch err = errors.Join(err, err2); {
+	switch err = errors.Join(err, errBacklog, errStuck); {
 	case err != nil && ctx.Err() == nil:
 		log.Warn("retention round", append(attrs, "err", err)...)
-	case n > 0 || stuck > 0 || !caughtUp:
+	case n > 0 || stuck > 0 || backlog > 0:
 		log.Info("retention round", attrs...)
 	default:
 		log.Debug("retention round", attrs...)

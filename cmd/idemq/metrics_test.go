@@ -386,6 +386,16 @@ func TestWorkerWithoutGroupCommit(t *testing.T) {
 	// The retention round the worker runs at its start sent its two purge statements
 	// (the ledger's, the dead intents'), each observed.
 	waitMetric(t, metricsURL, "idemq_purge_seconds_count", func(v float64) bool { return v >= 2 })
+	// That round caught up: nothing left to purge, exported by the replica that ran it.
+	if resp, err := http.Get(metricsURL); err != nil {
+		t.Error(err)
+	} else {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if !regexp.MustCompile(`(?m)^idemq_purge_backlog_rows 0$`).Match(b) {
+			t.Errorf("no idemq_purge_backlog_rows 0 after a round that caught up")
+		}
+	}
 	if v := scrape(t, metricsURL, `idemq_ledger_commit_requests_count{kind="tx"}`); v != 0 {
 		t.Errorf("%v shared transactions observed with group commit off, want 0", v)
 	}

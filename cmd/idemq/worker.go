@@ -123,9 +123,10 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			Observe: func(ev idempotency.Event, taskType string) {
 				m.ObserveLedger(string(ev), taskType)
 			},
-			ObserveBatch:   m.ObserveBatch,
-			ObserveHistory: m.ObserveHistory,
-			ObservePurge:   m.ObservePurge,
+			ObserveBatch:        m.ObserveBatch,
+			ObserveHistory:      m.ObserveHistory,
+			ObservePurge:        m.ObservePurge,
+			ObservePurgeBacklog: m.ObservePurgeBacklog,
 			ObserveStep: func(taskType, step string, outcome idempotency.StepOutcome) {
 				m.ObserveStep(taskType, step, string(outcome))
 			},

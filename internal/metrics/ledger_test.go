@@ -1,7 +1,9 @@
 package metrics
 
 import (
+	"context"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -46,5 +48,63 @@ func TestLedgerCollectorCountsNeedsAttention(t *testing.T) {
 	}
 	if _, err := ledger.CountStatus(testenv.Context(t, time.Second), "stuck"); err == nil || !strings.Contains(err.Error(), `"stuck"`) {
 		t.Errorf("Count of an unknown status: %v, want an error naming it", err)
+	}
+}
+
+// The purge backlog gauge shows what the last retention round of this process left
+// behind, and disappears once this process has run no round for three intervals: another
+// replica's rounds know the backlog now.
+func TestPurgeBacklogGaugeGoesStale(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Postgres(t)
+	m := New()
+	ledger := idempotency.New(pool, &idempotency.Config{ObservePurgeBacklog: m.ObservePurgeBacklog})
+	t.Cleanup(ledger.Close)
+	ctx := testenv.Context(t, 30*time.Second)
+	testenv.Exec(t, pool, `INSERT INTO processed_jobs (idempotency_key, task_type, status, fence, started_at, completed_at)
+		SELECT 'old-' || i, 't', 'completed', nextval('processed_jobs_fence_seq'), now() - interval '3 days', now() - interval '2 days'
+		FROM generate_series(1, 3) i`)
+	testenv.Exec(t, pool, `ANALYZE processed_jobs`)
+	gauge := func() (float64, bool) {
+		t.Helper()
+		families, err := m.Registry.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range families {
+			if f.GetName() == "idemq_purge_backlog_rows" {
+				return f.GetMetric()[0].GetGauge().GetValue(), true
+			}
+		}
+		return 0, false
+	}
+	if v, ok := gauge(); ok {
+		t.Fatalf("gauge before any round = %v, want no series", v)
+	}
+	var rounds atomic.Int64
+	run, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// One round of one batch (its budget is over at once), then no turn again.
+		ledger.RunRetention(run, idempotency.RetentionConfig{OlderThan: 24 * time.Hour, Every: 200 * time.Millisecond,
+			Budget: time.Nanosecond, Batch: 1, Turn: func(context.Context) bool { return rounds.Add(1) == 1 }})
+	}()
+	defer func() { stop(); <-done }()
+	v, ok := gauge()
+	for ; !ok && ctx.Err() == nil; v, ok = gauge() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if v != 2 {
+		t.Fatalf("gauge after a round that purged one of three rows = %v, want 2", v)
+	}
+	for ; ok && ctx.Err() == nil; _, ok = gauge() {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if ok {
+		t.Fatal("the gauge of a process that runs no more rounds never went away")
+	}
+	if rounds.Load() < 4 {
+		t.Errorf("the turn was asked %d times before the gauge went away, want a round's and several refused", rounds.Load())
 	}
 }

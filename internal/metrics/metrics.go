@@ -62,6 +62,8 @@ type Metrics struct {
 	// times each of its batch statements (idempotency.Config.ObservePurge).
 	PurgeRows    *prometheus.CounterVec
 	PurgeSeconds prometheus.Histogram
+	// purgeBacklog is idemq_purge_backlog_rows (ObservePurgeBacklog).
+	purgeBacklog *purgeBacklog
 
 	// The children of the vectors a delivery touches, bound once per label values.
 	ledgerEvents, lockEvents, outboxEvents, steps *bound[prometheus.Counter]
@@ -131,6 +133,7 @@ func New() *Metrics {
 			Help:    "Duration of each batch statement of the retention purge (each its own transaction, at most 1,000 rows).",
 			Buckets: []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}),
+		purgeBacklog: newPurgeBacklog(),
 	}
 	m.ledgerEvents = newBound(m.LedgerEvents.WithLabelValues)
 	m.lockEvents = newBound(m.LockEvents.WithLabelValues)
@@ -151,7 +154,7 @@ func New() *Metrics {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.LedgerEvents, m.LockEvents, m.OutboxEvents, m.HandlerDuration, m.APIRequests,
 		m.CommitRequests, m.IntentsDead, m.Steps, m.ScheduleTicks, m.AsynqRecovered, m.OverBudget, m.HistoryEvents,
-		m.PurgeRows, m.PurgeSeconds,
+		m.PurgeRows, m.PurgeSeconds, m.purgeBacklog,
 	)
 	return m
 }

@@ -24,4 +24,7 @@ var (
 	// PurgeDeadIntentsSQL deletes one batch of old dead intents without a ledger row
 	// (purge_dead_intents.sql).
 	PurgeDeadIntentsSQL = sqlText("purge_dead_intents", nil)
+	// PurgeBacklogSQL counts, up to a cap, what the two purges would still delete
+	// (purge_backlog.sql).
+	PurgeBacklogSQL = sqlText("purge_backlog", nil)
 )
