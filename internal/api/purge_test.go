@@ -20,6 +20,9 @@ func TestPurgeKeys(t *testing.T) {
 	if err != nil || n != 1 {
 		t.Fatalf("PurgeKeys = %d, %v; want 1", n, err)
 	}
+	// Its one statement is in the purge's metrics, under its table.
+	a.do(t, "GET", "/metrics", "").want(t, 200,
+		"\nidemq_purge_rows_total{table=\"api_idempotency_keys\"} 1\n", "\nidemq_purge_seconds_count 1\n")
 	// The purged key is a new request now: the job key still dedups it.
 	ans := a.do(t, "POST", "/v1/charges", chargeBody("o-1", 5), "Idempotency-Key", "old").want(t, 200, `"duplicate":true`)
 	if ans.header.Get(HeaderReplayed) != "" {

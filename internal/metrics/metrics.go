@@ -58,8 +58,9 @@ type Metrics struct {
 	// HistoryEvents counts the events of keys' histories by outcome (written, dropped:
 	// the buffer was full, failed: the write failed); see idempotency.Ledger.Record.
 	HistoryEvents *prometheus.CounterVec
-	// PurgeRows counts the rows the retention purge deleted, by table; PurgeSeconds
-	// times each of its batch statements (idempotency.Config.ObservePurge).
+	// PurgeRows counts the rows the retention purge (idempotency.Config.ObservePurge) and
+	// the API's purge of Idempotency-Key rows deleted, by table; PurgeSeconds times each
+	// of their batch statements.
 	PurgeRows    *prometheus.CounterVec
 	PurgeSeconds prometheus.Histogram
 	// purgeBacklog is idemq_purge_backlog_rows (ObservePurgeBacklog).
@@ -126,11 +127,11 @@ func New() *Metrics {
 		}, []string{"outcome"}),
 		PurgeRows: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemq_purge_rows_total",
-			Help: "Rows the retention purge deleted, by table: processed_jobs (terminal rows past the window, with their intents and steps), job_intents (dead intents without a ledger row), processed_job_events (days of keys' histories dropped whole, rows estimated from statistics).",
+			Help: "Rows the purges deleted, by table: processed_jobs (terminal rows past the window, with their intents and steps), job_intents (dead intents without a ledger row), processed_job_events (days of keys' histories dropped whole, rows estimated from statistics), api_idempotency_keys (the API's remembered Idempotency-Key headers).",
 		}, []string{"table"}),
 		PurgeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "idemq_purge_seconds",
-			Help:    "Duration of each batch statement of the retention purge (each its own transaction, at most 1,000 rows).",
+			Help:    "Duration of each batch statement of the purges (each its own transaction, at most 1,000 rows).",
 			Buckets: []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}),
 		purgeBacklog: newPurgeBacklog(),
@@ -217,8 +218,8 @@ func (m *Metrics) ObserveHistory(outcome string, n int) {
 	m.HistoryEvents.WithLabelValues(outcome).Add(float64(n))
 }
 
-// ObservePurge records one batch statement of the retention purge
-// (idempotency.Config.ObservePurge).
+// ObservePurge records one batch statement of a purge: the retention purge's
+// (idempotency.Config.ObservePurge) or the API's of Idempotency-Key rows.
 func (m *Metrics) ObservePurge(table string, rows int64, took time.Duration) {
 	m.PurgeRows.WithLabelValues(table).Add(float64(rows))
 	m.PurgeSeconds.Observe(took.Seconds())
