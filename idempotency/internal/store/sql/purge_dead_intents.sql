@@ -4,14 +4,15 @@
 -- job_intents_dead_idx index (migration 00112; without it the statement still works,
 -- scanning), locked (SKIP LOCKED: a concurrent purge takes others), each row's ledger key
 -- looked up by primary key (OFFSET 0 keeps that lookup a per-row probe, never a scan of
--- processed_jobs for a hash join), then deleted by primary key, looked up again.
+-- processed_jobs for a hash join), read once into an array (as in purge.sql, so that no
+-- plan runs the batch again per row), then deleted by primary key, looked up again.
 WITH d AS (
 	DELETE FROM job_intents j
-	USING (SELECT x.idempotency_key FROM job_intents x
-	       WHERE x.state = 'dead' AND x.finished_at < now() - $1::bigint * interval '1 microsecond'
-	         AND NOT EXISTS (SELECT FROM processed_jobs p WHERE p.idempotency_key = x.idempotency_key OFFSET 0)
-	       LIMIT $2 FOR UPDATE SKIP LOCKED) b
-	WHERE j.idempotency_key = b.idempotency_key
+	WHERE j.idempotency_key = ANY (ARRAY(
+		SELECT x.idempotency_key FROM job_intents x
+		WHERE x.state = 'dead' AND x.finished_at < now() - $1::bigint * interval '1 microsecond'
+		  AND NOT EXISTS (SELECT FROM processed_jobs p WHERE p.idempotency_key = x.idempotency_key OFFSET 0)
+		LIMIT $2 FOR UPDATE SKIP LOCKED))
 	  AND NOT EXISTS (SELECT FROM processed_jobs p WHERE p.idempotency_key = j.idempotency_key OFFSET 0)
 	RETURNING j.idempotency_key
 ), s AS (
