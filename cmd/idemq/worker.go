@@ -58,10 +58,12 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 	if d := cfg.DebitDriver; d != "" && d != "pgx" && d != "sql" {
 		return fmt.Errorf("IDEMQ_DEBIT_DRIVER=%q: want pgx or sql", d)
 	}
-	// The server refuses a short retention too; this names the variable.
-	busyBudget := max(2*cfg.Lease, 15*time.Minute)
-	if min := server.MinRetention(tasks.DefaultRetention, tasks.DefaultMaxRetry, busyBudget); cfg.Retention < min {
-		return fmt.Errorf("IDEMQ_RETENTION=%s is shorter than asynq's task retention plus the longest retry horizon (%s): a retried task could run again after its key was purged", cfg.Retention, min.Round(time.Hour))
+	// The server refuses a short retention too; this names the variables.
+	busyBudget := max(2*cfg.Lease, cfg.BusyBudget)
+	if min := server.MinRetention(cfg.TaskRetention, cfg.TaskMaxRetry, busyBudget); cfg.Retention < min {
+		return fmt.Errorf("IDEMQ_RETENTION=%s is shorter than asynq's task retention plus the longest retry horizon plus the busy budget "+
+			"(IDEMQ_TASK_RETENTION=%s, IDEMQ_TASK_MAX_RETRY=%d, IDEMQ_BUSY_BUDGET=%s: %s): a retried task could run again after its key was purged",
+			cfg.Retention, cfg.TaskRetention, cfg.TaskMaxRetry, busyBudget, min.Round(time.Second))
 	}
 
 	// The metrics address is taken before anything else: a second worker on one host
@@ -110,8 +112,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 		Lease:           cfg.Lease,
 		ShutdownTimeout: cfg.ShutdownTimeout,
 		Retention:       cfg.Retention,
-		TaskRetention:   tasks.DefaultRetention,
-		TaskMaxRetry:    tasks.DefaultMaxRetry,
+		TaskRetention:   cfg.TaskRetention,
+		TaskMaxRetry:    cfg.TaskMaxRetry,
 		ReconcileGrace:  cfg.ReconcileGrace,
 		Logger:          log,
 		Ledger: &idempotency.Config{
@@ -132,7 +134,8 @@ func runWorker(ctx context.Context, cfg *config.Worker, log *slog.Logger) error 
 			},
 		},
 		Worker: &asynqmw.Config{
-			LockTTL: cfg.LockTTL,
+			LockTTL:    cfg.LockTTL,
+			BusyBudget: busyBudget,
 			ObserveLock: func(ev asynqmw.LockEvent, taskType string) {
 				m.ObserveLock(string(ev), taskType)
 			},
