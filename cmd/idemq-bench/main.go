@@ -37,11 +37,12 @@ type benchConfig struct {
 }
 
 const (
-	usageLine = "idemq-bench [-reps 3] [-seconds 2] [-concurrency 50] [-workloads noop,debit,charge[,scale,io]] [-n N] [-json PATH] [-svg PATH] [-write-docs] | idemq-bench -memory [-memory-tasks 100000] [-memory-configs A,E,F] [-memprofile DIR] | idemq-bench -drain [-idemq PATH] | idemq-bench -workloads api [-idemq PATH]"
+	usageLine = "idemq-bench [-reps 3] [-seconds 2] [-concurrency 50] [-workloads noop,debit,charge[,scale,io]] [-n N] [-json PATH] [-svg PATH] [-write-docs] | idemq-bench -memory [-memory-tasks 100000] [-memory-configs A,E,F] [-memprofile DIR] | idemq-bench -drain [-idemq PATH] | idemq-bench -workloads api [-idemq PATH] | idemq-bench -soak [-soak-minutes 35] [-soak-rate-frac 0.7] [-soak-retention 5m] [-soak-workload debit-distinct] [-json PATH] [-idemq PATH]"
 	summary   = "measure bare asynq against + lock, + ledger (leased, transactional) and the full stack, interleaved, with ratios " +
 		"(defaults take ~2 min; a full run, ~20–30 min: -seconds 15 -workloads noop,debit,charge,scale,io); " +
 		"-memory instead runs each configuration's server in a process of its own and reports its RSS over 100,000 tasks; " +
-		"-drain and -workloads api run the idemq binary's worker and api (-idemq, built from cmd/idemq by default)"
+		"-drain and -workloads api run the idemq binary's worker and api (-idemq, built from cmd/idemq by default); " +
+		"-soak runs its worker for -soak-minutes at a steady share of its maximum with a short retention and judges the drift against targets"
 )
 
 // run is the whole program: args are the arguments after the program name; the

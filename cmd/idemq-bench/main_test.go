@@ -16,7 +16,7 @@ func TestHelpListsEnvironmentAndFlags(t *testing.T) {
 	if err := run(context.Background(), []string{"-h"}, &out, &errOut); err != nil {
 		t.Fatalf("idemq-bench -h: %v\n%s", err, errOut.String())
 	}
-	for _, want := range []string{"REDIS_URL", "DATABASE_URL", "IDEMQ_LOG_LEVEL", "Usage: idemq-bench", "-drain", "-idemq", "-memory", "-write-docs"} {
+	for _, want := range []string{"REDIS_URL", "DATABASE_URL", "IDEMQ_LOG_LEVEL", "Usage: idemq-bench", "-drain", "-idemq", "-memory", "-write-docs", "-soak", "-soak-minutes"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("idemq-bench -h does not mention %s:\n%s", want, out.String())
 		}

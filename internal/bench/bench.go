@@ -97,6 +97,13 @@ type Options struct {
 
 	// API configures API mode (RunAPI, -workloads api).
 	API APIOptions
+
+	// Soak configures soak mode (RunSoak, -soak).
+	Soak SoakOptions
+
+	// binaryMigrates has setup migrate the schema with the idemq binary's `migrate`
+	// (DrainBinaries) even when there is one.
+	binaryMigrates bool
 }
 
 func (o *Options) defaults() {

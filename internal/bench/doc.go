@@ -21,6 +21,13 @@
 // profiles at the end of the warm-up and of the load, to compare with
 // go tool pprof -diff_base.
 //
+// Soak mode (-soak, RunSoak) runs the idemq binary's worker on a private Postgres for
+// half an hour or more at a steady share of its maximum (measured first by a drain), with
+// a retention of minutes, and samples every minute the completions, the delivery latency,
+// the ledger tables' sizes, dead tuples and autovacuums, the purge's rows and statement
+// times and lock waits behind the purge; at the end it judges the drift against targets
+// (evaluateSoak).
+//
 // idemq-bench (cmd/idemq-bench) is the command; Main parses its flags and Run does the work:
 //
 //	report, err := bench.Run(ctx, bench.Options{RedisURL: r, DatabaseURL: d, Reps: 3, Seconds: 2}, os.Stderr)

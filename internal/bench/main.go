@@ -94,16 +94,18 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	fs.Float64Var(&opt.API.Seconds, "api-seconds", 10, "-workloads api: how long the load of each throughput sample runs")
 	fs.IntVar(&opt.API.Concurrency, "api-concurrency", 50, "-workloads api: calls in flight of each throughput sample")
 	apiBinaries := fs.String("api-binaries", "", "-workloads api: comma-separated idemq binaries whose api (and worker, for e2e) to compare side by side (default: -idemq)")
-	idemqBin := fs.String("idemq", "build", "-drain and -workloads api: the idemq binary whose worker and api they run, at `PATH`, or build to build cmd/idemq into a temporary directory first (run inside the repository)")
+	idemqBin := fs.String("idemq", "build", "-drain, -soak and -workloads api: the idemq binary whose worker and api they run, at `PATH`, or build to build cmd/idemq into a temporary directory first (run inside the repository)")
 	apiPaths := fs.String("api-paths", strings.Join(APIPathNames, ","), "-workloads api: paths: api (POST /v1/charges to idemq api), asynq (asynq's client), insert (one INSERT per request), enqueue and enqueuetx (the outbox client from Go), e2e (debits through the api to a worker at -api-e2e-rate)")
 	fs.Float64Var(&opt.API.E2ERate, "api-e2e-rate", 20, "-workloads api: debits per second of the e2e path")
 	fs.Float64Var(&opt.API.E2ESeconds, "api-e2e-seconds", 10, "-workloads api: how long the e2e path sends")
 	fs.DurationVar(&opt.API.Sustain, "api-sustain", 0, "-workloads api: instead of the paths, one sustained run this long per binary of -api-binaries: debits at -api-sustain-rate through idemq api (Idempotency-Key rows kept 2m, purged every 1m) to 3 idemq workers, sampled every -api-sustain-every, then every job's completion and effect checked (10m for a soak; writes docs/bench/bench-api-sustain.json with -write-docs)")
 	fs.Float64Var(&opt.API.SustainRate, "api-sustain-rate", 1500, "-workloads api -api-sustain: debits per second, sent open loop")
 	fs.DurationVar(&opt.API.SustainEvery, "api-sustain-every", 30*time.Second, "-workloads api -api-sustain: time between samples")
+	soak := fs.Bool("soak", false, "a steady-state soak of the idemq binary's worker instead, on a private Postgres (pg_stat_statements loaded): its maximum on -soak-workload measured by a drain, then -soak-minutes at -soak-rate-frac of it with IDEMQ_RETENTION -soak-retention, a row a minute (completions, latency, the ledger tables' sizes and dead tuples, autovacuums, the purge's rows and longest statement, lock waits) and PASS/FAIL per target at the end")
+	addSoakFlags(fs, &opt.Soak)
 	privatePG := fs.Bool("private-postgres", false, "run against a Postgres of its own (a fresh cluster on a free loopback port, Postgres's defaults but fsync on and shared_buffers 128MB, autovacuum on) instead of DATABASE_URL's")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage: idemq-bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq-bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq-bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq-bench -workloads api -write-docs\nThe web side sustained (about 12 minutes): idemq-bench -workloads api -api-sustain 10m -write-docs\n\nFlags:")
+		fmt.Fprintln(fs.Output(), "Usage: idemq-bench [flags]\n\nThe defaults (3 reps × ~2 s per measurement, noop/debit/charge) take about 2 minutes\n(105 s on a shared 2-core machine).\nA full run (about 20–30 minutes): idemq-bench -seconds 15 -workloads noop,debit,charge,scale,io -write-docs\nMemory (A, E, F × 100,000 tasks, a few minutes): idemq-bench -memory\nThe web side (3 reps × 6 paths × 10 s, about 5 minutes): idemq-bench -workloads api -write-docs\nThe web side sustained (about 12 minutes): idemq-bench -workloads api -api-sustain 10m -write-docs\nA soak of the worker (about 40 minutes): idemq-bench -soak -json soak.json\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -117,8 +119,13 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
+	settings := []string{"shared_buffers=128MB"}
+	if *soak {
+		*privatePG = true // the soak's sizes, vacuums and statements are its own
+		settings = append(settings, soakPostgresSettings...)
+	}
 	if *privatePG {
-		pg, err := localserver.StartPostgres("shared_buffers=128MB")
+		pg, err := localserver.StartPostgres(settings...)
 		if err != nil {
 			return fmt.Errorf("bench: -private-postgres: %w", err)
 		}
@@ -161,6 +168,18 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			return fmt.Errorf("bench: -servers: %q is not a positive whole number", s)
 		}
 		opt.ScaleServers = append(opt.ScaleServers, k)
+	}
+	if *soak {
+		bin, cleanup, err := idemqBinary(ctx, *idemqBin, stderr)
+		if err != nil {
+			return err
+		}
+		defer cleanup()
+		opt.Binary = bin
+		if *writeDocs && *jsonPath == "" {
+			*jsonPath = filepath.Join("docs", "bench", "bench-soak.json")
+		}
+		return mainSoak(ctx, opt, *jsonPath, stdout, stderr)
 	}
 	if slices.Contains(opt.Workloads, "api") {
 		if len(opt.Workloads) > 1 {

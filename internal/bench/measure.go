@@ -68,12 +68,13 @@ func setup(ctx context.Context, opt Options) (_ *env, err error) {
 	// Binaries compared side by side (drain or API mode) each migrate the schema first, in the order given
 	// (put the oldest first): a binary from before idemq's own version tables checks
 	// goose's, which only its own migrate writes; the migrations below then carry the
-	// schema over.
+	// schema over. Soak mode's one binary migrates it too (Options.binaryMigrates), as a
+	// deployment of it would.
 	binaries := opt.DrainBinaries
 	if len(opt.API.Binaries) > 1 {
 		binaries = opt.API.Binaries
 	}
-	if len(binaries) > 1 {
+	if len(binaries) > 1 || opt.binaryMigrates {
 		for _, b := range binaries {
 			cmd := exec.CommandContext(ctx, b, "migrate")
 			cmd.Env = append(os.Environ(), "DATABASE_URL="+e.dsn)
