@@ -203,11 +203,7 @@ func mainAPISustain(ctx context.Context, opt Options, jsonPath string, stdout, s
 	}
 	errs := []error{err, WriteAPISustain(stdout, rep)}
 	if jsonPath != "" {
-		errs = append(errs, writeFile(jsonPath, func(w io.Writer) error {
-			enc := json.NewEncoder(w)
-			enc.SetIndent("", "  ")
-			return enc.Encode(rep)
-		}))
+		errs = append(errs, writeJSON(jsonPath, rep))
 	}
 	if p := rep.problems(); err == nil && len(p) > 0 {
 		errs = append(errs, fmt.Errorf("bench: sustained run: %s", strings.Join(p, "; ")))

@@ -212,11 +212,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			return err
 		}
 		if *jsonPath != "" {
-			return writeFile(*jsonPath, func(w io.Writer) error {
-				enc := json.NewEncoder(w)
-				enc.SetIndent("", "  ")
-				return enc.Encode(rep)
-			})
+			return writeJSON(*jsonPath, rep)
 		}
 		return nil
 	}
@@ -261,11 +257,7 @@ func Main(ctx context.Context, redisURL, databaseURL string, args []string, stdo
 			return err
 		}
 		if *jsonPath != "" {
-			return writeFile(*jsonPath, func(w io.Writer) error {
-				enc := json.NewEncoder(w)
-				enc.SetIndent("", "  ")
-				return enc.Encode(map[string]any{"revision": revision(), "options": opt, "samples": samples})
-			})
+			return writeJSON(*jsonPath, map[string]any{"revision": revision(), "options": opt, "samples": samples})
 		}
 		return nil
 	}
@@ -325,6 +317,15 @@ func splitList(s string) []string {
 		}
 	}
 	return out
+}
+
+// writeJSON writes v to path as indented JSON.
+func writeJSON(path string, v any) error {
+	return writeFile(path, func(w io.Writer) error {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(v)
+	})
 }
 
 func writeFile(path string, write func(io.Writer) error) error {

@@ -2,7 +2,6 @@ package bench
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -276,11 +275,7 @@ func mainSoak(ctx context.Context, opt Options, jsonPath string, stdout, stderr 
 	}
 	errs := []error{err}
 	if jsonPath != "" {
-		errs = append(errs, writeFile(jsonPath, func(w io.Writer) error {
-			enc := json.NewEncoder(w)
-			enc.SetIndent("", "  ")
-			return enc.Encode(rep)
-		}))
+		errs = append(errs, writeJSON(jsonPath, rep))
 	}
 	if f := rep.failed(); err == nil && len(f) > 0 {
 		errs = append(errs, fmt.Errorf("bench: soak: %d of %d targets failed", len(f), len(rep.Verdicts)))
