@@ -105,3 +105,50 @@ func TestPurgeDropsHistoryByTheDay(t *testing.T) {
 	}
 	testenv.Exec(t, pool, `INSERT INTO processed_job_events (idempotency_key, generation, kind, at) VALUES ('late', 0, 'busy', $1::timestamptz + interval '7 days')`, now)
 }
+
+// A transaction left open after reading the history holds a day's detach: the round gives
+// up after historyDropWait instead of waiting with it, and a round after the transaction
+// ended finishes the detach left pending and drops the day.
+func TestPurgeHistoryDoesNotWaitForAnOpenTransaction(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := testenv.Context(t, time.Minute)
+	l := New(pool, nil)
+	defer l.Close()
+	wait := historyDropWait
+	historyDropWait = 2 * time.Second
+	t.Cleanup(func() { historyDropWait = wait })
+
+	days, err := store.EventDays(ctx, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bound := days[0].Upper // where the legacy partition ends
+	reader, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Rollback(context.WithoutCancel(ctx))
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM processed_job_events`); err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	_, err = l.purgeHistory(ctx, bound.Add(2*time.Hour), time.Hour)
+	if err == nil || time.Since(began) > 20*time.Second {
+		t.Fatalf("a round beside an open reader: %v after %s; want an error within about %s", err, time.Since(began), historyDropWait)
+	}
+	if err := reader.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.purgeHistory(ctx, bound.Add(2*time.Hour), time.Hour); err != nil {
+		t.Fatalf("the round after the reader ended: %v", err)
+	}
+	after, err := store.EventDays(ctx, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range after {
+		if d.Name == "processed_job_events_legacy" || d.DetachPending {
+			t.Fatalf("partition %s still attached (pending %v) after the second round", d.Name, d.DetachPending)
+		}
+	}
+}

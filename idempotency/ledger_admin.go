@@ -244,10 +244,18 @@ func (l *Ledger) purge(ctx context.Context, olderThan time.Duration, batch int, 
 	if batch <= 0 {
 		batch = 1000
 	}
-	// Histories first: readying the coming days must not wait for a backlog of rows.
-	if _, herr := l.purgeHistory(ctx, time.Now(), olderThan); herr != nil {
+	// The coming days of history first, so that a backlog of rows never keeps them
+	// waiting; the days past the window last, so that a detach held up by an open
+	// transaction never keeps the rows waiting.
+	now := time.Now()
+	if herr := l.readyHistory(ctx, now); herr != nil {
 		defer func() { err = errors.Join(err, fmt.Errorf("idempotency: purge history: %w", herr)) }()
 	}
+	defer func() {
+		if _, herr := l.dropHistory(ctx, now, olderThan); herr != nil {
+			err = errors.Join(err, fmt.Errorf("idempotency: purge history: %w", herr))
+		}
+	}()
 	rows, caughtUp, err := l.purgeBatches(ctx, PurgeLedger, store.PurgeSQL, olderThan, batch, deadline)
 	if err != nil {
 		return rows, false, fmt.Errorf("idempotency: purge: %w", err)
