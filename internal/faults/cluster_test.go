@@ -235,6 +235,8 @@ type cluster struct {
 	schedulers         []*worker
 	schedFrom, schedTo time.Time
 	hist               *history
+	// badEnqueued is when enqueueBad sent the bad payloads (after the heal).
+	badEnqueued time.Time
 
 	closing   atomic.Bool
 	redisUp   atomic.Bool

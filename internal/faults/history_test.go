@@ -66,6 +66,19 @@ func (h *history) note(kind, target, note string) {
 	h.events = append(h.events, event{At: time.Since(h.start).Seconds(), Kind: kind, Target: target, Note: note})
 }
 
+// countSince counts the events of kind recorded at or after t.
+func (h *history) countSince(kind string, t time.Time) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for _, e := range h.events {
+		if e.Kind == kind && e.At >= t.Sub(h.start).Seconds() {
+			n++
+		}
+	}
+	return n
+}
+
 func (h *history) byKind() map[string]int {
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -243,6 +243,7 @@ func (c *cluster) enqueueBad(ctx context.Context) error {
 	// enqueue, so the suite's long-lived client would not register the queue again after
 	// Redis lost everything (the relay and reconciler do since a1a0150).
 	client := asynq.NewClientFromRedisClient(c.rdb)
+	c.badEnqueued = time.Now()
 	for id, task := range badPayloads {
 		if err := retry(ctx, 20*time.Second, func() error {
 			_, err := client.EnqueueContext(ctx, task, asynq.TaskID(id), asynq.MaxRetry(3))
