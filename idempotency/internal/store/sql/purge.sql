@@ -10,8 +10,7 @@ WITH d AS (
 	DELETE FROM processed_jobs
 	WHERE idempotency_key = ANY (ARRAY(
 		SELECT idempotency_key FROM processed_jobs
-		WHERE started_at < now() - $1::bigint * interval '1 microsecond'
-		  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+		WHERE {{template "expired_rows"}}
 		LIMIT $2 FOR UPDATE SKIP LOCKED))
 	  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
 	RETURNING idempotency_key

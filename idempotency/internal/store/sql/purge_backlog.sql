@@ -5,11 +5,9 @@
 -- costs no more to count than $2 index entries of each table.
 SELECT (SELECT count(*) FROM (
 		SELECT FROM processed_jobs
-		WHERE started_at < now() - $1::bigint * interval '1 microsecond'
-		  AND status IN ('completed', 'failed') AND completed_at < now() - $1::bigint * interval '1 microsecond'
+		WHERE {{template "expired_rows"}}
 		LIMIT $2) r)
      + (SELECT count(*) FROM (
 		SELECT FROM job_intents x
-		WHERE x.state = 'dead' AND x.finished_at < now() - $1::bigint * interval '1 microsecond'
-		  AND NOT EXISTS (SELECT FROM processed_jobs p WHERE p.idempotency_key = x.idempotency_key OFFSET 0)
+		WHERE {{template "expired_dead_intents"}}
 		LIMIT $2) d)

@@ -10,8 +10,7 @@ WITH d AS (
 	DELETE FROM job_intents j
 	WHERE j.idempotency_key = ANY (ARRAY(
 		SELECT x.idempotency_key FROM job_intents x
-		WHERE x.state = 'dead' AND x.finished_at < now() - $1::bigint * interval '1 microsecond'
-		  AND NOT EXISTS (SELECT FROM processed_jobs p WHERE p.idempotency_key = x.idempotency_key OFFSET 0)
+		WHERE {{template "expired_dead_intents"}}
 		LIMIT $2 FOR UPDATE SKIP LOCKED))
 	  AND NOT EXISTS (SELECT FROM processed_jobs p WHERE p.idempotency_key = j.idempotency_key OFFSET 0)
 	RETURNING j.idempotency_key
