@@ -131,7 +131,7 @@ func New() *Metrics {
 		}, []string{"table"}),
 		PurgeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "idemq_purge_seconds",
-			Help:    "Duration of each batch statement of the purges (each its own transaction, at most 1,000 rows).",
+			Help:    "Duration of each statement of the purges: a batch (its own transaction, at most 1,000 rows), or a day of keys' histories detached and dropped (table processed_job_events).",
 			Buckets: []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}),
 		purgeBacklog: newPurgeBacklog(),
